@@ -1,0 +1,40 @@
+"""The torch-ops route of the static NVFP4 linear: runs anywhere, defines the numerics.
+
+A faithful emulation of an FP4 tensor-core GEMM: both operands are dequantized *without* their
+global scales (``q * s_b`` is exact in bf16 and fp32), multiplied with fp32 accumulation, and the
+product of the two global scales and the bias are applied afterwards.
+"""
+
+from typing import Optional
+
+import torch
+
+from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
+
+
+def static_nvfp4_linear(
+    x: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """``x [M, K] @ W^T + bias`` with ``x`` quantized to NVFP4 under its static global scale.
+
+    Args:
+        x: ``[M, K]`` activation (fp32 / bf16 / fp16), K a multiple of 16.
+        weight_qdata: ``[N, K // 2]`` packed E2M1 codes; weight_block_scales: ``[N, K // 16]`` FP8.
+        weight_per_tensor_scale, act_per_tensor_scale: float32 scalars (torchao convention).
+        bias: optional ``[N]``.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    """
+    act_qdata, act_block_scales = quantize_nvfp4(x, act_per_tensor_scale)
+    act = dequantize_nvfp4(act_qdata, act_block_scales)
+    weight = dequantize_nvfp4(weight_qdata, weight_block_scales)
+    out = torch.mm(act, weight.t()) * (act_per_tensor_scale * weight_per_tensor_scale)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype)

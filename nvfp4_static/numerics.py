@@ -1,0 +1,203 @@
+"""NVFP4 numerics in plain torch: the contract every backend (CPU, Triton, Blackwell) meets.
+
+NVFP4 stores FP4 E2M1 codes in blocks of 16 along the last dim, one FP8 E4M3 scale per block,
+and one FP32 scale per tensor. The per-tensor scale follows torchao's convention,
+``per_tensor_scale = amax / (448 * 6)``, so that a block holding the tensor's amax gets the
+largest FP8 scale, 448.
+
+With a given per-tensor scale the arithmetic below is exactly torchao's ``nvfp4_quantize``
+(fp32 math, reciprocal multiply, block scales clamped to FP8's smallest normal); packing and the
+E2M1 cast are torchao's own helpers, so the two agree bit for bit.
+"""
+
+from typing import Optional
+
+import torch
+from torchao.prototype.mx_formats.kernels import (
+    f4_unpacked_to_f32,
+    f32_to_f4_unpacked,
+    pack_uint4,
+    unpack_uint4,
+)
+from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "E4M3_MIN_NORMAL",
+    "E4M3_DYNAMIC_RANGE",
+    "e4m3_positive_values",
+    "fp8_scale_candidates",
+    "per_tensor_amax_to_scale",
+    "pad_to_block_multiple",
+    "block_amax",
+    "round_to_e2m1",
+    "compute_block_scales",
+    "quantize_nvfp4",
+    "dequantize_nvfp4",
+    "fake_quantize_nvfp4",
+]
+
+BLOCK_SIZE = 16
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E4M3_MAX = 448.0
+E4M3_MIN_NORMAL = 2.0**-6
+# Ratio of the largest to the smallest normal FP8 E4M3 value: the span of block amaxes one
+# per-tensor scale can hold without pushing block scales into subnormals.
+E4M3_DYNAMIC_RANGE = E4M3_MAX / E4M3_MIN_NORMAL  # 28672
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def e4m3_positive_values() -> torch.Tensor:
+    """The 126 positive finite FP8 E4M3 (fn) values in increasing order, as float32.
+
+    Codes 0x01..0x7E; 0x7F is NaN. The first seven are subnormal.
+    """
+    codes = torch.arange(1, 127, dtype=torch.uint8)
+    return codes.view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def fp8_scale_candidates() -> torch.Tensor:
+    """The weight-scale sweep candidates: each FP8 value / 448, i.e. block amax / global amax."""
+    return e4m3_positive_values() / E4M3_MAX
+
+
+def check_dtype(x: torch.Tensor, what: str = "input") -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"nvfp4_static: {what} has dtype {x.dtype}; supported dtypes are "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
+
+
+def pad_to_block_multiple(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Zero-pad the last dim up to a multiple of ``block_size``.
+
+    Used for statistics only: padding with zeros cannot change any block's amax.
+    """
+    remainder = x.shape[-1] % block_size
+    if remainder == 0:
+        return x
+    return torch.nn.functional.pad(x, (0, block_size - remainder))
+
+
+def block_amax(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Per-block absolute max along the last dim, in float32, shape ``(..., ceil(K / 16))``."""
+    x = pad_to_block_multiple(x, block_size)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    return blocks.abs().amax(dim=-1).to(torch.float32)
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 values already clamped to [-6, 6] onto the E2M1 grid, ties to even.
+
+    Equals torchao's ``f4_unpacked_to_f32(f32_to_f4_unpacked(x))`` (tested exhaustively around
+    every midpoint) but stays in float arithmetic, which the sweep and the kernels need.
+    The midpoints 0.25, 1.25, 2.5 and 5 round down (to the even code), 0.75, 1.75 and 3.5 up.
+    """
+    a = x.abs()
+    q = torch.where(a <= 0.25, 0.0, 0.5)
+    q = torch.where(a >= 0.75, 1.0, q)
+    q = torch.where(a > 1.25, 1.5, q)
+    q = torch.where(a >= 1.75, 2.0, q)
+    q = torch.where(a > 2.5, 3.0, q)
+    q = torch.where(a >= 3.5, 4.0, q)
+    q = torch.where(a > 5.0, 6.0, q)
+    return torch.copysign(q, x)
+
+
+def compute_block_scales(
+    x: torch.Tensor, per_tensor_scale: torch.Tensor, block_size: int = BLOCK_SIZE
+) -> torch.Tensor:
+    """Max-based FP8 E4M3 block scales under a given per-tensor scale, as torchao computes them.
+
+    ``s_b = fp8(clamp(block_amax / 6 / per_tensor_scale, 2^-6, 448))``. The lower clamp keeps
+    block scales out of FP8 subnormals (an all-zero block gets 2^-6), exactly as torchao does.
+    """
+    scaled = (block_amax(x, block_size) / E2M1_MAX) / per_tensor_scale
+    return scaled.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _scaled_blocks(
+    x: torch.Tensor, per_tensor_scale: torch.Tensor, block_scales_e4m3: torch.Tensor
+) -> torch.Tensor:
+    """``x / (s_b * per_tensor_scale)`` as torchao computes it, clamped to [-6, 6], float32."""
+    blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, BLOCK_SIZE)
+    reciprocal = (1.0 / per_tensor_scale) / block_scales_e4m3.to(torch.float32)
+    scaled = blocks * reciprocal.unsqueeze(-1)
+    return scaled.clamp(-E2M1_MAX, E2M1_MAX).reshape(x.shape)
+
+
+def _check_quantizable(x: torch.Tensor) -> None:
+    check_dtype(x)
+    if x.shape[-1] % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"nvfp4_static: last dim {x.shape[-1]} of shape {tuple(x.shape)} is not a multiple of "
+            f"the NVFP4 block size {BLOCK_SIZE}"
+        )
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    per_tensor_scale: torch.Tensor,
+    block_scales_e4m3: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to NVFP4 with a static per-tensor scale.
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor whose last dim is a multiple of 16.
+        per_tensor_scale: float32 scalar tensor, ``amax / (448 * 6)``.
+        block_scales_e4m3: optional FP8 block scales of shape ``(..., K // 16)`` (e.g. from the
+            MSE sweep); when None they are computed from block maxes (``compute_block_scales``).
+
+    Returns:
+        ``(qdata, block_scales_e4m3)``: packed E2M1 codes, uint8 of shape ``(..., K // 2)``
+        (element ``2i`` in the low nibble), and the FP8 block scales.
+    """
+    _check_quantizable(x)
+    per_tensor_scale = per_tensor_scale.to(torch.float32)
+    if block_scales_e4m3 is None:
+        block_scales_e4m3 = compute_block_scales(x, per_tensor_scale)
+    scaled = _scaled_blocks(x, per_tensor_scale, block_scales_e4m3)
+    qdata = pack_uint4(f32_to_f4_unpacked(scaled.contiguous()))
+    return qdata, block_scales_e4m3
+
+
+def dequantize_nvfp4(
+    qdata: torch.Tensor,
+    block_scales_e4m3: torch.Tensor,
+    per_tensor_scale: Optional[torch.Tensor] = None,
+    output_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of ``quantize_nvfp4``: ``q * (per_tensor_scale * s_b)``, computed in float32.
+
+    With ``per_tensor_scale=None`` the result is ``q * s_b``, which is exact in bfloat16; the
+    faithful GEMM multiplies the global scales in afterwards.
+    """
+    values = f4_unpacked_to_f32(unpack_uint4(qdata.contiguous()))
+    values = values.reshape(*block_scales_e4m3.shape, BLOCK_SIZE)
+    scales = block_scales_e4m3.to(torch.float32)
+    if per_tensor_scale is not None:
+        scales = per_tensor_scale.to(torch.float32) * scales
+    out = values * scales.unsqueeze(-1)
+    return out.reshape(*qdata.shape[:-1], qdata.shape[-1] * 2).to(output_dtype)
+
+
+def fake_quantize_nvfp4(
+    x: torch.Tensor,
+    per_tensor_scale: torch.Tensor,
+    block_scales_e4m3: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Quantize then dequantize, in ``x``'s dtype, without packing (same values as the pair)."""
+    _check_quantizable(x)
+    per_tensor_scale = per_tensor_scale.to(torch.float32)
+    if block_scales_e4m3 is None:
+        block_scales_e4m3 = compute_block_scales(x, per_tensor_scale)
+    q = round_to_e2m1(_scaled_blocks(x, per_tensor_scale, block_scales_e4m3))
+    scales = per_tensor_scale * block_scales_e4m3.to(torch.float32)
+    out = q.reshape(*x.shape[:-1], -1, BLOCK_SIZE) * scales.unsqueeze(-1)
+    return out.reshape(x.shape).to(x.dtype)

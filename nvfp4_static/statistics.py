@@ -1,0 +1,145 @@
+"""Plain-torch references for the three calibration hot paths.
+
+Each function here is the definition a Triton kernel in ``nvfp4_static.kernels`` must match
+exactly, and the implementation used on CPU:
+
+- ``block_amax_histogram``: per-16-block amaxes binned on a base-2 log scale;
+- ``fp8_scale_sweep``: the 126-candidate FP8 block-scale search for a weight (plain or
+  Hessian-weighted squared error);
+- ``block_hessian``: ``sum_tokens x_b x_b^T`` per 16-wide input block.
+"""
+
+from typing import Optional
+
+import torch
+
+from nvfp4_static.numerics import (
+    BLOCK_SIZE,
+    E2M1_MAX,
+    block_amax,
+    e4m3_positive_values,
+    per_tensor_amax_to_scale,
+    round_to_e2m1,
+)
+
+__all__ = [
+    "histogram_bin_edges",
+    "histogram_bin_centres",
+    "block_amax_histogram",
+    "fp8_scale_sweep",
+    "block_hessian",
+]
+
+# Rows of the weight processed per step of the reference sweep: bounds its temporaries to
+# a few MB whatever the weight size.
+SWEEP_ROWS_PER_CHUNK = 256
+
+
+def histogram_bin_edges(num_bins: int, log2_min: float, log2_max: float) -> torch.Tensor:
+    """The ``num_bins - 1`` inner bin edges, ``2 ** (log2_min + i * width)``, as float32.
+
+    Binning compares against these float32 edges (no ``log2`` at collection time), so every
+    backend puts a value in the same bin bit for bit.
+    """
+    width = (log2_max - log2_min) / num_bins
+    exponents = log2_min + width * torch.arange(1, num_bins, dtype=torch.float64)
+    return torch.exp2(exponents).to(torch.float32)
+
+
+def histogram_bin_centres(num_bins: int, log2_min: float, log2_max: float) -> torch.Tensor:
+    """Each bin's centre in log2 space, ``2 ** (log2_min + (i + 0.5) * width)``, float64."""
+    width = (log2_max - log2_min) / num_bins
+    return torch.exp2(log2_min + width * (torch.arange(num_bins, dtype=torch.float64) + 0.5))
+
+
+def block_amax_histogram(
+    x: torch.Tensor, bin_edges: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Histogram of the nonzero per-block amaxes of ``x`` and their max.
+
+    Args:
+        x: any float tensor; blocks run along the last dim, zero-padded to a multiple of 16.
+        bin_edges: float32 inner edges from ``histogram_bin_edges``; a value ``v`` lands in bin
+            ``#(edges <= v)``, so values beyond the range land in the first or last bin.
+
+    Returns:
+        ``(counts, amax)``: int64 counts of shape ``(len(bin_edges) + 1,)`` (zero blocks are not
+        counted) and the float32 max block amax (0 for an all-zero tensor).
+    """
+    amaxes = block_amax(x).flatten()
+    amax = amaxes.max() if amaxes.numel() else torch.zeros((), dtype=torch.float32)
+    nonzero = amaxes[amaxes > 0]
+    bins = torch.searchsorted(bin_edges.to(nonzero.device), nonzero, right=True)
+    counts = torch.bincount(bins, minlength=bin_edges.numel() + 1)
+    return counts.to(torch.int64), amax.to(torch.float32)
+
+
+def _block_errors(
+    w_blocks: torch.Tensor,
+    candidate: torch.Tensor,
+    per_tensor_scale: torch.Tensor,
+    hessian: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Per-block error of quantizing ``w_blocks`` ``[R, B, 16]`` with one FP8 block scale.
+
+    The quantize arithmetic is torchao's (reciprocal multiply), so the winner, baked into the
+    weight, reproduces exactly the error that chose it.
+    """
+    reciprocal = (1.0 / per_tensor_scale) / candidate
+    q = round_to_e2m1((w_blocks * reciprocal).clamp(-E2M1_MAX, E2M1_MAX))
+    dw = w_blocks - q * (per_tensor_scale * candidate)
+    if hessian is None:
+        return (dw * dw).sum(dim=-1)
+    # dw^T H dw per block, H shared by every row's block b.
+    return torch.einsum("rbi,bij,rbj->rb", dw, hessian, dw)
+
+
+def fp8_scale_sweep(
+    weight: torch.Tensor,
+    global_amax: torch.Tensor,
+    hessian: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Pick, per 16-element block, the FP8 E4M3 scale of least quantization error.
+
+    Tries all 126 positive FP8 values ``s`` as the block scale under the per-tensor scale
+    ``global_amax / (448 * 6)`` (equivalently block amax ``= global_amax * s / 448``) and keeps
+    the one minimising ``sum (w - deq(q(w)))^2``, or ``dw^T H dw`` with a Hessian. Ties go to
+    the lowest candidate (strict ``<`` while scanning upwards).
+
+    Args:
+        weight: ``[N, K]`` float tensor, K a multiple of 16.
+        global_amax: float32 scalar, the weight's global amax (> 0).
+        hessian: optional ``[K // 16, 16, 16]`` float32 per-input-block Hessian.
+
+    Returns:
+        ``[N, K // 16]`` float8_e4m3fn block scales.
+    """
+    n_rows, k = weight.shape
+    n_blocks = k // BLOCK_SIZE
+    per_tensor_scale = per_tensor_amax_to_scale(global_amax).to(weight.device)
+    candidates = e4m3_positive_values().to(weight.device)
+    if hessian is not None:
+        hessian = hessian.to(device=weight.device, dtype=torch.float32)
+    best_scales = torch.empty(n_rows, n_blocks, dtype=torch.float32, device=weight.device)
+    for start in range(0, n_rows, SWEEP_ROWS_PER_CHUNK):
+        w_blocks = weight[start : start + SWEEP_ROWS_PER_CHUNK].to(torch.float32)
+        w_blocks = w_blocks.reshape(-1, n_blocks, BLOCK_SIZE)
+        best_error = torch.full(w_blocks.shape[:2], float("inf"), device=weight.device)
+        best = torch.zeros(w_blocks.shape[:2], device=weight.device)
+        for candidate in candidates:
+            error = _block_errors(w_blocks, candidate, per_tensor_scale, hessian)
+            better = error < best_error
+            best_error = torch.where(better, error, best_error)
+            best = torch.where(better, candidate, best)
+        best_scales[start : start + SWEEP_ROWS_PER_CHUNK] = best
+    return best_scales.to(torch.float8_e4m3fn)
+
+
+def block_hessian(x: torch.Tensor) -> torch.Tensor:
+    """``sum_tokens x_b x_b^T`` for each 16-wide input block ``b``: ``[K // 16, 16, 16]`` fp32.
+
+    ``x`` is ``[..., K]`` with K a multiple of 16; every leading index counts as a token.
+    """
+    k = x.shape[-1]
+    tokens = x.reshape(-1, k // BLOCK_SIZE, BLOCK_SIZE).to(torch.float32)
+    return torch.einsum("tbi,tbj->bij", tokens, tokens)

