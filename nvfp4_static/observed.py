@@ -1,0 +1,76 @@
+"""The observed linear that ``step="prepare"`` puts in place of each eligible ``nn.Linear``."""
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["NVFP4ObservedLinear"]
+
+
+class NVFP4ObservedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` that feeds its inputs to calibrators, then computes the float linear.
+
+    It shares the original module's parameters (no copy), so calibration memory is only the
+    calibrators' bounded state. Statistics are gathered under ``no_grad`` and never change the
+    output.
+
+    Attributes:
+        layer_name: fully qualified name of the module, used in every error and warning.
+        act_calibrator: collects the activation global amax (``collect`` / ``compute_amax``).
+        hessian_accumulator: optional per-input-block Hessian for ``weight_scale="hessian_mse"``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        act_calibrator,
+        hessian_accumulator=None,
+        layer_name: str = "",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.act_calibrator = act_calibrator
+        self.hessian_accumulator = hessian_accumulator
+        self.layer_name = layer_name
+
+    @classmethod
+    def from_float(
+        cls,
+        linear: torch.nn.Linear,
+        act_calibrator,
+        hessian_accumulator=None,
+        layer_name: str = "",
+    ) -> "NVFP4ObservedLinear":
+        with torch.device("meta"):
+            observed = cls(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                act_calibrator,
+                hessian_accumulator,
+                layer_name,
+            )
+        observed.weight = linear.weight
+        observed.bias = linear.bias
+        return observed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            observed = x.detach()
+            try:
+                self.act_calibrator.collect(observed)
+                if self.hessian_accumulator is not None:
+                    self.hessian_accumulator.collect(observed)
+            except ValueError as error:
+                raise ValueError(f"nvfp4_static: layer '{self.layer_name}': {error}") from error
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        hessian = ", hessian=True" if self.hessian_accumulator is not None else ""
+        return (
+            f"{super().extra_repr()}, act_calibrator={type(self.act_calibrator).__name__}"
+            f"{hessian}"
+        )
+

@@ -1,0 +1,315 @@
+"""``NVFP4StaticTensor``: an NVFP4 weight that carries its layer's static activation scale.
+
+A subclass of torchao's ``NVFP4Tensor`` (same data layout: packed E2M1 ``qdata`` ``[N, K/2]``,
+unswizzled FP8 ``scale`` ``[N, K/16]``, ``per_tensor_scale``, ``act_per_tensor_scale``), so
+torchao's tooling recognises it. Two things differ:
+
+- torchao's op overrides build ``NVFP4Tensor`` by name, so ``t``/``view``/``transpose``/``to``/
+  slicing/``pin_memory`` would drop the subclass; they are overridden here to keep it.
+- torchao's ``linear``/``mm``/``addmm`` call an FP4 ``torch._scaled_mm`` that only sm100 has.
+  Here they quantize the activation with the static global scale and hand the GEMM to the
+  backend chosen for the tensor's device when it was built (``linear_backend``, see
+  ``nvfp4_static.backends``).
+"""
+
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+from torchao.utils import TorchAOBaseTensor, fill_defaults
+
+from nvfp4_static.backends import linear_function, resolve_backend
+from nvfp4_static.numerics import (
+    BLOCK_SIZE,
+    per_tensor_amax_to_scale,
+    quantize_nvfp4,
+)
+
+__all__ = ["NVFP4StaticTensor"]
+
+aten = torch.ops.aten
+
+
+class NVFP4StaticTensor(NVFP4Tensor):
+    """NVFP4 weight + static activation global scale, runnable on every device.
+
+    Attributes beyond ``NVFP4Tensor``'s:
+        backend_override: backend forced by the config (None: choose by device).
+        linear_backend: the backend this tensor's linear runs on (derived, shown in ``repr``).
+    """
+
+    optional_tensor_attribute_names = NVFP4Tensor.optional_tensor_attribute_names + [
+        "backend_override"
+    ]
+
+    def __new__(
+        cls,
+        qdata,
+        scale,
+        block_size,
+        orig_dtype,
+        per_tensor_scale=None,
+        act_per_tensor_scale=None,
+        is_swizzled_scales=False,
+        use_triton_kernel=False,
+        act_quant_kwargs=None,
+        backend_override=None,
+    ):
+        self = super().__new__(
+            cls,
+            qdata,
+            scale,
+            block_size,
+            orig_dtype,
+            per_tensor_scale,
+            act_per_tensor_scale,
+            is_swizzled_scales,
+            use_triton_kernel,
+            act_quant_kwargs,
+        )
+        self.backend_override = backend_override
+        self.linear_backend = resolve_backend(qdata.device, backend_override)
+        linear_function(self.linear_backend)  # import now, outside any compiled region
+        return self
+
+    # torchao's NVFP4Tensor disables __torch_function__; re-enable it so F.linear is caught
+    # whole (any leading dims, one activation quantization) instead of after decomposition.
+    __torch_function__ = TorchAOBaseTensor.__torch_function__
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        act_global_amax: torch.Tensor,
+        block_scales_e4m3: Optional[torch.Tensor] = None,
+        backend_override: Optional[str] = None,
+    ) -> "NVFP4StaticTensor":
+        """Quantize a ``[N, K]`` weight; the weight's global amax is its ``max(|w|)``.
+
+        Args:
+            weight: the float weight.
+            act_global_amax: the calibrated activation global amax (> 0).
+            block_scales_e4m3: ``[N, K/16]`` FP8 block scales (e.g. from the MSE sweep); None
+                computes them from block maxes, exactly as torchao does.
+            backend_override: force a backend (see ``nvfp4_static.backends``).
+        """
+        weight_per_tensor_scale = per_tensor_amax_to_scale(weight.detach().abs().amax())
+        qdata, scale = quantize_nvfp4(weight.detach(), weight_per_tensor_scale, block_scales_e4m3)
+        act_per_tensor_scale = per_tensor_amax_to_scale(act_global_amax.detach()).to(weight.device)
+        return cls(
+            qdata,
+            scale,
+            BLOCK_SIZE,
+            weight.dtype,
+            weight_per_tensor_scale,
+            act_per_tensor_scale,
+            backend_override=backend_override,
+        )
+
+    def _rewrap(self, qdata: torch.Tensor, scale: torch.Tensor, **changes) -> "NVFP4StaticTensor":
+        """A tensor like ``self`` with new data, keeping the class and every attribute."""
+        fields = dict(
+            block_size=self.block_size,
+            orig_dtype=self.orig_dtype,
+            per_tensor_scale=self.per_tensor_scale,
+            act_per_tensor_scale=self.act_per_tensor_scale,
+            is_swizzled_scales=self.is_swizzled_scales,
+            use_triton_kernel=self.use_triton_kernel,
+            act_quant_kwargs=self.act_quant_kwargs,
+            backend_override=self.backend_override,
+        )
+        fields.update(changes)
+        return type(self)(qdata, scale, **fields)
+
+    def _oriented(self) -> "NVFP4StaticTensor":
+        """This weight in its stored ``[N, K]`` orientation (undoes a ``.t()``)."""
+        return self.t() if self.qdata.stride(-2) < self.qdata.stride(-1) else self
+
+    def __repr__(self):
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.orig_dtype}, "
+            f"device={self.device}, backend={self.linear_backend}, "
+            f"act_global_amax={_amax_of(self.act_per_tensor_scale)}, "
+            f"weight_global_amax={_amax_of(self.per_tensor_scale)})"
+        )
+
+
+def _amax_of(per_tensor_scale: Optional[torch.Tensor]) -> str:
+    if per_tensor_scale is None:
+        return "None"
+    if per_tensor_scale.device.type == "meta":
+        return "meta"
+    return f"{float(per_tensor_scale) * 448 * 6:.6g}"
+
+
+implements = NVFP4StaticTensor.implements
+implements_torch_function = NVFP4StaticTensor.implements_torch_function
+
+
+def _static_linear(
+    x: torch.Tensor, weight: NVFP4StaticTensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for any leading dims of ``x``, on the weight's backend."""
+    if isinstance(x, NVFP4Tensor):
+        raise NotImplementedError(
+            "nvfp4_static: the activation must be a plain tensor; NVFP4StaticTensor quantizes it "
+            "itself with its static activation scale"
+        )
+    weight = weight._oriented()
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"nvfp4_static: activation of shape {tuple(x.shape)} does not match weight of shape "
+            f"{tuple(weight.shape)} (in_features {weight.shape[-1]})"
+        )
+    out = linear_function(weight.linear_backend)(
+        x.reshape(-1, x.shape[-1]),
+        weight.qdata,
+        weight.scale,
+        weight.per_tensor_scale,
+        weight.act_per_tensor_scale,
+        bias,
+    )
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@implements_torch_function([torch.nn.functional.linear])
+def _(func, types, args, kwargs):
+    x, weight, bias = fill_defaults(list(args), 3, [None])
+    bias = kwargs.get("bias", bias)
+    return _static_linear(x, weight, bias)
+
+
+@implements([aten.linear.default])
+def _(func, types, args, kwargs):
+    x, weight, bias = fill_defaults(list(args), 3, [None])
+    return _static_linear(x, weight, bias)
+
+
+@implements([aten.mm.default, aten.matmul.default])
+def _(func, types, args, kwargs):
+    x, weight_t = args[0], args[1]
+    return _static_linear(x, weight_t, None)
+
+
+@implements([aten.addmm.default])
+def _(func, types, args, kwargs):
+    bias, x, weight_t = args[0], args[1], args[2]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if beta != 1 or alpha != 1:
+        raise NotImplementedError("nvfp4_static: addmm with beta/alpha other than 1")
+    return _static_linear(x, weight_t, bias)
+
+
+@implements([aten.t.default])
+def _(func, types, args, kwargs):
+    old = args[0]
+    return old._rewrap(old.qdata.t(), old.scale.t())
+
+
+@implements([aten.transpose.int])
+def _(func, types, args, kwargs):
+    old, dim0, dim1 = args
+    if {dim0 % old.dim(), dim1 % old.dim()} != {old.dim() - 2, old.dim() - 1}:
+        raise NotImplementedError(
+            f"nvfp4_static: only the last two dims of an NVFP4 tensor can be transposed, got "
+            f"({dim0}, {dim1}) for shape {tuple(old.shape)}"
+        )
+    return old._rewrap(old.qdata.transpose(dim0, dim1), old.scale.transpose(dim0, dim1))
+
+
+@implements([aten.view.default])
+def _(func, types, args, kwargs):
+    old, size = args[0], list(args[1])
+    if len(size) < 2 or size[-1] != old.shape[-1]:
+        raise NotImplementedError(
+            f"nvfp4_static: a view of an NVFP4 tensor must keep its last dim "
+            f"({old.shape[-1]}), got {size} for shape {tuple(old.shape)}"
+        )
+    packed_size = size[:-1] + [old.qdata.shape[-1]]
+    scale_size = size[:-1] + [old.scale.shape[-1]]
+    return old._rewrap(old.qdata.view(packed_size), old.scale.view(scale_size))
+
+
+@implements([aten.slice.Tensor])
+def _(func, types, args, kwargs):
+    old, dim, start, end, step = fill_defaults(list(args), 5, [0, None, None, 1])
+    if old.dim() != 2 or step != 1 or old.qdata.stride(-2) < old.qdata.stride(-1):
+        raise NotImplementedError(
+            "nvfp4_static: only step-1 slices of a 2D, untransposed NVFP4 tensor are supported"
+        )
+    dim = dim % 2
+    size = old.shape[dim]
+    start = 0 if start is None else min(start, size)
+    end = size if end is None else min(end, size)
+    if dim == 0:
+        new = old._rewrap(old.qdata[start:end], old.scale[start:end])
+    else:
+        if start % BLOCK_SIZE or (end % BLOCK_SIZE and end != size):
+            raise ValueError(
+                f"nvfp4_static: slicing the last dim of an NVFP4 tensor needs bounds that are "
+                f"multiples of {BLOCK_SIZE}, got [{start}:{end}] for shape {tuple(old.shape)}"
+            )
+        new = old._rewrap(
+            old.qdata[:, start // 2 : end // 2],
+            old.scale[:, start // BLOCK_SIZE : end // BLOCK_SIZE],
+        )
+    return return_and_correct_aliasing(func, args, kwargs, new)
+
+
+@implements([aten._to_copy.default])
+def _(func, types, args, kwargs):
+    old = args[0]
+    dtype = kwargs.pop("dtype", None)
+    device = kwargs.pop("device", None)
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"nvfp4_static: an NVFP4 tensor can present as fp32/bf16/fp16, not {dtype}")
+
+    def move(t):
+        return None if t is None or device is None else t.to(device)
+
+    new = old._rewrap(
+        move(old.qdata) if device is not None else old.qdata,
+        move(old.scale) if device is not None else old.scale,
+        orig_dtype=dtype or old.orig_dtype,
+        per_tensor_scale=move(old.per_tensor_scale) if device is not None else old.per_tensor_scale,
+        act_per_tensor_scale=(
+            move(old.act_per_tensor_scale) if device is not None else old.act_per_tensor_scale
+        ),
+    )
+    return return_and_correct_aliasing(func, args, {}, new)
+
+
+@implements([aten._pin_memory.default])
+def _(func, types, args, kwargs):
+    old = args[0]
+    return old._rewrap(
+        old.qdata.pin_memory(),
+        old.scale.pin_memory(),
+        per_tensor_scale=old.per_tensor_scale.pin_memory(),
+        act_per_tensor_scale=old.act_per_tensor_scale.pin_memory(),
+    )
+
+
+@implements([aten.copy_.default])
+def _(func, types, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, NVFP4StaticTensor) or not isinstance(src, NVFP4StaticTensor):
+        plain = src if isinstance(dst, NVFP4StaticTensor) else dst
+        raise ValueError(
+            f"nvfp4_static: cannot copy a {type(plain).__name__} into an NVFP4StaticTensor (or "
+            f"back): the checkpoint and the model disagree on which layers are quantized. Load an "
+            f"NVFP4 checkpoint into a model prepared with step='prepare_for_loading', and a float "
+            f"checkpoint into a float model."
+        )
+    if dst.qdata.shape != src.qdata.shape or dst.scale.shape != src.scale.shape:
+        raise ValueError(
+            f"nvfp4_static: cannot copy NVFP4 weight of shape {tuple(src.shape)} into one of shape "
+            f"{tuple(dst.shape)}"
+        )
+    for name in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale"):
+        getattr(dst, name).copy_(getattr(src, name))
+    return dst
+
+
+torch.serialization.add_safe_globals([NVFP4StaticTensor])

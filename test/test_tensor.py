@@ -1,0 +1,180 @@
+"""NVFP4StaticTensor: torchao layout, type preservation, and the static-activation linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+from nvfp4_static.backends import resolve_backend
+from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
+from nvfp4_static.tensor import NVFP4StaticTensor
+
+ACT_AMAX = torch.tensor(5.0)
+
+
+def make_weight(dtype=torch.bfloat16, shape=(64, 128), seed=0):
+    torch.manual_seed(seed)
+    return torch.randn(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_from_float_matches_torchao_to_nvfp4(dtype):
+    w = make_weight(dtype)
+    ours = NVFP4StaticTensor.from_float(w, ACT_AMAX)
+    theirs = NVFP4Tensor.to_nvfp4(
+        w,
+        per_tensor_scale=per_tensor_amax_to_scale(w.abs().amax()),
+        act_per_tensor_scale=per_tensor_amax_to_scale(ACT_AMAX),
+    )
+    assert torch.equal(ours.qdata, theirs.qdata)
+    assert torch.equal(ours.scale.view(torch.uint8), theirs.scale.view(torch.uint8))
+    assert torch.equal(ours.per_tensor_scale, theirs.per_tensor_scale)
+    assert torch.equal(ours.act_per_tensor_scale, theirs.act_per_tensor_scale)
+    assert torch.equal(ours.dequantize(), theirs.dequantize())
+
+
+TYPE_PRESERVING_OPS = {
+    "t": lambda w: w.t(),
+    "t_t": lambda w: w.t().t(),
+    "transpose": lambda w: w.transpose(0, 1),
+    "view": lambda w: w.view(2, 32, 128),
+    "to_dtype": lambda w: w.to(torch.float32),
+    "to_device": lambda w: w.to("cpu"),
+    "to_meta": lambda w: w.to("meta"),
+    "slice_rows": lambda w: w[16:48],
+    "slice_cols": lambda w: w[:, 32:96],
+    "detach": lambda w: w.detach(),
+    "clone": lambda w: w.clone(),
+}
+
+
+@pytest.mark.parametrize("op", TYPE_PRESERVING_OPS.values(), ids=TYPE_PRESERVING_OPS.keys())
+def test_ops_keep_the_subclass_and_its_attributes(op):
+    w = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX, backend_override="cpu")
+    out = op(w)
+    assert type(out) is NVFP4StaticTensor
+    assert out.backend_override == "cpu"
+    assert out.act_per_tensor_scale is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs an accelerator")
+def test_pin_memory_keeps_the_subclass():
+    w = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    pinned = w.pin_memory()
+    assert type(pinned) is NVFP4StaticTensor and pinned.is_pinned()
+
+
+def test_module_to_meta_keeps_the_subclass():
+    linear = torch.nn.Linear(128, 64)
+    linear.weight = torch.nn.Parameter(
+        NVFP4StaticTensor.from_float(linear.weight, ACT_AMAX), requires_grad=False
+    )
+    linear.to("meta")
+    assert type(linear.weight) is NVFP4StaticTensor
+    assert linear.weight.device.type == "meta"
+
+
+def test_shape_and_dtype_present_as_the_float_weight():
+    w = make_weight(torch.bfloat16, (48, 256))
+    q = NVFP4StaticTensor.from_float(w, ACT_AMAX)
+    assert q.shape == w.shape and q.dtype == w.dtype
+    assert q.to(torch.float16).dequantize().dtype == torch.float16
+
+
+def test_transpose_then_dequantize_equals_dequantize_then_transpose():
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    assert torch.equal(q.t().dequantize(), q.dequantize().t())
+
+
+@pytest.mark.parametrize("rows, cols", [((0, 64), (16, 48)), ((8, 40), (0, 128))], ids=["cols", "rows"])
+def test_aligned_slice_equals_sliced_dequantize(rows, cols):
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    sliced = q[rows[0] : rows[1], cols[0] : cols[1]]
+    assert torch.equal(sliced.dequantize(), q.dequantize()[rows[0] : rows[1], cols[0] : cols[1]])
+
+
+def test_unaligned_column_slice_is_an_error():
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        q[:, 8:40]
+
+
+def test_flatten_unflatten_round_trip():
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    reshaped = q.view(4, 16, 128).view(64, 128)
+    assert torch.equal(reshaped.dequantize(), q.dequantize())
+
+
+def reference_linear(x, q, bias):
+    """fp64 product of the dequantized operands (global scales applied after), cast like ours."""
+    act_q, act_s = quantize_nvfp4(x.reshape(-1, x.shape[-1]), q.act_per_tensor_scale)
+    act = dequantize_nvfp4(act_q, act_s).double()
+    weight = dequantize_nvfp4(q.qdata, q.scale).double()
+    out = act @ weight.t() * (q.act_per_tensor_scale.double() * q.per_tensor_scale.double())
+    if bias is not None:
+        out = out + bias.double()
+    return out.reshape(*x.shape[:-1], -1)
+
+
+LINEAR_CALLS = {
+    "F.linear": lambda x, q, b: F.linear(x, q, b),
+    "matmul": lambda x, q, b: x @ q.t() + (0 if b is None else b),
+    "mm": lambda x, q, b: torch.mm(x.reshape(-1, x.shape[-1]), q.t()).reshape(*x.shape[:-1], -1)
+    + (0 if b is None else b),
+    "addmm": lambda x, q, b: torch.addmm(
+        torch.zeros(q.shape[0], dtype=x.dtype) if b is None else b, x.reshape(-1, x.shape[-1]), q.t()
+    ).reshape(*x.shape[:-1], -1),
+}
+
+
+@pytest.mark.parametrize("call", LINEAR_CALLS.values(), ids=LINEAR_CALLS.keys())
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("x_shape", [(6, 128), (2, 5, 128)], ids=["2d", "3d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_is_the_faithful_nvfp4_gemm(call, with_bias, x_shape, dtype):
+    torch.manual_seed(1)
+    q = NVFP4StaticTensor.from_float(make_weight(dtype), ACT_AMAX)
+    x = torch.randn(x_shape, dtype=dtype)
+    bias = torch.randn(64, dtype=dtype) if with_bias else None
+    out = call(x, q, bias)
+    ref = reference_linear(x, q, bias)
+    assert out.shape == ref.shape and out.dtype == dtype
+    # fp32: only summation order differs; bf16: the output's own rounding (2^-8), plus one more
+    # rounding when the test adds the bias outside the op.
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (out.double() - ref).norm() / ref.norm() <= tolerance
+
+
+def test_linear_under_inference_mode_equals_no_grad():
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = F.linear(x, q)
+    with torch.inference_mode():
+        assert torch.equal(F.linear(x, q), expected)
+
+
+def test_activation_is_quantized_with_the_static_scale_not_a_dynamic_one():
+    """Scaling the input up 4x must clip at the calibrated range, as static NVFP4 does."""
+    q = NVFP4StaticTensor.from_float(make_weight(torch.float32), torch.tensor(1.0))
+    x = torch.randn(8, 128)
+    x = x / x.abs().amax()
+    small, large = F.linear(x, q), F.linear(4 * x, q)
+    assert not torch.allclose(large, 4 * small, rtol=1e-2)
+    assert torch.allclose(large.double(), reference_linear(4 * x, q, None), rtol=1e-4, atol=1e-5)
+
+
+def test_mismatched_in_features_is_a_clear_error():
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    with pytest.raises(ValueError, match=r"in_features 128"):
+        F.linear(torch.randn(2, 64, dtype=torch.bfloat16), q)
+
+
+def test_backend_override_and_env_var(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_backend(cpu) == "cpu"
+    assert resolve_backend(cpu, "triton") == "triton"
+    monkeypatch.setenv("NVFP4_STATIC_BACKEND", "blackwell")
+    assert resolve_backend(cpu) == "blackwell"
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        resolve_backend(cpu, "cuda")
