@@ -83,5 +83,6 @@ class NVFP4StaticLinear(torch.nn.Linear):
         recipe = ", ".join(f"{k}={v}" for k, v in self.recipe.items())
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, {recipe}, backend={self.weight.linear_backend}"
+            f"bias={self.bias is not None}, {recipe}, act_global_amax={self.act_global_amax:.4g}, "
+            f"backend={self.weight.linear_backend}"
         )
