@@ -10,6 +10,8 @@ setup(
         "torch>=2.11",
         "torchao>=0.18",
         "triton; platform_system == 'Linux'",
+        # torchao's mx_formats kernels import numpy without declaring it.
+        "numpy",
     ],
     extras_require={
         "test": ["pytest", "expecttest", "hypothesis"],
