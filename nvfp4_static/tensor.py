@@ -15,6 +15,7 @@ torchao's tooling recognises it. Two things differ:
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import return_and_correct_aliasing
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 from torchao.utils import TorchAOBaseTensor, fill_defaults
@@ -136,10 +137,11 @@ class NVFP4StaticTensor(NVFP4Tensor):
 
 
 def _amax_of(per_tensor_scale: Optional[torch.Tensor]) -> str:
+    """The amax behind a per-tensor scale, for ``repr``; no value while tracing or on meta."""
     if per_tensor_scale is None:
         return "None"
-    if per_tensor_scale.device.type == "meta":
-        return "meta"
+    if per_tensor_scale.device.type == "meta" or is_fake(per_tensor_scale):
+        return "?"
     return f"{float(per_tensor_scale) * 448 * 6:.6g}"
 
 
