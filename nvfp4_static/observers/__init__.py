@@ -1,0 +1,34 @@
+"""Calibration observers: plain objects with ``collect(x)`` / ``compute_amax()`` / ``reset()``.
+
+Activation global amax: ``NVFP4ActMaxCalibrator`` (the B_min-anchored default),
+``MaxCalibrator``, ``PercentileCalibrator``, ``MseCalibrator``. Weight block scales:
+``NVFP4MSECalibrator``, optionally weighted by a ``BlockHessianAccumulator``. The mergeable ones
+combine across batches and processes through ``merge`` / ``state_dict`` (see ``base``).
+"""
+
+from nvfp4_static.observers.base import MergeableObserver, Observer
+from nvfp4_static.observers.block_amax_histogram import (
+    ALL_ZERO_FALLBACK_AMAX,
+    BlockAmaxHistogramObserver,
+)
+from nvfp4_static.observers.block_hessian import BlockHessianAccumulator
+from nvfp4_static.observers.max import MaxCalibrator
+from nvfp4_static.observers.mse import MseCalibrator, nvfp4_fake_quantize_with_amax, squared_error
+from nvfp4_static.observers.nvfp4_act_max import NVFP4ActMaxCalibrator
+from nvfp4_static.observers.nvfp4_mse import NVFP4MSECalibrator
+from nvfp4_static.observers.percentile import PercentileCalibrator
+
+__all__ = [
+    "ALL_ZERO_FALLBACK_AMAX",
+    "BlockAmaxHistogramObserver",
+    "BlockHessianAccumulator",
+    "MaxCalibrator",
+    "MergeableObserver",
+    "MseCalibrator",
+    "NVFP4ActMaxCalibrator",
+    "NVFP4MSECalibrator",
+    "Observer",
+    "PercentileCalibrator",
+    "nvfp4_fake_quantize_with_amax",
+    "squared_error",
+]

@@ -1,0 +1,143 @@
+"""What every observer shares: a name for messages, input checks, and mergeable tensor state.
+
+An observer watches tensors during calibration (``collect``) and keeps bounded statistics. The
+mergeable ones keep those statistics as a dict of tensors, each combined across batches and
+processes by a sum or a max, so ``merge`` and a later ``torch.distributed`` all-reduce are the
+same operation: reduce every entry of ``state_dict()`` by ``STATE_REDUCTIONS[key]``.
+"""
+
+import abc
+from collections.abc import Mapping
+from typing import Optional
+
+import torch
+
+from nvfp4_static.numerics import check_dtype
+
+__all__ = ["Observer", "MergeableObserver", "channel_reduce_dims"]
+
+_REDUCE = {"sum": torch.add, "max": torch.maximum}
+
+
+def channel_reduce_dims(x: torch.Tensor, axis: Optional[int]) -> tuple[int, ...]:
+    """The dims a per-channel statistic reduces over: all of them, or all but ``axis``."""
+    if axis is None:
+        return tuple(range(x.ndim))
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis} is out of range for a tensor of shape {tuple(x.shape)}")
+    return tuple(d for d in range(x.ndim) if d != axis % x.ndim)
+
+
+class Observer(abc.ABC):
+    """Base of the calibrators and the Hessian accumulator.
+
+    Args:
+        name: optional label (e.g. the layer's qualified name) included in errors and warnings.
+    """
+
+    def __init__(self, name: Optional[str] = None):
+        self.name = name
+
+    def describe(self) -> str:
+        """``ClassName('name')``, or just the class name: how messages refer to this observer."""
+        cls = type(self).__name__
+        return f"{cls}({self.name!r})" if self.name else cls
+
+    @abc.abstractmethod
+    def collect(self, x: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def reset(self) -> None: ...
+
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Reject unsupported dtypes and non-finite values; return ``x`` detached.
+
+        A NaN or Inf would poison every statistic after it (a max, a histogram, a loss sum), so
+        it is refused at the door with a count and the first position, where it is still
+        traceable to the batch that produced it.
+        """
+        check_dtype(x, f"{self.describe()} input of shape {tuple(x.shape)}")
+        x = x.detach()
+        if bool(torch.isfinite(x).all()):
+            return x
+        n_nan = int(torch.isnan(x).sum())
+        n_inf = int(torch.isinf(x).sum())
+        first = tuple(torch.nonzero(~torch.isfinite(x))[0].tolist())
+        raise ValueError(
+            f"{self.describe()}: collected tensor of shape {tuple(x.shape)} ({x.dtype}) holds "
+            f"{n_nan} NaN and {n_inf} Inf values (first at index {first}); calibration needs "
+            "finite activations, so check the layers feeding this one"
+        )
+
+    def _not_collected_error(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"{self.describe()}: {what} called before any collect(); run calibration data "
+            "through the model (or load_state_dict) first"
+        )
+
+
+class MergeableObserver(Observer):
+    """An observer whose whole state is a dict of tensors combined by sum or max.
+
+    Subclasses set ``STATE_REDUCTIONS`` (state key -> ``"sum"`` or ``"max"``), create their
+    state on the first ``collect`` (on the input's device) and keep it in ``self._state``.
+    ``state_dict()`` before any collect raises: the state's shape may depend on the data,
+    so every process must collect at least one batch before an all-reduce.
+    """
+
+    STATE_REDUCTIONS: Mapping[str, str] = {}
+
+    def __init__(self, name: Optional[str] = None):
+        super().__init__(name)
+        self._state: Optional[dict[str, torch.Tensor]] = None
+
+    def reset(self) -> None:
+        self._state = None
+
+    def _merge_config(self) -> tuple:
+        """Settings that must agree for two states to be combined (e.g. the histogram bins)."""
+        return ()
+
+    def _require_state(self, what: str) -> dict[str, torch.Tensor]:
+        if self._state is None:
+            raise self._not_collected_error(what)
+        return self._state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of the state tensors; reduce each by ``STATE_REDUCTIONS[key]`` to combine."""
+        state = self._require_state("state_dict()")
+        return {key: value.clone() for key, value in state.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace the state with copies of ``state_dict`` (e.g. after an all-reduce)."""
+        if set(state_dict) != set(self.STATE_REDUCTIONS):
+            raise ValueError(
+                f"{self.describe()}: state_dict keys {sorted(state_dict)} do not match the "
+                f"expected {sorted(self.STATE_REDUCTIONS)}"
+            )
+        if self._state is not None:
+            for key, value in state_dict.items():
+                if value.shape != self._state[key].shape:
+                    raise ValueError(
+                        f"{self.describe()}: state '{key}' has shape {tuple(value.shape)}, "
+                        f"expected {tuple(self._state[key].shape)} (observers of different data?)"
+                    )
+        self._state = {key: value.detach().clone() for key, value in state_dict.items()}
+
+    def merge(self, other: "MergeableObserver") -> None:
+        """Fold ``other``'s statistics into this one, as if this observer had seen its batches."""
+        if type(other) is not type(self) or other._merge_config() != self._merge_config():
+            raise ValueError(
+                f"{self.describe()}: cannot merge {other.describe()}; both must be the same "
+                f"class with the same settings ({self._merge_config()} vs {other._merge_config()})"
+            )
+        if other._state is None:
+            return
+        if self._state is None:
+            self.load_state_dict(other._state)
+            return
+        combined = {
+            key: _REDUCE[self.STATE_REDUCTIONS[key]](value, other._state[key].to(value.device))
+            for key, value in self._state.items()
+        }
+        self.load_state_dict(combined)

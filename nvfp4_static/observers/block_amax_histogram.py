@@ -1,0 +1,126 @@
+"""The log2 histogram of per-block amaxes that the histogram calibrators read percentiles from.
+
+An NVFP4 global scale acts on block amaxes (each 16-wide block's scale is its amax over the
+global scale), so that is the distribution worth keeping. A base-2 log-spaced histogram holds it
+in bounded memory (``num_bins`` int64 counts) and merges by addition, across batches and processes.
+"""
+
+import warnings
+from typing import Optional
+
+import torch
+
+from nvfp4_static import kernels
+from nvfp4_static.observers.base import MergeableObserver
+from nvfp4_static.statistics import histogram_bin_centres, histogram_bin_edges
+
+__all__ = ["BlockAmaxHistogramObserver", "ALL_ZERO_FALLBACK_AMAX"]
+
+# Global amax returned when every collected block was zero: nothing constrains it, and any
+# positive value quantizes zeros exactly while keeping downstream scales finite.
+ALL_ZERO_FALLBACK_AMAX = 1.0
+
+
+class BlockAmaxHistogramObserver(MergeableObserver):
+    """Histogram of the nonzero per-block (16-wide, last dim) amaxes, plus their literal max.
+
+    Bins are equal-width in ``log2`` over ``[log2_min, log2_max]``; values outside land in the
+    first or last bin. All-zero blocks are not counted. A last dim that is not a multiple of 16
+    is zero-padded, which cannot change any block's amax.
+
+    State (``state_dict()``): ``counts`` int64 ``[num_bins]`` (sum) and ``literal_max`` fp32
+    0-d (max), allocated on the first collected tensor's device.
+
+    Args:
+        num_bins: number of histogram bins.
+        log2_min, log2_max: log2 range the bins cover.
+        name: label used in errors and warnings (e.g. the layer name).
+    """
+
+    STATE_REDUCTIONS = {"counts": "sum", "literal_max": "max"}
+
+    def __init__(
+        self,
+        *,
+        num_bins: int = 512,
+        log2_min: float = -40.0,
+        log2_max: float = 40.0,
+        name: Optional[str] = None,
+    ):
+        super().__init__(name)
+        if num_bins < 1 or not log2_min < log2_max:
+            raise ValueError(
+                f"{self.describe()}: need num_bins >= 1 and log2_min < log2_max; got "
+                f"num_bins={num_bins}, log2_min={log2_min}, log2_max={log2_max}"
+            )
+        self.num_bins = int(num_bins)
+        self.log2_min = float(log2_min)
+        self.log2_max = float(log2_max)
+        self._bin_edges = histogram_bin_edges(self.num_bins, self.log2_min, self.log2_max)
+        self._bin_centres = histogram_bin_centres(self.num_bins, self.log2_min, self.log2_max)
+
+    def _merge_config(self) -> tuple:
+        return (self.num_bins, self.log2_min, self.log2_max)
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor) -> None:
+        """Add the per-block amaxes of ``x`` to the histogram."""
+        x = self._check_input(x)
+        if self._state is None:
+            self._state = {
+                "counts": torch.zeros(self.num_bins, dtype=torch.int64, device=x.device),
+                "literal_max": torch.zeros((), dtype=torch.float32, device=x.device),
+            }
+        if self._bin_edges.device != x.device:
+            self._bin_edges = self._bin_edges.to(x.device)
+        kernels.collect_block_amax_histogram(
+            x, self._state["counts"], self._state["literal_max"], self._bin_edges
+        )
+
+    @property
+    def literal_max(self) -> float:
+        """The largest block amax collected, i.e. ``max |x|`` over everything seen."""
+        return float(self._require_state("literal_max")["literal_max"])
+
+    def bin_index(self, value: float) -> int:
+        """The bin a block amax of ``value`` is counted in (same float32 edges as collection)."""
+        edges = self._bin_edges.cpu()
+        return int(torch.searchsorted(edges, edges.new_tensor([value]), right=True)[0])
+
+    def percentile(self, percentile: float, floor: Optional[float] = None) -> float:
+        """The block amax at ``percentile`` of the counted blocks, read at its bin centre.
+
+        The value is the ``ceil(percentile / 100 * n)``-th smallest counted block amax (at least
+        the first), so it is one of the two order statistics ``torch.quantile`` interpolates
+        between. ``percentile == 100`` returns the literal max exactly.
+
+        Args:
+            percentile: in (0, 100].
+            floor: if given, blocks in bins below the one holding ``floor`` are ignored.
+
+        Returns:
+            The value as a Python float; 0.0 if no block is counted.
+        """
+        state = self._require_state("percentile()")
+        if percentile >= 100.0:
+            return float(state["literal_max"])
+        counts = state["counts"].to("cpu", torch.float64)
+        if floor is not None:
+            counts[: self.bin_index(floor)] = 0
+        cdf = counts.cumsum(0)
+        total = float(cdf[-1])
+        if total == 0:
+            return 0.0
+        # percentile * total is exact for integer totals below 2**53, so a rank that is a whole
+        # number (1% of 10000 blocks) is not pushed into the next bin by rounding.
+        rank = max(percentile * total / 100.0, 1.0)
+        index = int(torch.searchsorted(cdf, cdf.new_tensor([rank]))[0])
+        return float(self._bin_centres[index])
+
+    def _all_zero_fallback(self) -> float:
+        warnings.warn(
+            f"{self.describe()}: every collected block was all-zero, so the block-amax "
+            f"distribution is empty; using the fallback global amax {ALL_ZERO_FALLBACK_AMAX}",
+            stacklevel=3,
+        )
+        return ALL_ZERO_FALLBACK_AMAX

@@ -1,0 +1,67 @@
+"""The per-input-block Hessian that weights the weight-scale sweep."""
+
+from typing import Optional
+
+import torch
+
+from nvfp4_static import kernels
+from nvfp4_static.numerics import BLOCK_SIZE, pad_to_block_multiple
+from nvfp4_static.observers.base import MergeableObserver
+
+__all__ = ["BlockHessianAccumulator"]
+
+
+class BlockHessianAccumulator(MergeableObserver):
+    """``H_b = sum_tokens x_b x_b^T`` for each 16-wide block ``b`` of a linear layer's input.
+
+    A weight block only ever multiplies its own 16 inputs, so the output error it causes is
+    ``dw_b^T H_b dw_b`` summed over tokens: the sweep needs these 16x16 blocks, not the full
+    ``K x K`` Hessian. ``in_features`` not a multiple of 16 is zero-padded (the padded rows
+    and columns stay 0). The sum is unnormalised; ``num_tokens`` says how many rows it holds.
+
+    State (``state_dict()``): ``hessian`` fp32 ``[ceil(K/16), 16, 16]`` and ``num_tokens`` int64
+    0-d, both summed. ``hessian`` / ``num_tokens`` before any ``collect`` raise ``RuntimeError``.
+
+    Args:
+        in_features: K, the layer's input width.
+        name: layer name used in errors.
+    """
+
+    STATE_REDUCTIONS = {"hessian": "sum", "num_tokens": "sum"}
+
+    def __init__(self, in_features: int, *, name: Optional[str] = None):
+        super().__init__(name)
+        self.in_features = int(in_features)
+
+    def _merge_config(self) -> tuple:
+        return (self.in_features,)
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor) -> None:
+        """Add ``x_b^T x_b`` of ``x`` ``[..., in_features]`` (every leading index is a token)."""
+        x = self._check_input(x)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{self.describe()}: input of shape {tuple(x.shape)} does not end in "
+                f"in_features={self.in_features}"
+            )
+        if self._state is None:
+            n_blocks = -(-self.in_features // BLOCK_SIZE)
+            self._state = {
+                "hessian": torch.zeros(
+                    n_blocks, BLOCK_SIZE, BLOCK_SIZE, dtype=torch.float32, device=x.device
+                ),
+                "num_tokens": torch.zeros((), dtype=torch.int64, device=x.device),
+            }
+        padded = pad_to_block_multiple(x, BLOCK_SIZE)
+        kernels.accumulate_block_hessian(padded, self._state["hessian"])
+        self._state["num_tokens"] += x.numel() // self.in_features
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """The accumulated ``[ceil(K/16), 16, 16]`` fp32 Hessian (the live tensor, not a copy)."""
+        return self._require_state("hessian")["hessian"]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._require_state("num_tokens")["num_tokens"])

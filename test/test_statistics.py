@@ -1,0 +1,107 @@
+"""statistics.py: the histogram binning, the Hessian blocks and the sweep's structural rules.
+
+The sweep's choices against a brute force over the 126 candidates are checked through its
+public entry point in test_observers.py (NVFP4MSECalibrator).
+"""
+
+import math
+
+import pytest
+import torch
+
+from nvfp4_static import statistics
+from nvfp4_static.numerics import BLOCK_SIZE
+
+BINS = dict(num_bins=512, log2_min=-40.0, log2_max=40.0)
+WIDTH = (BINS["log2_max"] - BINS["log2_min"]) / BINS["num_bins"]
+
+
+def expected_bin(value: float) -> int:
+    """Bin of a positive value from its log2, clamped into range (the definition, in float64)."""
+    index = math.floor((math.log2(value) - BINS["log2_min"]) / WIDTH)
+    return min(max(index, 0), BINS["num_bins"] - 1)
+
+
+def test_bin_edges_are_increasing_powers_of_two_between_the_bins():
+    edges = statistics.histogram_bin_edges(**BINS)
+    assert edges.shape == (BINS["num_bins"] - 1,) and edges.dtype == torch.float32
+    assert bool((edges[1:] > edges[:-1]).all())
+    assert edges[0].item() == pytest.approx(2.0 ** (BINS["log2_min"] + WIDTH), rel=1e-7)
+    assert edges[255].item() == 1.0  # log2 = -40 + 256 * 80 / 512 = 0
+
+
+def test_each_bin_centre_is_counted_in_its_own_bin():
+    centres = statistics.histogram_bin_centres(**BINS)
+    x = torch.zeros(BINS["num_bins"], BLOCK_SIZE)
+    x[:, 3] = centres.to(torch.float32)
+    counts, amax = statistics.block_amax_histogram(x, statistics.histogram_bin_edges(**BINS))
+    assert torch.equal(counts, torch.ones(BINS["num_bins"], dtype=torch.int64))
+    assert amax.item() == pytest.approx(2.0 ** (BINS["log2_max"] - WIDTH / 2), rel=1e-6)
+
+
+def test_block_amax_histogram_counts_nonzero_block_amaxes_by_log2():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, 16, generator=generator) * 2.0 ** torch.randint(
+        -30, 30, (64, 8, 1), generator=generator
+    )
+    x[::5, 2] = 0.0  # all-zero blocks: not counted
+    counts, amax = statistics.block_amax_histogram(
+        x.reshape(64, 128), statistics.histogram_bin_edges(**BINS)
+    )
+    block_amaxes = x.abs().amax(dim=-1).flatten()
+    expected = torch.zeros(BINS["num_bins"], dtype=torch.int64)
+    for value in block_amaxes[block_amaxes > 0].tolist():
+        expected[expected_bin(value)] += 1
+    assert torch.equal(counts, expected)
+    assert int(counts.sum()) == 64 * 8 - 13
+    assert amax.item() == x.abs().max().item()
+
+
+def test_block_amax_histogram_puts_out_of_range_values_in_the_end_bins():
+    x = torch.zeros(2, 16)
+    x[0, 0], x[1, 0] = 2.0**-60, 2.0**60
+    counts, _ = statistics.block_amax_histogram(x, statistics.histogram_bin_edges(**BINS))
+    assert counts[0] == 1 and counts[-1] == 1 and int(counts.sum()) == 2
+
+
+def test_block_amax_histogram_of_all_zeros_is_empty_with_zero_max():
+    counts, amax = statistics.block_amax_histogram(
+        torch.zeros(3, 40), statistics.histogram_bin_edges(**BINS)
+    )
+    assert int(counts.sum()) == 0 and amax.item() == 0.0
+
+
+def test_block_hessian_is_the_sum_of_outer_products_per_block():
+    x = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    hessian = statistics.block_hessian(x.to(torch.float32))
+    tokens = x.reshape(10, 48)
+    for b in range(3):
+        block = tokens[:, b * 16 : (b + 1) * 16]
+        expected = sum(torch.outer(row, row) for row in block)
+        torch.testing.assert_close(hessian[b].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_scale_sweep_picks_the_smallest_candidate_for_an_all_zero_block():
+    """Every candidate quantizes zeros exactly: a tie, which goes to the lowest, 2^-9."""
+    weight = torch.cat([torch.zeros(2, 16), torch.randn(2, 16)], dim=1)
+    scales = statistics.fp8_scale_sweep(weight, weight.abs().max())
+    assert bool((scales[:, 0].to(torch.float32) == 2.0**-9).all())
+
+
+def test_fp8_scale_sweep_rows_are_independent_across_chunks():
+    rows = statistics.SWEEP_ROWS_PER_CHUNK + 44
+    weight = torch.randn(rows, 32, generator=torch.Generator().manual_seed(2))
+    global_amax = weight.abs().max()
+    whole = statistics.fp8_scale_sweep(weight, global_amax)
+    # Split where the sweep's own chunks do not: rows 0..99 and 100..299.
+    pieces = torch.cat([statistics.fp8_scale_sweep(w, global_amax) for w in weight.split(100)])
+    assert torch.equal(whole.view(torch.uint8), pieces.view(torch.uint8))
+
+
+def test_fp8_scale_sweep_block_of_the_global_max_is_near_the_top_candidate():
+    """A block holding the global amax needs scale ~448 (max-based); the MSE optimum may trade
+    a little clipping for finer steps, but not by more than one binade."""
+    weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    scales = statistics.fp8_scale_sweep(weight, weight.abs().max()).to(torch.float32)
+    row, col = divmod(int(weight.abs().argmax()), 64)
+    assert 224.0 <= scales[row, col // 16].item() <= 448.0
