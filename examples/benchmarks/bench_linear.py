@@ -1,0 +1,89 @@
+"""One static NVFP4 linear on the Triton route against bf16 ``F.linear`` and the naive emulation.
+
+For each weight shape (K, N) and token count M, in one run on one GPU:
+
+- ``bf16``: ``F.linear`` with the bf16 weight (cuBLAS), the baseline;
+- ``ours``: ``backends.triton.static_nvfp4_linear`` eagerly, and compiled (fullgraph, dynamic);
+- ``api``: the same through the public API, ``F.linear`` on an ``NVFP4StaticTensor`` weight, compiled;
+- ``naive``: dequantize the weight to bf16, quantize-dequantize the activation, ``F.linear``, compiled.
+
+Every time is a triton.testing.do_bench median (which flushes L2 between runs, so the weight
+streams from DRAM). The last columns give ours (compiled) over bf16 as a speedup, and the
+weight-streaming rate ours achieves (packed weight + scales bytes / time) as a share of a
+device-to-device copy measured in the same run. Run:
+
+    python examples/benchmarks/bench_linear.py [--m 1 16 64 512 4096]
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from nvfp4_static.backends.triton import static_nvfp4_linear
+from nvfp4_static.numerics import dequantize_nvfp4, fake_quantize_nvfp4, per_tensor_amax_to_scale, quantize_nvfp4
+from nvfp4_static.tensor import NVFP4StaticTensor
+
+SHAPES = [(8192, 8192), (4096, 14336), (14336, 4096)]
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy of 1 GiB, counting bytes read plus bytes written."""
+    source = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    ms = do_bench(lambda: target.copy_(source), return_mode="median")
+    return 2 * source.numel() / ms / 1e6
+
+
+def naive_linear(x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias):
+    """The emulation one would write first: everything back to bf16, then cuBLAS."""
+    weight = dequantize_nvfp4(weight_qdata, weight_block_scales, weight_scale, torch.bfloat16)
+    return F.linear(fake_quantize_nvfp4(x, act_scale), weight, bias)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device: {torch.cuda.get_device_name()}, device-to-device copy {copy_gbs:.0f} GB/s")
+
+    ours_compiled = torch.compile(static_nvfp4_linear, fullgraph=True, dynamic=True)
+    naive_compiled = torch.compile(naive_linear, fullgraph=True, dynamic=True)
+    api_compiled = torch.compile(F.linear, fullgraph=True, dynamic=True)
+
+    header = f"{'K':>6} {'N':>6} {'M':>5} | {'bf16':>7} {'eager':>7} {'compiled':>8} {'api':>7} {'naive':>7} (ms)"
+    print(header + f" | {'bf16/ours':>9} {'weight GB/s':>11} {'of copy':>7}")
+    with torch.no_grad():
+        for K, N in SHAPES:
+            weight = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+            bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+            act_amax = torch.tensor(4.0, device="cuda")
+            weight_scale = per_tensor_amax_to_scale(weight.abs().amax().float())
+            act_scale = per_tensor_amax_to_scale(act_amax)
+            weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
+            operands = (weight_qdata, weight_block_scales, weight_scale, act_scale, bias)
+            api_weight = NVFP4StaticTensor.from_float(weight, act_amax, backend_override="triton")
+            weight_bytes = weight_qdata.numel() + weight_block_scales.numel()
+            for M in args.m:
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                times = {
+                    "bf16": lambda: F.linear(x, weight, bias),
+                    "eager": lambda: static_nvfp4_linear(x, *operands),
+                    "compiled": lambda: ours_compiled(x, *operands),
+                    "api": lambda: api_compiled(x, api_weight, bias),
+                    "naive": lambda: naive_compiled(x, *operands),
+                }
+                ms = {name: do_bench(fn, return_mode="median") for name, fn in times.items()}
+                weight_gbs = weight_bytes / ms["compiled"] / 1e6
+                print(
+                    f"{K:>6} {N:>6} {M:>5} | {ms['bf16']:7.4f} {ms['eager']:7.4f} {ms['compiled']:8.4f} "
+                    f"{ms['api']:7.4f} {ms['naive']:7.4f}      | {ms['bf16'] / ms['compiled']:9.2f} "
+                    f"{weight_gbs:11.0f} {weight_gbs / copy_gbs:7.0%}"
+                )
+
+
+if __name__ == "__main__":
+    main()

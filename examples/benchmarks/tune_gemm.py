@@ -1,0 +1,97 @@
+"""Sweep tile configs of the Triton NVFP4 GEMM per M, to (re)fill ``kernels.gemm.GEMM_CONFIGS``.
+
+For each weight shape and M, every candidate runs through the production op (``nvfp4_gemm``,
+with the table replaced by that one config), is checked against a float32 product of the same
+dequantized operands, and is timed with triton.testing.do_bench (median). Prints the best per
+(K, N, M), and the bf16 ``F.linear`` time of the same shape for scale. Run on one GPU:
+
+    python examples/benchmarks/tune_gemm.py
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from nvfp4_static.kernels import gemm
+from nvfp4_static.kernels.act_quantize import gemm_activation_operand
+from nvfp4_static.kernels.gemm import GemmConfig, nvfp4_gemm
+from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
+
+SHAPES = [(8192, 8192), (4096, 14336), (14336, 4096)]
+
+DECODE_TILES = [
+    (16, 64, 256, 4, 4),
+    (16, 64, 128, 4, 4),
+    (16, 128, 128, 4, 4),
+    (16, 128, 256, 4, 3),
+    (16, 128, 256, 8, 3),
+    (64, 128, 128, 4, 4),
+    (64, 128, 256, 4, 3),
+]
+MID_TILES = [(64, 64, 256, 4, 4), (64, 128, 128, 4, 4), (64, 128, 256, 4, 3), (64, 256, 128, 8, 3)]
+PREFILL_TILES = [
+    (128, 128, 64, 8, 3),
+    (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (256, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+]
+
+
+def candidates(M: int) -> list[GemmConfig]:
+    if M <= 16:
+        return [GemmConfig(*tile, programs_per_sm=p) for tile in DECODE_TILES for p in (2, 4, 8)]
+    if M <= 64:
+        return [GemmConfig(*tile, programs_per_sm=p) for tile in MID_TILES for p in (0, 2, 4)]
+    return [GemmConfig(*tile) for tile in PREFILL_TILES + (MID_TILES[:2] if M <= 1024 else [])]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}")
+    best = []
+    for K, N in SHAPES:
+        weight = torch.randn(N, K, device="cuda")
+        weight_scale = weight.abs().max() / 2688
+        weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
+        dequantized_weight = dequantize_nvfp4(weight_qdata, weight_block_scales)
+        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        for M in args.m:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            act_scale = x.abs().max().float() / 2688
+            operand = gemm_activation_operand(x, act_scale)
+            in_k_order = operand.float().reshape(M, -1, 2, 8).transpose(-1, -2).reshape(M, K)
+            reference = (in_k_order @ dequantized_weight.t()) * (act_scale * weight_scale) + bias.float()
+            bf16_weight = dequantized_weight.to(torch.bfloat16)
+            bf16_ms = do_bench(lambda: F.linear(x, bf16_weight, bias), return_mode="median")
+            results = []
+            for config in candidates(M):
+                gemm.GEMM_CONFIGS = ((None, config),)
+                run = lambda: nvfp4_gemm(  # noqa: E731
+                    operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, torch.bfloat16
+                )
+                try:
+                    out = run()
+                except Exception as error:  # e.g. a tile that needs more shared memory than the GPU has
+                    print(f"  skip {config}: {type(error).__name__}: {str(error)[:120]}")
+                    continue
+                error = ((out.float() - reference).norm() / reference.norm()).item()
+                ms = do_bench(run, return_mode="median")
+                results.append((ms, error, config))
+            results.sort(key=lambda r: r[0])
+            for ms, error, config in results[:3]:
+                print(f"K={K:>5} N={N:>5} M={M:>4}  {ms:8.4f} ms  err {error:.1e}  bf16 {bf16_ms:.4f} ms  {config}")
+            best.append((K, N, M, results[0][0], bf16_ms, results[0][2]))
+    print("\nbest per shape (GEMM only, activation operand precomputed):")
+    for K, N, M, ms, bf16_ms, config in best:
+        print(f"K={K:>5} N={N:>5} M={M:>4}  {ms:8.4f} ms  bf16 {bf16_ms:8.4f} ms  {config}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Quantize an activation to NVFP4 under a static global scale, in one read, in Triton.
+
+Per 16-element block: amax -> FP8 E4M3 block scale -> E2M1 codes, with exactly the arithmetic of
+``numerics.quantize_nvfp4`` (fp32, correctly rounded divisions, reciprocal multiply, ties to
+even), so that the two agree bit for bit. The kernel writes either form the backends need:
+
+- ``quantize_activation_nvfp4``: packed codes + FP8 scales (the operands of a real FP4 GEMM);
+- ``gemm_activation_operand``: ``q * s_b`` in fp16, *without* the global scale, each 16-block
+  stored as its 8 even-index elements then its 8 odd ones. Every such product is exact in fp16
+  (at most 5 significant bits, magnitudes in [2^-7, 2688]); this is the A operand of the faithful
+  Triton GEMM (``kernels.gemm``), which reads even and odd elements as two contiguous halves
+  because they sit in the low and high nibbles of the packed weight.
+
+Both are ``torch.library.triton_op``s (visible to ``torch.compile``); on non-CUDA tensors they run
+the torch reference (a ``triton_op`` body is traced for every device, so the branch lives there). ``launch_activation_quantize`` is the bare launcher, which the tests run on CPU
+under ``TRITON_INTERPRET=1``.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from nvfp4_static.numerics import (
+    BLOCK_SIZE,
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN_NORMAL,
+    check_dtype,
+    dequantize_nvfp4,
+    quantize_nvfp4,
+)
+
+_E2M1_MAX = tl.constexpr(E2M1_MAX)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_E4M3_MIN_NORMAL = tl.constexpr(E4M3_MIN_NORMAL)
+
+# Tile of one program: rows x columns of the activation. Memory-bound; any shape that gives each
+# thread 16-byte loads and enough programs to fill the GPU does.
+BLOCK_ROWS = 4
+BLOCK_COLS = 512
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """Round fp32 values in [2^-6, 448] to FP8 E4M3, ties to even; returns (value, code byte).
+
+    Bit arithmetic rather than a float8 cast, so that the rounding is the same (and equal to
+    torch's) on every GPU generation and in the interpreter: keep the top 3 mantissa bits,
+    round to nearest even, and re-bias the exponent from 127 to 7.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    code = (bits >> 20) - ((127 - 7) << 3)
+    return bits.to(tl.float32, bitcast=True), code.to(tl.uint8)
+
+
+@triton.jit
+def e2m1_magnitude_code(a):
+    """E2M1 code (0..7) of fp32 magnitudes in [0, 6], ties to even as ``numerics.round_to_e2m1``."""
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    return code + (a > 5.0).to(tl.int32)
+
+
+@triton.jit
+def _activation_quantize_kernel(
+    x_ptr,
+    per_tensor_scale_ptr,
+    qdata_ptr,
+    scales_ptr,
+    operand_ptr,
+    M,
+    K,
+    stride_xm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WRITE_PACKED: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    GROUPS: tl.constexpr = BLOCK_K // 16
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    # K is a multiple of 16, so a 16-block is either wholly inside the tensor or wholly masked.
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    blocks = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, 16))
+
+    per_tensor_scale = tl.load(per_tensor_scale_ptr)
+    block_amax = tl.max(tl.abs(blocks), axis=2)
+    scale = tl.math.div_rn(tl.math.div_rn(block_amax, _E2M1_MAX), per_tensor_scale)
+    scale = tl.minimum(tl.maximum(scale, _E4M3_MIN_NORMAL), _E4M3_MAX)
+    scale, scale_code = round_to_e4m3(scale)
+    reciprocal = tl.math.div_rn(tl.math.div_rn(1.0, per_tensor_scale), scale)
+
+    scaled = blocks * reciprocal[:, :, None]
+    scaled = tl.minimum(tl.maximum(scaled, -_E2M1_MAX), _E2M1_MAX)
+    magnitude = e2m1_magnitude_code(tl.abs(scaled))
+    # torchao keeps the sign bit of the scaled value, so -0.0 becomes code 0x8.
+    negative = scaled.to(tl.int32, bitcast=True) < 0
+
+    if WRITE_PACKED:
+        codes = tl.reshape(magnitude + negative.to(tl.int32) * 8, (BLOCK_M, BLOCK_K // 2, 2))
+        even, odd = tl.split(codes)
+        packed = (even | (odd << 4)).to(tl.uint8)
+        half_cols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        tl.store(
+            qdata_ptr + rows[:, None] * (K // 2) + half_cols[None, :],
+            packed,
+            mask=(rows[:, None] < M) & (half_cols[None, :] < K // 2),
+        )
+        group_cols = pid_k * GROUPS + tl.arange(0, GROUPS)
+        tl.store(
+            scales_ptr + rows[:, None] * (K // 16) + group_cols[None, :],
+            scale_code,
+            mask=(rows[:, None] < M) & (group_cols[None, :] < K // 16),
+        )
+    else:
+        # E2M1 magnitudes 0, 0.5, 1, 1.5, 2 are code / 2; codes 5, 6, 7 are 3, 4, 6.
+        q = tl.where(magnitude <= 4, magnitude * 0.5, tl.where(magnitude == 7, 6.0, magnitude - 2.0))
+        q = tl.where(negative, -q, q) * scale[:, :, None]
+        deinterleaved = tl.permute(tl.reshape(q, (BLOCK_M, GROUPS, 8, 2)), (0, 1, 3, 2))
+        tl.store(
+            operand_ptr + rows[:, None] * K + cols[None, :],
+            tl.reshape(deinterleaved, (BLOCK_M, BLOCK_K)).to(tl.float16),
+            mask=mask,
+        )
+
+
+def _check_activation(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> None:
+    check_dtype(x, "activation")
+    if x.dim() != 2 or x.shape[1] % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"nvfp4_static: the activation quantize kernel takes [M, K] with K a multiple of "
+            f"{BLOCK_SIZE}; got shape {tuple(x.shape)} (flatten leading dims first)"
+        )
+    if per_tensor_scale.numel() != 1:
+        raise ValueError(
+            f"nvfp4_static: act per_tensor_scale must be a scalar, got shape "
+            f"{tuple(per_tensor_scale.shape)}"
+        )
+
+
+def launch_activation_quantize(
+    x: torch.Tensor,
+    per_tensor_scale: torch.Tensor,
+    qdata: Optional[torch.Tensor],
+    block_scales: Optional[torch.Tensor],
+    gemm_operand: Optional[torch.Tensor],
+) -> None:
+    """Run the kernel into preallocated outputs: pass ``qdata`` + ``block_scales`` (packed form)
+    or ``gemm_operand`` (fp16 ``q * s_b``, block-deinterleaved), the other as None."""
+    _check_activation(x, per_tensor_scale)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    M, K = x.shape
+    write_packed = gemm_operand is None
+    grid = (triton.cdiv(M, BLOCK_ROWS), triton.cdiv(K, BLOCK_COLS))
+    wrap_triton(_activation_quantize_kernel)[grid](
+        x,
+        per_tensor_scale.to(torch.float32).reshape(1),
+        qdata if write_packed else x,
+        block_scales.view(torch.uint8) if write_packed else x,
+        x if write_packed else gemm_operand,
+        M,
+        K,
+        x.stride(0),
+        BLOCK_M=BLOCK_ROWS,
+        BLOCK_K=BLOCK_COLS,
+        WRITE_PACKED=write_packed,
+    )
+
+
+@triton_op("nvfp4_static::quantize_activation_nvfp4", mutates_args=())
+def quantize_activation_nvfp4(
+    x: torch.Tensor, per_tensor_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``numerics.quantize_nvfp4(x, per_tensor_scale)`` for a 2D ``x``, in one Triton kernel.
+
+    Returns ``(qdata uint8 [M, K/2], block_scales float8_e4m3fn [M, K/16])``.
+    """
+    if x.device.type != "cuda":
+        return quantize_nvfp4(x, per_tensor_scale)
+    M, K = x.shape
+    qdata = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
+    block_scales = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=x.device)
+    launch_activation_quantize(x, per_tensor_scale, qdata, block_scales, None)
+    return qdata, block_scales
+
+
+def deinterleave_blocks(x: torch.Tensor) -> torch.Tensor:
+    """Reorder each 16-block of the last dim as its 8 even-index elements, then its 8 odd ones."""
+    blocks = x.reshape(*x.shape[:-1], -1, BLOCK_SIZE // 2, 2)
+    return blocks.transpose(-1, -2).reshape(x.shape)
+
+
+@triton_op("nvfp4_static::gemm_activation_operand", mutates_args=())
+def gemm_activation_operand(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> torch.Tensor:
+    """fp16 ``q * s_b`` of ``x`` quantized under ``per_tensor_scale``, block-deinterleaved, ``[M, K]``."""
+    if x.device.type != "cuda":
+        qdata, block_scales = quantize_nvfp4(x, per_tensor_scale)
+        return deinterleave_blocks(dequantize_nvfp4(qdata, block_scales, output_dtype=torch.float16))
+    operand = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    launch_activation_quantize(x, per_tensor_scale, None, None, operand)
+    return operand

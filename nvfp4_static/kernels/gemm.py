@@ -1,0 +1,358 @@
+"""The faithful NVFP4 GEMM for GPUs without FP4 tensor cores, in Triton.
+
+``out = (A @ dequant(W)^T) * act_scale * weight_scale + bias``. ``A`` is the activation already
+rounded onto the NVFP4 grid without its global scale (fp16 ``q * s_b``, block-deinterleaved, from
+``act_quantize.gemm_activation_operand``); ``W`` stays packed: E2M1 codes, two per byte, plus FP8
+E4M3 block scales. Each weight tile is dequantized in registers to fp16 ``q * s_b`` (exact: E2M1
+x E4M3 needs 5 significant bits), multiplied on the fp16 tensor cores with fp32 accumulation, and
+the two global scales and the bias are applied in the epilogue. This equals a real FP4
+tensor-core GEMM up to the order of the fp32 sums.
+
+A byte holds an even-K element (low nibble) and the next odd one (high nibble), so each K tile
+is two dots, ``A_even @ W_even^T + A_odd @ W_odd^T``: every thread then keeps its dequantized
+values in K order without shuffles, which matters because at decode sizes the kernel's
+instruction issue, not only memory, bounds the time. Small batches split K over several programs
+and sum the fp32 partials in a second small kernel that applies the epilogue.
+"""
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from nvfp4_static.numerics import BLOCK_SIZE
+
+# E2M1 code (sign, e1, e0, m) -> FP8 E4M3 byte (sign, 0, 0, e1, e0, m, 0, 0) is the same number
+# times 2^-6, subnormals included, and the hardware FP8 -> fp16 convert does the rest. The input
+# register holds four packed bytes b0..b3; output registers 0-1 hold the low-nibble values of
+# b0..b3, registers 2-3 the high-nibble ones. (n << 2) + 12 * (n & 8) moves each nibble's sign
+# from bit 3 to bit 7.
+_E2M1_BYTES_TO_FP16_PTX = tl.constexpr("""
+{
+.reg .b32 r_lo, r_hi, r_sign;
+.reg .b16 l0, l1, h0, h1;
+and.b32 r_lo, $4, 0x0F0F0F0F;
+shr.u32 r_hi, $4, 4;
+and.b32 r_hi, r_hi, 0x0F0F0F0F;
+and.b32 r_sign, r_lo, 0x08080808;
+shl.b32 r_lo, r_lo, 2;
+mad.lo.u32 r_lo, r_sign, 12, r_lo;
+and.b32 r_sign, r_hi, 0x08080808;
+shl.b32 r_hi, r_hi, 2;
+mad.lo.u32 r_hi, r_sign, 12, r_hi;
+mov.b32 {l0, l1}, r_lo;
+mov.b32 {h0, h1}, r_hi;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, l1;
+cvt.rn.f16x2.e4m3x2 $2, h0;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+}
+""")
+
+
+@triton.jit
+def _e2m1_as_e4m3_fp16(nibbles):
+    """The pure-Triton twin of the PTX above, one nibble per element (interpreter, pre-sm89)."""
+    e4m3 = ((nibbles & 7) << 2) | ((nibbles & 8) << 4)
+    return e4m3.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def dequantize_weight_tile(packed, scale_codes, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K / 2]`` packed codes + ``[BLOCK_N, BLOCK_K / 16]`` FP8 scale bytes -> the fp16
+    ``q * s_b`` of the even-K (low nibble) and odd-K (high nibble) elements, each
+    ``[BLOCK_N, BLOCK_K / 2]``: two tensors rather than one interleaved, so that no thread has to
+    shuffle values into K order."""
+    if PTX:
+        low, high = tl.inline_asm_elementwise(
+            _E2M1_BYTES_TO_FP16_PTX,
+            "=r,=r,=r,=r,r",
+            [packed],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        low = _e2m1_as_e4m3_fp16(packed & 0xF)
+        high = _e2m1_as_e4m3_fp16(packed >> 4)
+    # Undo the 2^-6 of the FP8 trick on the scale: s_b * 64 <= 28672 stays exact in fp16.
+    scales = (scale_codes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0)[:, :, None]
+    even = tl.reshape(tl.reshape(low, (BLOCK_N, BLOCK_K // 16, 8)) * scales, (BLOCK_N, BLOCK_K // 2))
+    odd = tl.reshape(tl.reshape(high, (BLOCK_N, BLOCK_K // 16, 8)) * scales, (BLOCK_N, BLOCK_K // 2))
+    return even, odd
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    w_scales_ptr,
+    act_scale_ptr,
+    weight_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_om,
+    split_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WRITE_PARTIALS: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    # Grouped tile order: GROUP_N weight tiles sweep over all activation tiles together, so the
+    # weight tiles stay in L2 while the activation streams by (prefill).
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_N * tiles_m)
+    first_n = group * GROUP_N
+    group_size = tl.minimum(tiles_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % (GROUP_N * tiles_m)) % group_size
+    pid_m = (pid % (GROUP_N * tiles_m)) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = offs_m.to(tl.int64)
+    rows_n = offs_n.to(tl.int64)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(tiles_k, split_k)
+    k_first = pid_k * tiles_per_split
+    k_last = tl.minimum(k_first + tiles_per_split, tiles_k)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_tile in range(k_first, k_last):
+        # The activation operand is stored block-deinterleaved (each 16-block: its 8 even
+        # elements, then its 8 odd ones), so the even and odd halves load as 16-byte runs.
+        offs_half = tl.arange(0, BLOCK_K // 2)
+        offs_even = k_tile * BLOCK_K + (offs_half // 8) * 16 + offs_half % 8
+        offs_kb = k_tile * (BLOCK_K // 2) + offs_half
+        offs_ks = k_tile * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        a_mask = (offs_m[:, None] < M) & (EVEN_K or offs_even[None, :] < K)
+        a_even = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :], mask=a_mask, other=0.0)
+        a_odd = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :] + 8, mask=a_mask, other=0.0)
+        packed = tl.load(
+            w_ptr + rows_n[:, None] * (K // 2) + offs_kb[None, :],
+            mask=(offs_n[:, None] < N) & (EVEN_K or offs_kb[None, :] < K // 2),
+            other=0,
+        )
+        scale_codes = tl.load(
+            w_scales_ptr + rows_n[:, None] * (K // 16) + offs_ks[None, :],
+            mask=(offs_n[:, None] < N) & (EVEN_K or offs_ks[None, :] < K // 16),
+            other=0,
+        )
+        w_even, w_odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
+        acc = tl.dot(a_even, tl.trans(w_even), acc)
+        acc = tl.dot(a_odd, tl.trans(w_odd), acc)
+
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if not WRITE_PARTIALS:
+        scale = tl.load(act_scale_ptr) * tl.load(weight_scale_ptr)
+        acc = acc * scale
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + rows_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        partial_ptrs = out_ptr + (pid_k * M + rows_m[:, None]) * N + offs_n[None, :]
+        tl.store(partial_ptrs, acc, mask=out_mask)
+
+
+@triton.jit
+def _split_k_epilogue_kernel(
+    partials_ptr,
+    act_scale_ptr,
+    weight_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    split_k,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Sum the fp32 partials over the K splits, then the GEMM's epilogue."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(split_k):
+        acc += tl.load(partials_ptr + split * M * N + offs, mask=mask, other=0.0)
+    acc = acc * (tl.load(act_scale_ptr) * tl.load(weight_scale_ptr))
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One tile shape and launch setting.
+
+    ``programs_per_sm > 0`` splits K until the grid holds about that many programs per SM (a
+    decode GEMM has few output tiles, and streaming the weight at full bandwidth needs many loads
+    in flight); such an entry's ``block_m`` covers its whole M bucket, so the split does not
+    depend on M.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_n: int = 8
+    programs_per_sm: int = 0
+
+
+# Keyed on the largest M each serves. Tuned on one H100 80GB HBM3 (torch 2.11, triton 3.6) at
+# K = N = 8192 and checked at (K, N) = (4096, 14336), (14336, 4096); see
+# examples/benchmarks/RESULTS.md. Few buckets on purpose: under torch.compile each bucket is one
+# graph (the choice is a guard on M), and M varies freely inside a bucket.
+GEMM_CONFIGS = (
+    (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=4)),
+    (64, GemmConfig(64, 128, 128, 4, 4, programs_per_sm=4)),
+    (None, GemmConfig(128, 128, 64, 8, 3)),
+)
+SPLIT_K_EPILOGUE_BLOCK = 1024
+
+
+def gemm_config(M: int) -> GemmConfig:
+    for max_m, config in GEMM_CONFIGS:
+        if max_m is None or M <= max_m:
+            return config
+    raise AssertionError("GEMM_CONFIGS ends with a catch-all entry")
+
+
+@lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_for(config: GemmConfig, N: int, K: int, device: torch.device) -> int:
+    """How many programs share each output tile's K range (at least 2 K tiles each)."""
+    if config.programs_per_sm == 0:
+        return 1
+    wanted = triton.cdiv(config.programs_per_sm * _multiprocessor_count(device), triton.cdiv(N, config.block_n))
+    return max(1, min(wanted, triton.cdiv(K, config.block_k) // 2))
+
+
+def _use_ptx_dequant(device: torch.device) -> bool:
+    # cvt.rn.f16x2.e4m3x2 exists from sm_89; the interpreter (CPU tensors) runs plain Triton.
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _check_operands(a: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torch.Tensor) -> None:
+    if a.dtype != torch.float16 or a.dim() != 2:
+        raise ValueError(
+            f"nvfp4_static: the NVFP4 GEMM takes the activation as fp16 [M, K] (from "
+            f"gemm_activation_operand), got {a.dtype} {tuple(a.shape)}"
+        )
+    K = a.shape[1]
+    N = weight_qdata.shape[0]
+    if K % BLOCK_SIZE or tuple(weight_qdata.shape) != (N, K // 2) or tuple(weight_block_scales.shape) != (
+        N,
+        K // BLOCK_SIZE,
+    ):
+        raise ValueError(
+            f"nvfp4_static: NVFP4 GEMM shapes do not match: activation {tuple(a.shape)}, weight qdata "
+            f"{tuple(weight_qdata.shape)} (want [N, {K // 2}]), block scales "
+            f"{tuple(weight_block_scales.shape)} (want [N, {K // BLOCK_SIZE}]); K must be a multiple of 16"
+        )
+
+
+def launch_nvfp4_gemm(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    config: Optional[GemmConfig] = None,
+) -> None:
+    """Run the GEMM into ``out [M, N]``; ``config`` defaults to the table entry for M."""
+    _check_operands(a, weight_qdata, weight_block_scales)
+    M, K = a.shape
+    N = weight_qdata.shape[0]
+    config = config or gemm_config(M)
+    split_k = split_k_for(config, N, K, a.device)
+    act_scale = act_per_tensor_scale.to(torch.float32).reshape(1)
+    weight_scale = weight_per_tensor_scale.to(torch.float32).reshape(1)
+    partials = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    wrap_triton(_nvfp4_gemm_kernel)[(tiles, split_k)](
+        a,
+        weight_qdata.contiguous(),
+        weight_block_scales.contiguous().view(torch.uint8),
+        act_scale,
+        weight_scale,
+        bias if bias is not None else act_scale,
+        partials,
+        M,
+        N,
+        K,
+        a.stride(0),
+        out.stride(0),
+        split_k,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        WRITE_PARTIALS=split_k > 1,
+        GROUP_N=config.group_n,
+        HAS_BIAS=bias is not None,
+        EVEN_K=K % config.block_k == 0,
+        PTX=_use_ptx_dequant(a.device),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split_k > 1:
+        wrap_triton(_split_k_epilogue_kernel)[(triton.cdiv(M * N, SPLIT_K_EPILOGUE_BLOCK),)](
+            partials,
+            act_scale,
+            weight_scale,
+            bias if bias is not None else act_scale,
+            out,
+            M,
+            N,
+            out.stride(0),
+            split_k,
+            BLOCK=SPLIT_K_EPILOGUE_BLOCK,
+            HAS_BIAS=bias is not None,
+        )
+
+
+@triton_op("nvfp4_static::nvfp4_gemm", mutates_args=())
+def nvfp4_gemm(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a @ dequant(W)^T) * act_scale * weight_scale + bias`` as ``[M, N]`` in ``out_dtype``.
+
+    ``a`` is fp16 ``q * s_b`` (no global scale). CUDA only: the torch route of the same product
+    is ``backends.cpu``.
+    """
+    if a.device.type != "cuda":
+        raise ValueError(
+            f"nvfp4_static: nvfp4_gemm runs on CUDA tensors, got {a.device}; use the 'cpu' backend"
+        )
+    out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
+    launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out)
+    return out

@@ -1,0 +1,131 @@
+"""backends/triton.py and backends/blackwell.py against the torch route, backends/cpu.py.
+
+The Blackwell route cannot run here (no sm100 GPU): its operands are checked against the layout
+torchao's NVFP4Tensor produces, and the whole route runs on CPU with ``torch._scaled_mm``
+replaced by an emulation of cuBLAS's block-scaled FP4 product.
+"""
+
+import pytest
+import torch
+from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+from torchao.prototype.mx_formats.utils import from_blocked
+
+from nvfp4_static.backends import blackwell, cpu
+from nvfp4_static.backends import triton as triton_backend
+from nvfp4_static.kernels.gemm import GEMM_CONFIGS
+from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, quantize_nvfp4
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def float_operands(M: int, N: int, K: int, seed: int):
+    """An activation, a weight (rows of different magnitudes) and their global scales."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=generator)
+    weight = torch.randn(N, K, generator=generator) * torch.rand(N, 1, generator=generator)
+    return x, weight, x.abs().max() / (E4M3_MAX * E2M1_MAX), weight.abs().max() / (E4M3_MAX * E2M1_MAX)
+
+
+def linear_inputs(M, N, K, dtype, seed, device="cpu", with_bias=True):
+    """``static_nvfp4_linear``'s arguments, in its order."""
+    x, weight, act_scale, weight_scale = float_operands(M, N, K, seed)
+    weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(seed)) if with_bias else None
+    tensors = (x.to(dtype), weight_qdata, weight_block_scales, weight_scale, act_scale, bias)
+    return tuple(t if t is None else t.to(device) for t in tensors)
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    assert out.dtype == reference.dtype and out.shape == reference.shape
+    return ((out.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
+def test_triton_backend_sends_cpu_tensors_to_the_cpu_backend():
+    inputs = linear_inputs(5, 32, 64, torch.bfloat16, seed=0)
+    assert torch.equal(triton_backend.static_nvfp4_linear(*inputs), cpu.static_nvfp4_linear(*inputs))
+
+
+@pytest.mark.parametrize("M,N,K", [(5, 256, 128), (130, 64, 320)], ids=str)
+def test_blackwell_operands_match_torchao_swizzled_layout(M, N, K):
+    x, weight, act_scale, weight_scale = float_operands(M, N, K, seed=1)
+    operands = blackwell.scaled_mm_operands(*quantize_nvfp4(x, act_scale), *quantize_nvfp4(weight, weight_scale))
+    a, b, scale_a, scale_b = operands
+    torchao_act = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=act_scale, is_swizzled_scales=True)
+    torchao_weight = NVFP4Tensor.to_nvfp4(weight, per_tensor_scale=weight_scale, is_swizzled_scales=True)
+
+    assert a.dtype == b.dtype == torch.float4_e2m1fn_x2
+    assert torch.equal(a.view(torch.uint8), torchao_act.qdata)
+    assert torch.equal(scale_a.view(torch.uint8), torchao_act.scale.flatten().view(torch.uint8))
+    # cuBLAS takes the weight column-major: the [K/2, N] transpose of the contiguous [N, K/2].
+    assert b.shape == (K // 2, N) and b.stride() == (1, K // 2)
+    assert torch.equal(b.view(torch.uint8), torchao_weight.qdata.t())
+    assert torch.equal(scale_b.view(torch.uint8), torchao_weight.scale.flatten().view(torch.uint8))
+
+
+def emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """cuBLAS's NVFP4 ``_scaled_mm`` in float64: decode both FP4 operands, un-block their scales
+    (torchao's ``from_blocked``), multiply each 16-element block by its scale, then ``a @ b``."""
+
+    def decode(qdata_rows: torch.Tensor, blocked_scales: torch.Tensor) -> torch.Tensor:
+        rows, half_k = qdata_rows.shape
+        values = f4_unpacked_to_f32(unpack_uint4(qdata_rows.contiguous().view(torch.uint8)))
+        scales = from_blocked(blocked_scales.view(torch.float8_e4m3fn), rows, half_k // 8).to(torch.float32)
+        return (values.reshape(rows, -1, 16) * scales[..., None]).reshape(rows, -1).double()
+
+    return (decode(a, scale_a) @ decode(b.t(), scale_b).t()).to(out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_blackwell_route_with_emulated_scaled_mm_matches_cpu_backend(monkeypatch, dtype, with_bias):
+    # Both sides multiply the same exact block products; they differ only in fp32 summation
+    # order (the emulation sums in fp64), far below one rounding of the output dtype.
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_scaled_mm)
+    inputs = linear_inputs(7, 48, 96, dtype, seed=2, with_bias=with_bias)
+    tolerance = 1e-5 if dtype == torch.float32 else UNIT_ROUNDOFF[dtype]
+    assert relative_error(blackwell.static_nvfp4_linear(*inputs), cpu.static_nvfp4_linear(*inputs)) <= tolerance
+
+
+def gpu_tolerance(K: int, dtype: torch.dtype) -> float:
+    """Both routes multiply exact products; each sums K of them in fp32 in its own order (at most
+    about K * 2^-24 relative apart) and rounds once to ``dtype``: allow 2x the sum of those."""
+    return 2 * (K * 2.0**-24 + UNIT_ROUNDOFF[dtype])
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(
+    "M,N,K", [(1, 4096, 4096), (13, 8192, 8192), (77, 1024, 4096), (1000, 4096, 4096), (3, 48, 16)], ids=str
+)
+def test_gpu_triton_backend_matches_cpu_backend(dtype, with_bias, M, N, K):
+    inputs = linear_inputs(M, N, K, dtype, seed=M, device="cuda", with_bias=with_bias)
+    out = triton_backend.static_nvfp4_linear(*inputs)
+    assert relative_error(out, cpu.static_nvfp4_linear(*inputs)) <= gpu_tolerance(K, dtype)
+
+
+@requires_cuda
+def test_gpu_3d_activation_flattened_by_the_caller():
+    x, *rest = linear_inputs(2 * 9, 512, 1024, torch.bfloat16, seed=3, device="cuda")
+    x3d = x.reshape(2, 9, 1024)
+    out = triton_backend.static_nvfp4_linear(x3d.reshape(-1, 1024), *rest).reshape(2, 9, 512)
+    assert torch.equal(out, triton_backend.static_nvfp4_linear(x, *rest).reshape(2, 9, 512))
+    assert relative_error(out.reshape(-1, 512), cpu.static_nvfp4_linear(x, *rest)) <= gpu_tolerance(1024, torch.bfloat16)
+
+
+@requires_cuda
+def test_gpu_compiled_fullgraph_one_graph_per_m_bucket():
+    """M varies freely inside a config bucket; crossing into another bucket compiles once more.
+    M = 1 is left out: dynamo specialises sizes 0 and 1 whatever the bucket."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    compiled = torch.compile(triton_backend.static_nvfp4_linear, fullgraph=True, dynamic=True)
+    decode_bucket = GEMM_CONFIGS[0][0]
+    buckets = {"decode": [2, 7, decode_bucket], "prefill": [300, 1000, 777]}
+    for bucket_index, m_values in enumerate(buckets.values(), start=1):
+        for M in m_values:
+            x, *rest = linear_inputs(M, 1024, 2048, torch.bfloat16, seed=M, device="cuda")
+            assert torch.equal(compiled(x, *rest), triton_backend.static_nvfp4_linear(x, *rest))
+        assert counters["stats"]["unique_graphs"] == bucket_index

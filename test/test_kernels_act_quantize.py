@@ -1,0 +1,136 @@
+"""kernels/act_quantize.py: the Triton activation quantizer is bit-identical to numerics.quantize_nvfp4.
+
+On CPU the kernel runs under the Triton interpreter (in a child process, see triton_interpreter);
+on a CUDA machine the same checks run compiled, at real sizes.
+"""
+
+import pytest
+import torch
+from triton_interpreter import run_interpreted
+
+from nvfp4_static.kernels.act_quantize import (
+    deinterleave_blocks,
+    gemm_activation_operand,
+    launch_activation_quantize,
+    quantize_activation_nvfp4,
+)
+from nvfp4_static.numerics import (
+    E2M1_MAX,
+    E4M3_MAX,
+    dequantize_nvfp4,
+    e4m3_positive_values,
+    quantize_nvfp4,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+LAUNCHER = "nvfp4_static.kernels.act_quantize:launch_activation_quantize"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def wide_range_activation(M: int, K: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks spanning 2^-20 .. 2^12 around a global scale set at a quarter of the amax, so that
+    the largest blocks saturate (scale clamped at 448, codes at +-6) and the smallest hit the
+    2^-6 scale floor; plus an all-zero and an all-(-0.0) block where K leaves room for them."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=generator) * torch.exp2(torch.linspace(-20, 12, K))
+    if K >= 48:
+        x[:, :16] = 0.0
+        x[:, 16:32] = -0.0
+    x = x.to(dtype)
+    per_tensor_scale = x.abs().max().float() / (E4M3_MAX * E2M1_MAX) / 4
+    return x, per_tensor_scale
+
+
+def rounding_ties() -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 blocks whose scale, or whose scaled elements, fall exactly halfway between two
+    representable values (per-tensor scale 1, so the arithmetic is exact): one block per pair of
+    neighbouring normal FP8 scales, then one block of every E2M1 midpoint, both signs."""
+    normals = e4m3_positive_values()[7:]
+    midpoints = (normals[:-1] + normals[1:]) / 2
+    scale_ties = torch.zeros(len(midpoints), 16)
+    scale_ties[:, 0] = 6.0 * midpoints
+    scale_ties[:, 1] = 0.3
+    e2m1_midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    element_ties = torch.cat([torch.tensor([6.0]), e2m1_midpoints, -e2m1_midpoints, torch.tensor([-0.0])])
+    return torch.cat([scale_ties, element_ties[None, :]]), torch.tensor(1.0)
+
+
+def empty_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    M, K = x.shape
+    return (
+        torch.full((M, K // 2), 0xAB, dtype=torch.uint8, device=x.device),
+        torch.full((M, K // 16), 0xAB, dtype=torch.uint8, device=x.device).view(torch.float8_e4m3fn),
+        torch.full((M, K), float("nan"), dtype=torch.float16, device=x.device),
+    )
+
+
+def assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operand):
+    expected_qdata, expected_scales = quantize_nvfp4(x.cpu(), per_tensor_scale.cpu())
+    assert torch.equal(qdata.cpu(), expected_qdata)
+    assert torch.equal(block_scales.cpu().view(torch.uint8), expected_scales.view(torch.uint8))
+    expected_operand = deinterleave_blocks(dequantize_nvfp4(expected_qdata, expected_scales, output_dtype=torch.float16))
+    assert torch.equal(operand.cpu().view(torch.int16), expected_operand.view(torch.int16))
+
+
+CASES = {
+    f"{dtype_id}-{M}x{K}": (M, K, dtype)
+    for dtype, dtype_id in zip(DTYPES, DTYPE_IDS)
+    for M, K in [(1, 16), (5, 48), (6, 1040)]
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    """Every case's inputs and kernel outputs, from one interpreted child process."""
+    inputs = {name: wide_range_activation(M, K, dtype, seed) for seed, (name, (M, K, dtype)) in enumerate(CASES.items())}
+    inputs["ties"] = rounding_ties()
+    calls = []
+    for x, per_tensor_scale in inputs.values():
+        qdata, block_scales, operand = empty_outputs(x)
+        calls.append((LAUNCHER, (x, per_tensor_scale, qdata, block_scales, None)))
+        calls.append((LAUNCHER, (x, per_tensor_scale, None, None, operand)))
+    results = iter(run_interpreted(calls))
+    outputs = {}
+    for name, (x, per_tensor_scale) in inputs.items():
+        _, _, qdata, block_scales, _ = next(results)
+        operand = next(results)[4]
+        outputs[name] = (x, per_tensor_scale, qdata, block_scales, operand)
+    return outputs
+
+
+@pytest.mark.parametrize("case", list(CASES) + ["ties"])
+def test_interpreted_kernel_matches_reference_bit_for_bit(interpreted_results, case):
+    assert_quantized_like_reference(*interpreted_results[case])
+
+
+def test_deinterleave_blocks_puts_even_elements_first():
+    x = torch.arange(32.0).reshape(1, 32)
+    expected = [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]
+    assert deinterleave_blocks(x)[0].tolist() == [float(i) for i in expected + [16 + i for i in expected]]
+
+
+def test_ops_route_cpu_tensors_to_the_reference():
+    x, per_tensor_scale = wide_range_activation(3, 64, torch.bfloat16, seed=0)
+    qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
+    operand = gemm_activation_operand(x, per_tensor_scale)
+    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operand)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("M,K", [(1, 8192), (37, 4096), (4096, 8192), (3, 16)], ids=str)
+def test_gpu_kernel_matches_reference_bit_for_bit(dtype, M, K):
+    x, per_tensor_scale = wide_range_activation(M, K, dtype, seed=M + K)
+    x, per_tensor_scale = x.cuda(), per_tensor_scale.cuda()
+    qdata, block_scales, operand = empty_outputs(x)
+    launch_activation_quantize(x, per_tensor_scale, qdata, block_scales, None)
+    launch_activation_quantize(x, per_tensor_scale, None, None, operand)
+    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operand)
+
+
+@requires_cuda
+def test_gpu_ties_match_reference_bit_for_bit():
+    x, per_tensor_scale = (t.cuda() for t in rounding_ties())
+    qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
+    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, gemm_activation_operand(x, per_tensor_scale))

@@ -1,0 +1,134 @@
+"""kernels/gemm.py: the Triton NVFP4 GEMM equals an fp64 product of the same dequantized operands.
+
+The reference is ``(A @ dequant(W)^T) * act_scale * weight_scale + bias`` in float64 with ``A``
+the exact fp16 ``q * s_b`` operand, so the only differences left are the kernel's fp32 summation
+order and the rounding of the output. On CPU the kernel runs under the Triton interpreter (in a
+child process, see triton_interpreter); on a CUDA machine the checks run compiled, at real sizes.
+"""
+
+import pytest
+import torch
+from triton_interpreter import run_interpreted
+
+from nvfp4_static.kernels.act_quantize import deinterleave_blocks, gemm_activation_operand
+from nvfp4_static.kernels.gemm import GEMM_CONFIGS, GemmConfig, launch_nvfp4_gemm, nvfp4_gemm
+from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, dequantize_nvfp4, quantize_nvfp4
+
+LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
+    """Activation operand, packed weight, both global scales and a bias, as the backends pass them."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=generator)
+    weight = torch.randn(N, K, generator=generator) * torch.rand(N, 1, generator=generator)
+    act_scale = x.abs().max() / (E4M3_MAX * E2M1_MAX)
+    weight_scale = weight.abs().max() / (E4M3_MAX * E2M1_MAX)
+    weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
+    operand = gemm_activation_operand(x, act_scale)
+    bias = torch.randn(N, generator=generator)
+    tensors = (operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
+    return tuple(t.to(device) for t in tensors)
+
+
+def interleave_blocks(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``deinterleave_blocks``: back to K order."""
+    return x.reshape(*x.shape[:-1], -1, 2, 8).transpose(-1, -2).reshape(x.shape)
+
+
+def reference_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias):
+    """float64 product of the dequantized operands."""
+    activation = interleave_blocks(operand.double())
+    weight = dequantize_nvfp4(weight_qdata, weight_block_scales).double()
+    out = (activation @ weight.t()) * (act_scale.double() * weight_scale.double())
+    return out if bias is None else out + bias.double()
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in the output (an element left unwritten?)"
+    return ((out.double() - reference).norm() / reference.norm()).item()
+
+
+def test_interleave_undoes_deinterleave():
+    x = torch.randn(3, 48)
+    assert torch.equal(interleave_blocks(deinterleave_blocks(x)), x)
+
+
+# Small tiles so that the interpreter sees several K tiles, a ragged last tile (K=48 with 32-wide
+# tiles), M and N edges, and a split K (programs_per_sm large against the CPU's one "SM").
+INTERPRETER_CONFIGS = {
+    "one-pass": GemmConfig(16, 16, 32, num_warps=4, num_stages=1),
+    "split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, group_n=2, programs_per_sm=64),
+}
+INTERPRETER_SHAPES = [(3, 40, 48), (17, 70, 160), (2, 24, 16)]
+OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    cases, calls = [], []
+    for config_name, config in INTERPRETER_CONFIGS.items():
+        for shape_index, (M, N, K) in enumerate(INTERPRETER_SHAPES):
+            for dtype_name, (dtype, _) in OUT_DTYPES.items():
+                for with_bias in (True, False):
+                    operands = list(gemm_operands(M, N, K, seed=shape_index))
+                    operands[-1] = operands[-1] if with_bias else None
+                    out = torch.full((M, N), float("nan"), dtype=dtype)
+                    name = f"{config_name}-{M}x{N}x{K}-{dtype_name}-{'bias' if with_bias else 'nobias'}"
+                    cases.append((name, dtype_name, operands))
+                    calls.append((LAUNCHER, (*operands, out, config)))
+    results = run_interpreted(calls)
+    return {name: (dtype_name, operands, args[6]) for (name, dtype_name, operands), args in zip(cases, results)}
+
+
+INTERPRETER_CASES = [
+    f"{config_name}-{M}x{N}x{K}-{dtype_name}-{bias}"
+    for config_name in INTERPRETER_CONFIGS
+    for M, N, K in INTERPRETER_SHAPES
+    for dtype_name in OUT_DTYPES
+    for bias in ("bias", "nobias")
+]
+
+
+@pytest.mark.parametrize("case", INTERPRETER_CASES)
+def test_interpreted_gemm_matches_fp64_reference(interpreted_results, case):
+    # fp32 output: the only error is fp32 summation order at K <= 160, far below 1e-5;
+    # bf16 output: one rounding to 8 significant bits, relative error about 2^-9 on average.
+    dtype_name, operands, out = interpreted_results[case]
+    assert relative_error(out, reference_gemm(*operands)) <= OUT_DTYPES[dtype_name][1]
+
+
+def test_op_rejects_cpu_tensors_with_a_pointer_to_the_cpu_backend():
+    with pytest.raises(ValueError, match="cpu"):
+        nvfp4_gemm(*gemm_operands(2, 16, 32, seed=0), torch.float32)
+
+
+def test_config_table_covers_every_m_and_decode_tiles_cover_their_bucket():
+    assert GEMM_CONFIGS[-1][0] is None
+    for max_m, config in GEMM_CONFIGS[:-1]:
+        # A split-K entry's grid must not depend on M (see GemmConfig).
+        assert config.programs_per_sm == 0 or config.block_m >= max_m
+
+
+def gpu_tolerance(K: int, dtype: torch.dtype) -> float:
+    """Recursive fp32 summation of K products errs by at most about K * 2^-24 relative (the
+    products themselves are exact); add one rounding of the output to ``dtype``, and allow 2x."""
+    return 2 * (K * 2.0**-24 + UNIT_ROUNDOFF[dtype])
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(
+    "M,N,K",
+    [(1, 8192, 8192), (16, 8192, 8192), (61, 4096, 14336), (100, 14336, 4096), (4096, 8192, 8192), (5, 96, 16)],
+    ids=str,
+)
+def test_gpu_gemm_matches_fp64_reference(dtype, with_bias, M, N, K):
+    operands = list(gemm_operands(M, N, K, seed=M, device="cuda"))
+    operands[-1] = operands[-1] if with_bias else None
+    out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+    launch_nvfp4_gemm(*operands, out)
+    assert relative_error(out, reference_gemm(*operands)) <= gpu_tolerance(K, dtype)
