@@ -26,6 +26,8 @@ __all__ = [
     "histogram_bin_edges",
     "histogram_bin_centres",
     "block_amax_histogram",
+    "sweep_candidate_factors",
+    "upper_triangular_hessian",
     "fp8_scale_sweep",
     "block_hessian",
 ]
@@ -74,24 +76,62 @@ def block_amax_histogram(
     return counts.to(torch.int64), amax.to(torch.float32)
 
 
+def sweep_candidate_factors(
+    global_amax: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-candidate ``(reciprocal, dequant_scale)`` of the sweep, float32, shape ``(126,)``.
+
+    ``reciprocal = (1 / per_tensor_scale) / s`` and ``dequant_scale = per_tensor_scale * s`` for
+    each FP8 value ``s``: torchao's quantize arithmetic. Computed once, by torch on the weight's
+    device, for the reference and the kernel alike, so both multiply by the same floats.
+    """
+    per_tensor_scale = per_tensor_amax_to_scale(global_amax).to(device)
+    candidates = e4m3_positive_values().to(device)
+    return (1.0 / per_tensor_scale) / candidates, per_tensor_scale * candidates
+
+
+def upper_triangular_hessian(hessian: torch.Tensor) -> torch.Tensor:
+    """``U`` with ``dw^T U dw == dw^T H dw``: ``U_ii = H_ii``, ``U_ij = H_ij + H_ji`` above, 0 below.
+
+    The weighted sweep evaluates the quadratic form through ``U``: 136 products per block instead
+    of 256, for any ``H``, symmetric or not.
+    """
+    hessian = hessian.to(torch.float32)
+    folded = torch.triu(hessian + hessian.transpose(-1, -2), diagonal=1)
+    return folded + torch.diag_embed(torch.diagonal(hessian, dim1=-2, dim2=-1))
+
+
+def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) as a fixed tree: adjacent pairs, then pairs of those.
+
+    Float addition is not associative; a sweep compares errors that may differ in the last bit, so
+    the reference fixes the order and every backend (CPU, CUDA torch, the Triton kernel) adds in
+    exactly this one.
+    """
+    while t.shape[-1] > 1:
+        t = t[..., 0::2] + t[..., 1::2]
+    return t.squeeze(-1)
+
+
 def _block_errors(
     w_blocks: torch.Tensor,
-    candidate: torch.Tensor,
-    per_tensor_scale: torch.Tensor,
-    hessian: Optional[torch.Tensor],
+    reciprocal: torch.Tensor,
+    dequant_scale: torch.Tensor,
+    upper_hessian: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Per-block error of quantizing ``w_blocks`` ``[R, B, 16]`` with one FP8 block scale.
 
     The quantize arithmetic is torchao's (reciprocal multiply), so the winner, baked into the
-    weight, reproduces exactly the error that chose it.
+    weight, reproduces exactly the error that chose it. With a Hessian the error is
+    ``sum_i dw_i * (sum_j U_ij dw_j)`` (``U`` from ``upper_triangular_hessian``, shared by every
+    row's block b), each sum a ``_pairwise_sum``.
     """
-    reciprocal = (1.0 / per_tensor_scale) / candidate
     q = round_to_e2m1((w_blocks * reciprocal).clamp(-E2M1_MAX, E2M1_MAX))
-    dw = w_blocks - q * (per_tensor_scale * candidate)
-    if hessian is None:
-        return (dw * dw).sum(dim=-1)
-    # dw^T H dw per block, H shared by every row's block b.
-    return torch.einsum("rbi,bij,rbj->rb", dw, hessian, dw)
+    dw = w_blocks - q * dequant_scale
+    if upper_hessian is None:
+        return _pairwise_sum(dw * dw)
+    weighted = _pairwise_sum(upper_hessian * dw.unsqueeze(-2))
+    return _pairwise_sum(dw * weighted)
 
 
 def fp8_scale_sweep(
@@ -104,7 +144,8 @@ def fp8_scale_sweep(
     Tries all 126 positive FP8 values ``s`` as the block scale under the per-tensor scale
     ``global_amax / (448 * 6)`` (equivalently block amax ``= global_amax * s / 448``) and keeps
     the one minimising ``sum (w - deq(q(w)))^2``, or ``dw^T H dw`` with a Hessian. Ties go to
-    the lowest candidate (strict ``<`` while scanning upwards).
+    the lowest candidate (strict ``<`` while scanning upwards); a block whose every error is
+    infinite or NaN gets scale 0.
 
     Args:
         weight: ``[N, K]`` float tensor, K a multiple of 16.
@@ -116,18 +157,19 @@ def fp8_scale_sweep(
     """
     n_rows, k = weight.shape
     n_blocks = k // BLOCK_SIZE
-    per_tensor_scale = per_tensor_amax_to_scale(global_amax).to(weight.device)
+    reciprocals, dequant_scales = sweep_candidate_factors(global_amax, weight.device)
     candidates = e4m3_positive_values().to(weight.device)
+    upper_hessian = None
     if hessian is not None:
-        hessian = hessian.to(device=weight.device, dtype=torch.float32)
+        upper_hessian = upper_triangular_hessian(hessian.to(weight.device))
     best_scales = torch.empty(n_rows, n_blocks, dtype=torch.float32, device=weight.device)
     for start in range(0, n_rows, SWEEP_ROWS_PER_CHUNK):
         w_blocks = weight[start : start + SWEEP_ROWS_PER_CHUNK].to(torch.float32)
         w_blocks = w_blocks.reshape(-1, n_blocks, BLOCK_SIZE)
         best_error = torch.full(w_blocks.shape[:2], float("inf"), device=weight.device)
         best = torch.zeros(w_blocks.shape[:2], device=weight.device)
-        for candidate in candidates:
-            error = _block_errors(w_blocks, candidate, per_tensor_scale, hessian)
+        for candidate, reciprocal, dequant_scale in zip(candidates, reciprocals, dequant_scales):
+            error = _block_errors(w_blocks, reciprocal, dequant_scale, upper_hessian)
             better = error < best_error
             best_error = torch.where(better, error, best_error)
             best = torch.where(better, candidate, best)

@@ -2,14 +2,16 @@
 
 Each op runs a Triton kernel on CUDA tensors and the plain-torch reference in
 ``nvfp4_static.statistics`` / ``nvfp4_static.numerics`` otherwise; both give identical results.
-The calibrators and the tensor subclass call these, never a kernel directly.
+The calibration ops are ``torch.library`` custom ops, so a calibration forward compiles with
+``torch.compile(fullgraph=True)``. The calibrators and the tensor subclass call these, never a
+kernel directly.
 """
 
 from typing import Optional
 
 import torch
 
-from nvfp4_static import statistics
+from nvfp4_static.kernels import block_hessian, histogram, scale_sweep
 
 __all__ = ["collect_block_amax_histogram", "fp8_scale_sweep", "accumulate_block_hessian"]
 
@@ -18,18 +20,16 @@ def collect_block_amax_histogram(
     x: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor, bin_edges: torch.Tensor
 ) -> None:
     """Add ``x``'s per-block-amax histogram into ``counts`` (int64) and max into ``amax``, in place."""
-    batch_counts, batch_amax = statistics.block_amax_histogram(x, bin_edges)
-    counts.add_(batch_counts.to(counts.device))
-    torch.maximum(amax, batch_amax.to(amax.device), out=amax)
+    histogram.collect_block_amax_histogram(x, counts, amax, bin_edges)
 
 
 def fp8_scale_sweep(
     weight: torch.Tensor, global_amax: torch.Tensor, hessian: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """Best FP8 block scale per 16-element block of ``weight``; see ``statistics.fp8_scale_sweep``."""
-    return statistics.fp8_scale_sweep(weight, global_amax, hessian)
+    return scale_sweep.fp8_scale_sweep(weight, global_amax, hessian)
 
 
 def accumulate_block_hessian(x: torch.Tensor, hessian: torch.Tensor) -> None:
     """Add ``sum_tokens x_b x_b^T`` per 16-wide block of ``x`` into ``hessian`` [K/16, 16, 16], in place."""
-    hessian.add_(statistics.block_hessian(x).to(hessian.device))
+    block_hessian.accumulate_block_hessian(x, hessian)

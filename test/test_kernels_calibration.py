@@ -1,0 +1,301 @@
+"""kernels/histogram.py, scale_sweep.py, block_hessian.py: each Triton kernel equals its reference.
+
+On CPU the kernels run under Triton's interpreter, which Triton picks when it decorates them, at
+import: ``test_calibration_kernels_under_the_triton_interpreter`` reruns this file in a
+subprocess with ``TRITON_INTERPRET=1``, where the ``interpreted`` tests call the launchers on
+tiny CPU tensors. On a CUDA machine the ``cuda`` tests check the dispatching ops on real shapes,
+and a calibration forward compiled with ``fullgraph=True``.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nvfp4_static import kernels, statistics
+from nvfp4_static.kernels.block_hessian import launch_block_hessian
+from nvfp4_static.kernels.histogram import launch_block_amax_histogram
+from nvfp4_static.kernels.scale_sweep import launch_fp8_scale_sweep
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess of the test below"
+)
+cuda = pytest.mark.skipif(
+    INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA device"
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+BIN_EDGES = statistics.histogram_bin_edges(num_bins=512, log2_min=-40.0, log2_max=40.0)
+
+
+def test_calibration_kernels_under_the_triton_interpreter():
+    if INTERPRETED:
+        pytest.skip("this is the interpreter subprocess")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout
+
+
+def activation(shape, dtype, seed, device="cpu"):
+    """Block amaxes spread over 2^-50 .. 2^50 (past both ends of the bins), with zero blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    *lead, k = shape
+    n_blocks = -(-k // 16)
+    exponents = torch.randint(-50, 50, (*lead, n_blocks, 1), generator=generator)
+    x = (torch.randn(*lead, n_blocks, 16, generator=generator) * 2.0**exponents.float())
+    x = x.reshape(*lead, n_blocks * 16)[..., :k].contiguous()
+    x.view(-1, k)[::3, : min(k, 32)] = 0.0
+    finite = torch.finfo(dtype).max / 2
+    return x.clamp(-finite, finite).to(device=device, dtype=dtype)
+
+
+def histogram_of(launch, x, counts=None, amax=None):
+    counts = torch.zeros(BIN_EDGES.numel() + 1, dtype=torch.int64) if counts is None else counts
+    amax = torch.zeros(()) if amax is None else amax
+    launch(x, counts, amax, BIN_EDGES.to(x.device))
+    return counts, amax
+
+
+def reference_histogram(x, counts=None, amax=None):
+    counts = torch.zeros(BIN_EDGES.numel() + 1, dtype=torch.int64) if counts is None else counts
+    amax = torch.zeros(()) if amax is None else amax
+    batch_counts, batch_amax = statistics.block_amax_histogram(x, BIN_EDGES.to(x.device))
+    return counts + batch_counts.to(counts.device), torch.maximum(amax, batch_amax.to(amax.device))
+
+
+def assert_same_histogram(got, expected):
+    assert torch.equal(got[0].cpu(), expected[0].cpu())
+    assert got[1].item() == expected[1].item()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_histogram_kernel_matches_reference_interpreted(dtype):
+    # K = 72: the last block of each row is ragged (8 columns, zero-padded logically).
+    x = activation((3, 7, 72), dtype, seed=0)
+    assert_same_histogram(histogram_of(launch_block_amax_histogram, x), reference_histogram(x))
+
+
+@interpreted
+def test_histogram_kernel_accumulates_in_place_interpreted():
+    first, second = activation((20, 64), torch.float32, 1), activation((9, 48), torch.float32, 2)
+    counts, amax = histogram_of(launch_block_amax_histogram, first)
+    histogram_of(launch_block_amax_histogram, second, counts, amax)
+    expected = reference_histogram(second, *reference_histogram(first))
+    assert_same_histogram((counts, amax), expected)
+
+
+@interpreted
+def test_histogram_kernel_bins_values_at_and_beside_every_edge_interpreted():
+    """The log2 guess is one bin off right at an edge; the edge comparisons must fix it."""
+    edges = BIN_EDGES
+    amaxes = torch.cat(
+        [edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(1e38))]
+    )
+    x = torch.rand(amaxes.numel(), 16, generator=torch.Generator().manual_seed(3)) * amaxes[:, None]
+    x[:, 5] = -amaxes  # the block amax, with a negative sign
+    assert_same_histogram(histogram_of(launch_block_amax_histogram, x), reference_histogram(x))
+
+
+@interpreted
+@pytest.mark.parametrize("magnitude", [1e-30, 1e30], ids=["1e-30", "1e30"])
+def test_histogram_kernel_extreme_magnitudes_interpreted(magnitude):
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(4)) * magnitude
+    assert_same_histogram(histogram_of(launch_block_amax_histogram, x), reference_histogram(x))
+
+
+@interpreted
+def test_histogram_kernel_of_zeros_counts_nothing_and_keeps_the_max_interpreted():
+    counts, amax = histogram_of(launch_block_amax_histogram, torch.zeros(4, 33), amax=torch.tensor(3.0))
+    assert int(counts.sum()) == 0 and amax.item() == 3.0
+
+
+def sweep_weight(rows, cols, dtype, seed, device="cpu"):
+    """Blocks with gains 2^-16 .. 1, an all-zero block, and a block every candidate can tie on."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randn(rows, cols // 16, 16, generator=generator)
+    gains = 2.0 ** torch.randint(-16, 1, (rows, cols // 16, 1), generator=generator).float()
+    weight = (blocks * gains).reshape(rows, cols)
+    weight[0, :16] = 0.0
+    weight[1, 16:32] = 0.125  # exact at many scales: equal errors, the lowest candidate wins
+    return weight.to(device=device, dtype=dtype)
+
+
+def block_hessian_for(cols, seed, device="cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, cols, generator=generator) * torch.rand(cols, generator=generator) * 4
+    return statistics.block_hessian(x.to(device))
+
+
+def assert_same_scales(got, expected):
+    assert got.dtype == torch.float8_e4m3fn and got.shape == expected.shape
+    assert torch.equal(got.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu())
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_plain_sweep_kernel_matches_reference_interpreted(dtype):
+    weight = sweep_weight(40, 32, dtype, seed=5)  # 40 rows: the second row tile is ragged
+    global_amax = weight.abs().max().float()
+    expected = statistics.fp8_scale_sweep(weight, global_amax)
+    assert_same_scales(launch_fp8_scale_sweep(weight, global_amax), expected)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hessian_sweep_kernel_matches_reference_interpreted(dtype):
+    weight = sweep_weight(32, 32, dtype, seed=6)
+    global_amax = weight.abs().max().float()
+    hessian = block_hessian_for(32, seed=7)
+    expected = statistics.fp8_scale_sweep(weight, global_amax, hessian)
+    assert_same_scales(launch_fp8_scale_sweep(weight, global_amax, hessian), expected)
+
+
+@interpreted
+@pytest.mark.parametrize("magnitude", [1e-30, 1e30], ids=["1e-30", "1e30"])
+@pytest.mark.parametrize("weighting", ["plain", "hessian"])
+def test_sweep_kernel_extreme_magnitudes_interpreted(weighting, magnitude):
+    """1e30 squares overflow to inf: no candidate has a finite error and both give scale 0."""
+    weight = torch.randn(32, 16, generator=torch.Generator().manual_seed(8)) * magnitude
+    global_amax = weight.abs().max()
+    hessian = block_hessian_for(16, seed=9) if weighting == "hessian" else None
+    expected = statistics.fp8_scale_sweep(weight, global_amax, hessian)
+    assert_same_scales(launch_fp8_scale_sweep(weight, global_amax, hessian), expected)
+
+
+def assert_hessian_within_fp32_rounding(got, x, initial):
+    """|got - exact| <= 2 n u sum_t |x_i x_j| (n tokens, u = 2^-24): a float32 sum of n products."""
+    tokens = x.reshape(-1, x.shape[-1] // 16, 16).double()
+    exact = initial.double() + torch.einsum("tbi,tbj->bij", tokens, tokens)
+    bound = initial.double().abs() + torch.einsum("tbi,tbj->bij", tokens.abs(), tokens.abs())
+    assert bool(((got.double() - exact).abs() <= 2 * tokens.shape[0] * 2.0**-24 * bound).all())
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_block_hessian_kernel_matches_reference_interpreted(dtype):
+    """bf16 runs on CUDA only: the interpreter's tl.dot multiplies bf16's raw bits."""
+    generator = torch.Generator().manual_seed(10)
+    x = (torch.randn(3, 45, 96, generator=generator) * 8).to(dtype)  # 135 tokens: a ragged step
+    initial = torch.randn(6, 16, 16, generator=generator)
+    hessian = initial.clone()
+    launch_block_hessian(x, hessian)
+    assert_hessian_within_fp32_rounding(hessian, x, initial)
+    assert_hessian_within_fp32_rounding(initial + statistics.block_hessian(x), x, initial)
+
+
+@cuda
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((4096, 8192), torch.bfloat16), ((2, 333, 8200), torch.float32), ((64, 4104), torch.float16)],
+    ids=["4096x8192-bf16", "2x333x8200-fp32", "64x4104-fp16"],
+)
+def test_histogram_op_matches_reference_on_cuda(shape, dtype):
+    x = activation(shape, dtype, seed=11, device="cuda")
+    counts = torch.full((BIN_EDGES.numel() + 1,), 5, dtype=torch.int64, device="cuda")
+    amax = torch.zeros((), device="cuda")
+    expected = reference_histogram(x, counts.clone(), amax.clone())
+    kernels.collect_block_amax_histogram(x, counts, amax, BIN_EDGES.cuda())
+    assert_same_histogram((counts, amax), expected)
+
+
+@cuda
+@pytest.mark.parametrize(
+    "shape, dtype, weighting",
+    [
+        ((1024, 4096), torch.bfloat16, "plain"),
+        ((300, 1024), torch.float32, "plain"),
+        ((256, 2048), torch.bfloat16, "hessian"),
+        ((100, 512), torch.float16, "hessian"),
+    ],
+    ids=["1024x4096-bf16-plain", "300x1024-fp32-plain", "256x2048-bf16-hessian", "100x512-fp16-hessian"],
+)
+def test_sweep_op_matches_reference_on_cuda(shape, dtype, weighting):
+    weight = sweep_weight(*shape, dtype, seed=12, device="cuda")
+    global_amax = weight.abs().max().float()
+    hessian = block_hessian_for(shape[1], seed=13, device="cuda") if weighting == "hessian" else None
+    expected = statistics.fp8_scale_sweep(weight, global_amax, hessian)
+    assert_same_scales(kernels.fp8_scale_sweep(weight, global_amax, hessian), expected)
+
+
+@cuda
+@pytest.mark.parametrize("magnitude", [1e-30, 1e30], ids=["1e-30", "1e30"])
+def test_sweep_op_extreme_magnitudes_on_cuda(magnitude):
+    weight = torch.randn(128, 256, device="cuda") * magnitude
+    global_amax = weight.abs().max()
+    assert_same_scales(
+        kernels.fp8_scale_sweep(weight, global_amax), statistics.fp8_scale_sweep(weight, global_amax)
+    )
+
+
+@cuda
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((4096, 8192), torch.bfloat16), ((3, 500, 1040), torch.float32), ((77, 272), torch.float16)],
+    ids=["4096x8192-bf16", "3x500x1040-fp32", "77x272-fp16"],
+)
+def test_block_hessian_op_within_fp32_rounding_on_cuda(shape, dtype):
+    x = (torch.randn(shape, device="cuda") * 4).to(dtype)
+    initial = torch.randn(shape[-1] // 16, 16, 16, device="cuda")
+    hessian = initial.clone()
+    kernels.accumulate_block_hessian(x, hessian)
+    assert_hessian_within_fp32_rounding(hessian, x, initial)
+
+
+class CalibrationForward(torch.nn.Module):
+    """A linear that feeds its input to all three calibration ops, as an observed linear does."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+        n_blocks = linear.in_features // 16
+        device = linear.weight.device
+        self.register_buffer("edges", BIN_EDGES.to(device))
+        self.register_buffer("counts", torch.zeros(BIN_EDGES.numel() + 1, dtype=torch.int64, device=device))
+        self.register_buffer("amax", torch.zeros((), device=device))
+        self.register_buffer("hessian", torch.zeros(n_blocks, 16, 16, device=device))
+
+    def forward(self, x):
+        kernels.collect_block_amax_histogram(x, self.counts, self.amax, self.edges)
+        kernels.accumulate_block_hessian(x, self.hessian)
+        weight = self.linear.weight.detach()
+        return self.linear(x), kernels.fp8_scale_sweep(weight, self.amax, self.hessian)
+
+
+def check_compiled_calibration_forward(device, backend):
+    torch.manual_seed(14)
+    linear = torch.nn.Linear(64, 32, device=device)
+    x = torch.randn(2, 24, 64, device=device)
+    eager, compiled = CalibrationForward(linear), CalibrationForward(linear)
+    compiled_forward = torch.compile(compiled, fullgraph=True, backend=backend)
+    for _ in range(2):
+        expected_out, expected_scales = eager(x)
+        out, scales = compiled_forward(x)
+    torch.testing.assert_close(out, expected_out)
+    assert_same_scales(scales, expected_scales)
+    assert torch.equal(compiled.counts, eager.counts) and torch.equal(compiled.amax, eager.amax)
+    torch.testing.assert_close(compiled.hessian, eager.hessian, rtol=1e-6, atol=1e-4)
+
+
+def test_calibration_ops_trace_with_fullgraph():
+    """On CPU the ops are their references; this checks the op registration (fakes, mutation)."""
+    if INTERPRETED:
+        pytest.skip("covered by the parent process")
+    check_compiled_calibration_forward("cpu", "aot_eager")
+
+
+@cuda
+def test_compiled_calibration_forward_with_fullgraph_on_cuda():
+    check_compiled_calibration_forward("cuda", "inductor")
