@@ -21,7 +21,7 @@ from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 # Tokens per step of a program's loop (tuned on an H100 with 4096 x 8192 bf16 tokens).
 TOKENS_PER_STEP = 128
 NUM_WARPS = 4
-NUM_STAGES = 3
+NUM_STAGES = 4
 
 
 @triton.jit
