@@ -307,3 +307,36 @@ def test_loading_a_float_checkpoint_into_a_quantized_model_is_an_error():
     quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading"))
     with pytest.raises(RuntimeError, match="prepare_for_loading"):
         model.load_state_dict(state)
+
+
+@pytest.mark.parametrize("weight_scale", ["mse", "hessian_mse"])
+def test_compiled_calibration_collects_what_eager_collects(weight_scale):
+    eager, compiled_model = make(MLP), make(MLP)
+    for model in (eager, compiled_model):
+        quantize_(model, NVFP4StaticActivationConfig(step="prepare", weight_scale=weight_scale))
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    with torch.no_grad():
+        for batch in calibration_batches():
+            eager(batch)
+            compiled(batch)
+    for name in ("up", "down"):
+        ours, theirs = getattr(compiled_model, name), getattr(eager, name)
+        assert torch.equal(
+            ours.act_calibrator.state_dict()["counts"], theirs.act_calibrator.state_dict()["counts"]
+        )
+        if weight_scale == "hessian_mse":
+            torch.testing.assert_close(
+                ours.hessian_accumulator.hessian, theirs.hessian_accumulator.hessian
+            )
+
+
+def test_non_finite_data_in_compiled_calibration_fails_at_convert():
+    model = make(MLP)
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare"))
+    compiled = torch.compile(model, fullgraph=True)
+    x = calibration_batches(1)[0]
+    x[1, 2, 3] = float("nan")
+    with torch.no_grad():
+        compiled(x)
+    with pytest.raises(ValueError, match="'up'.*NaN or Inf"):
+        quantize_(model, NVFP4StaticActivationConfig(step="convert"))

@@ -145,6 +145,16 @@ def assert_same_scales(got, expected):
 
 
 @interpreted
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_histogram_kernel_poisons_the_max_with_non_finite_input_interpreted(bad):
+    """The observer refuses a batch when the running max is not finite: the kernel must make it so."""
+    x = activation((4, 64), torch.float32, seed=3)
+    x[2, 17] = bad
+    _, amax = histogram_of(launch_block_amax_histogram, x)
+    assert not torch.isfinite(amax)
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_plain_sweep_kernel_matches_reference_interpreted(dtype):
     weight = sweep_weight(40, 32, dtype, seed=5)  # 40 rows: the second row tile is ragged
@@ -294,6 +304,22 @@ def test_calibration_ops_trace_with_fullgraph():
     if INTERPRETED:
         pytest.skip("covered by the parent process")
     check_compiled_calibration_forward("cpu", "aot_eager")
+
+
+@cuda
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_calibrator_refuses_non_finite_input_on_cuda(bad):
+    from nvfp4_static.observers import NVFP4ActMaxCalibrator
+
+    calibrator = NVFP4ActMaxCalibrator(name="layer")
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    calibrator.collect(x)
+    before = calibrator.state_dict()
+    x[100, 1000] = bad
+    with pytest.raises(ValueError, match="'layer'"):
+        calibrator.collect(x)
+    after = calibrator.state_dict()
+    assert all(torch.equal(before[key], after[key]) for key in before)
 
 
 @cuda

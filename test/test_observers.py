@@ -662,3 +662,15 @@ def test_load_state_dict_rejects_wrong_keys_and_shapes():
         calibrator.load_state_dict(
             {"counts": torch.zeros(3, dtype=torch.int64), "literal_max": torch.zeros(())}
         )
+
+
+def test_a_refused_batch_leaves_the_histogram_as_it_was():
+    calibrator = NVFP4ActMaxCalibrator(name="layer")
+    calibrator.collect(torch.randn(8, 64))
+    before = calibrator.state_dict()
+    bad = torch.randn(8, 64) * 100
+    bad[3, 7] = float("inf")
+    with pytest.raises(ValueError, match="1 Inf"):
+        calibrator.collect(bad)
+    after = calibrator.state_dict()
+    assert all(torch.equal(before[key], after[key]) for key in before)

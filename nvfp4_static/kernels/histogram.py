@@ -79,10 +79,15 @@ def _block_amax_histogram_kernel(
     cols = block_cols[:, None] + tl.arange(0, 16)[None, :]
     mask = (rows < n_rows)[:, None] & (cols < n_cols)  # a ragged last block reads as zeros
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * row_stride + cols, mask=mask, other=0.0)
-    block_amax = tl.max(tl.abs(x.to(tl.float32)), axis=1)
-    tl.atomic_max(amax_ptr, tl.max(block_amax), sem="relaxed")
-    bins = _bin_index(block_amax, edges_ptr, num_edges)
+    magnitudes = tl.abs(x.to(tl.float32))
+    block_amax = tl.max(magnitudes, axis=1)
+    # tl.max drops NaN; the observer detects a bad batch by a non-finite running max, so a NaN
+    # anywhere in the tile must reach it (Inf does on its own).
+    has_nan = tl.max((magnitudes != magnitudes).to(tl.int32)) > 0
+    tile_max = tl.where(has_nan, float("nan"), tl.max(block_amax))
+    tl.atomic_max(amax_ptr, tile_max, sem="relaxed")
     counted = block_amax > 0.0
+    bins = _bin_index(tl.where(counted, block_amax, 1.0), edges_ptr, num_edges)
     # The tile's amaxes usually span a few octaves: count a window of WINDOW bins from the
     # lowest (tl.histogram's cost grows with its bins), and add the rare bins past it one by one.
     lowest = tl.min(tl.where(counted, bins, num_edges))

@@ -40,7 +40,7 @@ class FirstBatchMseCalibrator(Observer):
 
     def collect(self, x: torch.Tensor) -> None:
         if self.search is None:
-            anchor = self._check_input(x).abs().amax().to(torch.float32)
+            anchor = self._check_input(x, scan_for_non_finite=False).abs().amax().float()
             self.search = MseCalibrator(anchor, name=self.name, **self.search_args)
         self.search.collect(x)
 

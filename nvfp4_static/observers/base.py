@@ -49,17 +49,29 @@ class Observer(abc.ABC):
     @abc.abstractmethod
     def reset(self) -> None: ...
 
-    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
-        """Reject unsupported dtypes and non-finite values; return ``x`` detached.
+    def _check_input(self, x: torch.Tensor, scan_for_non_finite: bool = True) -> torch.Tensor:
+        """Reject unsupported dtypes (and, if asked, non-finite values); return ``x`` detached.
 
         A NaN or Inf would poison every statistic after it (a max, a histogram, a loss sum), so
-        it is refused at the door with a count and the first position, where it is still
-        traceable to the batch that produced it.
+        it is refused with a count and the first position, where it is still traceable to the
+        batch that produced it. Observers on the calibration hot path skip this full scan and
+        call ``_raise_if_non_finite`` on a small statistic they compute anyway instead.
         """
         check_dtype(x, f"{self.describe()} input of shape {tuple(x.shape)}")
         x = x.detach()
-        if bool(torch.isfinite(x).all()):
-            return x
+        if scan_for_non_finite and not torch.compiler.is_compiling():
+            self._raise_if_non_finite(x, x)
+        return x
+
+    def _raise_if_non_finite(self, x: torch.Tensor, summary: torch.Tensor) -> None:
+        """Raise if ``summary`` (a statistic of ``x`` that NaN/Inf in ``x`` poisons) is not finite.
+
+        One host sync on a small tensor instead of a scan of ``x``. While compiling, checks are
+        deferred to ``_check_state_finite`` at ``compute_amax`` time (a data-dependent raise
+        would break the graph).
+        """
+        if torch.compiler.is_compiling() or bool(torch.isfinite(summary).all()):
+            return
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(torch.isinf(x).sum())
         first = tuple(torch.nonzero(~torch.isfinite(x))[0].tolist())
@@ -68,6 +80,15 @@ class Observer(abc.ABC):
             f"{n_nan} NaN and {n_inf} Inf values (first at index {first}); calibration needs "
             "finite activations, so check the layers feeding this one"
         )
+
+    def _check_state_finite(self, statistic: torch.Tensor) -> None:
+        """The deferred check for compiled calibration, where ``collect`` cannot raise."""
+        if not bool(torch.isfinite(statistic).all()):
+            raise ValueError(
+                f"{self.describe()}: NaN or Inf values were collected (in a compiled forward, "
+                "where they cannot be reported as they arrive); run a batch eagerly to locate "
+                "them, then reset() and recalibrate"
+            )
 
     def _not_collected_error(self, what: str) -> RuntimeError:
         return RuntimeError(

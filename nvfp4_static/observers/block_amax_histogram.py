@@ -65,7 +65,7 @@ class BlockAmaxHistogramObserver(MergeableObserver):
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Add the per-block amaxes of ``x`` to the histogram."""
-        x = self._check_input(x)
+        x = self._check_input(x, scan_for_non_finite=False)
         if self._state is None:
             self._state = {
                 "counts": torch.zeros(self.num_bins, dtype=torch.int64, device=x.device),
@@ -73,14 +73,25 @@ class BlockAmaxHistogramObserver(MergeableObserver):
             }
         if self._bin_edges.device != x.device:
             self._bin_edges = self._bin_edges.to(x.device)
+        eager = not torch.compiler.is_compiling()
+        if eager:  # a batch with NaN/Inf is refused whole: keep the state to restore
+            before = {key: value.clone() for key, value in self._state.items()}
         kernels.collect_block_amax_histogram(
             x, self._state["counts"], self._state["literal_max"], self._bin_edges
         )
+        if eager:
+            try:  # a NaN or Inf in x makes the running max NaN or Inf
+                self._raise_if_non_finite(x, self._state["literal_max"])
+            except ValueError:
+                self._state = before
+                raise
 
     @property
     def literal_max(self) -> float:
         """The largest block amax collected, i.e. ``max |x|`` over everything seen."""
-        return float(self._require_state("literal_max")["literal_max"])
+        literal_max = self._require_state("literal_max")["literal_max"]
+        self._check_state_finite(literal_max)
+        return float(literal_max)
 
     def bin_index(self, value: float) -> int:
         """The bin a block amax of ``value`` is counted in (same float32 edges as collection)."""

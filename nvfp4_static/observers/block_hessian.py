@@ -39,7 +39,7 @@ class BlockHessianAccumulator(MergeableObserver):
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Add ``x_b^T x_b`` of ``x`` ``[..., in_features]`` (every leading index is a token)."""
-        x = self._check_input(x)
+        x = self._check_input(x, scan_for_non_finite=False)
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"{self.describe()}: input of shape {tuple(x.shape)} does not end in "
@@ -54,13 +54,24 @@ class BlockHessianAccumulator(MergeableObserver):
                 "num_tokens": torch.zeros((), dtype=torch.int64, device=x.device),
             }
         padded = pad_to_block_multiple(x, BLOCK_SIZE)
+        eager = not torch.compiler.is_compiling()
+        if eager:  # a batch with NaN/Inf is refused whole: keep the sum to restore
+            before = self._state["hessian"].clone()
         kernels.accumulate_block_hessian(padded, self._state["hessian"])
+        if eager:
+            try:  # NaN/Inf in x reaches the Hessian's diagonal
+                self._raise_if_non_finite(x, self._state["hessian"])
+            except ValueError:
+                self._state["hessian"] = before
+                raise
         self._state["num_tokens"] += x.numel() // self.in_features
 
     @property
     def hessian(self) -> torch.Tensor:
         """The accumulated ``[ceil(K/16), 16, 16]`` fp32 Hessian (the live tensor, not a copy)."""
-        return self._require_state("hessian")["hessian"]
+        hessian = self._require_state("hessian")["hessian"]
+        self._check_state_finite(hessian)
+        return hessian
 
     @property
     def num_tokens(self) -> int:

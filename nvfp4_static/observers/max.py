@@ -35,9 +35,10 @@ class MaxCalibrator(MergeableObserver):
 
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
-        x = self._check_input(x)
+        x = self._check_input(x, scan_for_non_finite=False)
         dims = channel_reduce_dims(x, self.axis)
         amax = x.abs().amax(dim=dims, keepdim=self.axis is not None).to(torch.float32)
+        self._raise_if_non_finite(x, amax)
         if self._state is None:
             self._state = {"amax": amax}
             return
@@ -51,4 +52,6 @@ class MaxCalibrator(MergeableObserver):
 
     def compute_amax(self) -> torch.Tensor:
         """The running max, float32: 0-d per tensor, or keep-dim shaped per channel."""
-        return self._require_state("compute_amax()")["amax"].clone()
+        amax = self._require_state("compute_amax()")["amax"]
+        self._check_state_finite(amax)
+        return amax.clone()

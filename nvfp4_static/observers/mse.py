@@ -125,7 +125,7 @@ class MseCalibrator(MergeableObserver):
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Add, for every multiplier, the error of quantizing ``x`` with ``amax * m``."""
-        x = self._check_input(x).to(torch.float32)
+        x = self._check_input(x, scan_for_non_finite=False).to(torch.float32)
         dims = channel_reduce_dims(x, self.axis)
         self._check_layout(x)
         amax = self.initial_amax.to(x.device)
@@ -135,6 +135,7 @@ class MseCalibrator(MergeableObserver):
                 for m in self.multipliers.tolist()
             ]
         )
+        self._raise_if_non_finite(x, losses)
         if self._state is None:
             self._state = {"losses": losses}
         else:
@@ -143,5 +144,6 @@ class MseCalibrator(MergeableObserver):
     def compute_amax(self) -> torch.Tensor:
         """``amax * m_best``, float32, shaped like the given ``amax``."""
         losses = self._require_state("compute_amax()")["losses"]
+        self._check_state_finite(losses)
         best = self.multipliers.to(losses.device)[losses.argmin(dim=0)]
         return self.initial_amax.to(losses.device) * best.reshape(self.initial_amax.shape)
