@@ -20,21 +20,20 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
-def float_operands(M: int, N: int, K: int, seed: int):
+def float_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
     """An activation, a weight (rows of different magnitudes) and their global scales."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=generator)
-    weight = torch.randn(N, K, generator=generator) * torch.rand(N, 1, generator=generator)
+    generator = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(M, K, generator=generator, device=device)
+    weight = torch.randn(N, K, generator=generator, device=device) * torch.rand(N, 1, generator=generator, device=device)
     return x, weight, x.abs().max() / (E4M3_MAX * E2M1_MAX), weight.abs().max() / (E4M3_MAX * E2M1_MAX)
 
 
 def linear_inputs(M, N, K, dtype, seed, device="cpu", with_bias=True):
     """``static_nvfp4_linear``'s arguments, in its order."""
-    x, weight, act_scale, weight_scale = float_operands(M, N, K, seed)
+    x, weight, act_scale, weight_scale = float_operands(M, N, K, seed, device)
     weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
-    bias = torch.randn(N, generator=torch.Generator().manual_seed(seed)) if with_bias else None
-    tensors = (x.to(dtype), weight_qdata, weight_block_scales, weight_scale, act_scale, bias)
-    return tuple(t if t is None else t.to(device) for t in tensors)
+    bias = torch.randn(N, device=device) if with_bias else None
+    return x.to(dtype), weight_qdata, weight_block_scales, weight_scale, act_scale, bias
 
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
@@ -121,6 +120,7 @@ def test_gpu_compiled_fullgraph_one_graph_per_m_bucket():
     M = 1 is left out: dynamo specialises sizes 0 and 1 whatever the bucket."""
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
+    counters.clear()
     compiled = torch.compile(triton_backend.static_nvfp4_linear, fullgraph=True, dynamic=True)
     decode_bucket = GEMM_CONFIGS[0][0]
     buckets = {"decode": [2, 7, decode_bucket], "prefill": [300, 1000, 777]}

@@ -11,26 +11,33 @@ import torch
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.kernels.act_quantize import deinterleave_blocks, gemm_activation_operand
-from nvfp4_static.kernels.gemm import GEMM_CONFIGS, GemmConfig, launch_nvfp4_gemm, nvfp4_gemm
+from nvfp4_static.kernels.gemm import (
+    GEMM_CONFIGS,
+    CublasAfterDequantize,
+    GemmConfig,
+    launch_nvfp4_gemm,
+    launch_weight_dequantize,
+    nvfp4_gemm,
+)
 from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, dequantize_nvfp4, quantize_nvfp4
 
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
+DEQUANTIZE_LAUNCHER = "nvfp4_static.kernels.gemm:launch_weight_dequantize"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
     """Activation operand, packed weight, both global scales and a bias, as the backends pass them."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=generator)
-    weight = torch.randn(N, K, generator=generator) * torch.rand(N, 1, generator=generator)
+    generator = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(M, K, generator=generator, device=device)
+    weight = torch.randn(N, K, generator=generator, device=device) * torch.rand(N, 1, generator=generator, device=device)
     act_scale = x.abs().max() / (E4M3_MAX * E2M1_MAX)
     weight_scale = weight.abs().max() / (E4M3_MAX * E2M1_MAX)
     weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
     operand = gemm_activation_operand(x, act_scale)
-    bias = torch.randn(N, generator=generator)
-    tensors = (operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
-    return tuple(t.to(device) for t in tensors)
+    bias = torch.randn(N, generator=generator, device=device)
+    return operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias
 
 
 def interleave_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -79,8 +86,25 @@ def interpreted_results():
                     name = f"{config_name}-{M}x{N}x{K}-{dtype_name}-{'bias' if with_bias else 'nobias'}"
                     cases.append((name, dtype_name, operands))
                     calls.append((LAUNCHER, (*operands, out, config)))
-    results = run_interpreted(calls)
-    return {name: (dtype_name, operands, args[6]) for (name, dtype_name, operands), args in zip(cases, results)}
+    weight_qdata, weight_block_scales = gemm_operands(*DEQUANTIZE_SHAPE, seed=5)[1:3]
+    dequantized = torch.full(DEQUANTIZE_SHAPE[1:], float("nan"), dtype=torch.float16)
+    calls.append((DEQUANTIZE_LAUNCHER, (weight_qdata, weight_block_scales, dequantized, CublasAfterDequantize(16, 32))))
+    *results, dequantize_result = run_interpreted(calls)
+    outputs = {name: (dtype_name, operands, args[6]) for (name, dtype_name, operands), args in zip(cases, results)}
+    outputs["dequantize"] = dequantize_result[:3]
+    return outputs
+
+
+DEQUANTIZE_SHAPE = (1, 70, 48)  # (M, N, K): a ragged N and K for 16 x 32 tiles
+
+
+def assert_dequantized_like_reference(weight_qdata, weight_block_scales, dequantized):
+    expected = deinterleave_blocks(dequantize_nvfp4(weight_qdata, weight_block_scales, output_dtype=torch.float16))
+    assert torch.equal(dequantized.cpu().view(torch.int16), expected.cpu().view(torch.int16))
+
+
+def test_interpreted_weight_dequantize_matches_reference_bit_for_bit(interpreted_results):
+    assert_dequantized_like_reference(*interpreted_results["dequantize"])
 
 
 INTERPRETER_CASES = [
@@ -127,8 +151,18 @@ def gpu_tolerance(K: int, dtype: torch.dtype) -> float:
     ids=str,
 )
 def test_gpu_gemm_matches_fp64_reference(dtype, with_bias, M, N, K):
+    """Through the table's choice for M: split-K decode, mid-size tiles, cuBLAS after dequantize."""
     operands = list(gemm_operands(M, N, K, seed=M, device="cuda"))
     operands[-1] = operands[-1] if with_bias else None
     out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
     launch_nvfp4_gemm(*operands, out)
     assert relative_error(out, reference_gemm(*operands)) <= gpu_tolerance(K, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("N,K", [(8192, 8192), (96, 16)], ids=str)
+def test_gpu_weight_dequantize_matches_reference_bit_for_bit(N, K):
+    _, weight_qdata, weight_block_scales, *_ = gemm_operands(1, N, K, seed=N, device="cuda")
+    dequantized = torch.full((N, K), float("nan"), dtype=torch.float16, device="cuda")
+    launch_weight_dequantize(weight_qdata, weight_block_scales, dequantized)
+    assert_dequantized_like_reference(weight_qdata, weight_block_scales, dequantized)

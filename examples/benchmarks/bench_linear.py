@@ -4,13 +4,16 @@ For each weight shape (K, N) and token count M, in one run on one GPU:
 
 - ``bf16``: ``F.linear`` with the bf16 weight (cuBLAS), the baseline;
 - ``ours``: ``backends.triton.static_nvfp4_linear`` eagerly, and compiled (fullgraph, dynamic);
-- ``api``: the same through the public API, ``F.linear`` on an ``NVFP4StaticTensor`` weight, compiled;
+- ``api``: the same through the public API, ``F.linear`` on an ``NVFP4StaticTensor`` weight (eager);
 - ``naive``: dequantize the weight to bf16, quantize-dequantize the activation, ``F.linear``, compiled.
 
 Every time is a triton.testing.do_bench median (which flushes L2 between runs, so the weight
-streams from DRAM). The last columns give ours (compiled) over bf16 as a speedup, and the
-weight-streaming rate ours achieves (packed weight + scales bytes / time) as a share of a
-device-to-device copy measured in the same run. Run:
+streams from DRAM). Eager and compiled calls also pay Python launch overhead, which at decode
+sizes exceeds the GPU time, so ``bf16 graph`` and ``graph`` time the same bf16 and eager-ours
+calls captured in a CUDA graph (GPU time alone, as a served model would run them). The last
+columns compare those two: bf16 over ours as a speedup, and the weight-streaming rate ours
+achieves (packed weight + scales bytes / time) as a share of a device-to-device copy measured
+in the same run. Run:
 
     python examples/benchmarks/bench_linear.py [--m 1 16 64 512 4096]
 """
@@ -36,6 +39,15 @@ def copy_bandwidth_gbs() -> float:
     return 2 * source.numel() / ms / 1e6
 
 
+def graph_ms(fn) -> float:
+    """Median GPU time of ``fn`` replayed from a CUDA graph (L2 flushed before each replay)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, return_mode="median")
+
+
 def naive_linear(x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias):
     """The emulation one would write first: everything back to bf16, then cuBLAS."""
     weight = dequantize_nvfp4(weight_qdata, weight_block_scales, weight_scale, torch.bfloat16)
@@ -47,14 +59,16 @@ def main():
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
     args = parser.parse_args()
     torch.manual_seed(0)
+    # One graph per (shape, M bucket) and function: more than dynamo's default of 8 recompiles.
+    torch._dynamo.config.recompile_limit = 64
     copy_gbs = copy_bandwidth_gbs()
     print(f"device: {torch.cuda.get_device_name()}, device-to-device copy {copy_gbs:.0f} GB/s")
 
     ours_compiled = torch.compile(static_nvfp4_linear, fullgraph=True, dynamic=True)
     naive_compiled = torch.compile(naive_linear, fullgraph=True, dynamic=True)
-    api_compiled = torch.compile(F.linear, fullgraph=True, dynamic=True)
 
-    header = f"{'K':>6} {'N':>6} {'M':>5} | {'bf16':>7} {'eager':>7} {'compiled':>8} {'api':>7} {'naive':>7} (ms)"
+    names = ["bf16", "bf16 graph", "eager", "graph", "compiled", "api", "naive"]
+    header = f"{'K':>6} {'N':>6} {'M':>5} | " + " ".join(f"{name:>10}" for name in names) + " (ms)"
     print(header + f" | {'bf16/ours':>9} {'weight GB/s':>11} {'of copy':>7}")
     with torch.no_grad():
         for K, N in SHAPES:
@@ -69,19 +83,21 @@ def main():
             weight_bytes = weight_qdata.numel() + weight_block_scales.numel()
             for M in args.m:
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                times = {
-                    "bf16": lambda: F.linear(x, weight, bias),
-                    "eager": lambda: static_nvfp4_linear(x, *operands),
-                    "compiled": lambda: ours_compiled(x, *operands),
-                    "api": lambda: api_compiled(x, api_weight, bias),
-                    "naive": lambda: naive_compiled(x, *operands),
+                ours = lambda: static_nvfp4_linear(x, *operands)  # noqa: E731
+                bf16 = lambda: F.linear(x, weight, bias)  # noqa: E731
+                ms = {
+                    "bf16": do_bench(bf16, return_mode="median"),
+                    "bf16 graph": graph_ms(bf16),
+                    "eager": do_bench(ours, return_mode="median"),
+                    "graph": graph_ms(ours),
+                    "compiled": do_bench(lambda: ours_compiled(x, *operands), return_mode="median"),
+                    "api": do_bench(lambda: F.linear(x, api_weight, bias), return_mode="median"),
+                    "naive": do_bench(lambda: naive_compiled(x, *operands), return_mode="median"),
                 }
-                ms = {name: do_bench(fn, return_mode="median") for name, fn in times.items()}
-                weight_gbs = weight_bytes / ms["compiled"] / 1e6
+                weight_gbs = weight_bytes / ms["graph"] / 1e6
                 print(
-                    f"{K:>6} {N:>6} {M:>5} | {ms['bf16']:7.4f} {ms['eager']:7.4f} {ms['compiled']:8.4f} "
-                    f"{ms['api']:7.4f} {ms['naive']:7.4f}      | {ms['bf16'] / ms['compiled']:9.2f} "
-                    f"{weight_gbs:11.0f} {weight_gbs / copy_gbs:7.0%}"
+                    f"{K:>6} {N:>6} {M:>5} | " + " ".join(f"{ms[name]:10.4f}" for name in names) + "      | "
+                    f"{ms['bf16 graph'] / ms['graph']:9.2f} {weight_gbs:11.0f} {weight_gbs / copy_gbs:7.0%}"
                 )
 
 

@@ -37,9 +37,9 @@ _E2M1_MAX = tl.constexpr(E2M1_MAX)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _E4M3_MIN_NORMAL = tl.constexpr(E4M3_MIN_NORMAL)
 
-# Tile of one program: rows x columns of the activation. Memory-bound; any shape that gives each
-# thread 16-byte loads and enough programs to fill the GPU does.
-BLOCK_ROWS = 4
+# Tile of one program: rows x columns of the activation. Memory-bound at large M; one row per
+# program keeps a decode batch of one row spread over K / 512 programs.
+BLOCK_ROWS = 1
 BLOCK_COLS = 512
 
 
@@ -121,7 +121,8 @@ def _activation_quantize_kernel(
     else:
         # E2M1 magnitudes 0, 0.5, 1, 1.5, 2 are code / 2; codes 5, 6, 7 are 3, 4, 6.
         q = tl.where(magnitude <= 4, magnitude * 0.5, tl.where(magnitude == 7, 6.0, magnitude - 2.0))
-        q = tl.where(negative, -q, q) * scale[:, :, None]
+        # Multiply by -1 rather than negate: Triton's unary minus is 0 - q, which loses -0.0.
+        q = tl.where(negative, q * -1.0, q) * scale[:, :, None]
         deinterleaved = tl.permute(tl.reshape(q, (BLOCK_M, GROUPS, 8, 2)), (0, 1, 3, 2))
         tl.store(
             operand_ptr + rows[:, None] * K + cols[None, :],

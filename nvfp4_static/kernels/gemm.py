@@ -12,12 +12,14 @@ A byte holds an even-K element (low nibble) and the next odd one (high nibble), 
 is two dots, ``A_even @ W_even^T + A_odd @ W_odd^T``: every thread then keeps its dequantized
 values in K order without shuffles, which matters because at decode sizes the kernel's
 instruction issue, not only memory, bounds the time. Small batches split K over several programs
-and sum the fp32 partials in a second small kernel that applies the epilogue.
+and sum the fp32 partials in a second small kernel that applies the epilogue. Large batches
+dequantize the weight once and hand the product to cuBLAS (``CublasAfterDequantize``); the
+numerics are the same.
 """
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
@@ -31,27 +33,21 @@ from nvfp4_static.numerics import BLOCK_SIZE
 # register holds four packed bytes b0..b3; output registers 0-1 hold the low-nibble values of
 # b0..b3, registers 2-3 the high-nibble ones. (n << 2) + 12 * (n & 8) moves each nibble's sign
 # from bit 3 to bit 7.
-_E2M1_BYTES_TO_FP16_PTX = tl.constexpr("""
-{
-.reg .b32 r_lo, r_hi, r_sign;
-.reg .b16 l0, l1, h0, h1;
-and.b32 r_lo, $4, 0x0F0F0F0F;
-shr.u32 r_hi, $4, 4;
-and.b32 r_hi, r_hi, 0x0F0F0F0F;
-and.b32 r_sign, r_lo, 0x08080808;
-shl.b32 r_lo, r_lo, 2;
-mad.lo.u32 r_lo, r_sign, 12, r_lo;
-and.b32 r_sign, r_hi, 0x08080808;
-shl.b32 r_hi, r_hi, 2;
-mad.lo.u32 r_hi, r_sign, 12, r_hi;
-mov.b32 {l0, l1}, r_lo;
-mov.b32 {h0, h1}, r_hi;
-cvt.rn.f16x2.e4m3x2 $0, l0;
-cvt.rn.f16x2.e4m3x2 $1, l1;
-cvt.rn.f16x2.e4m3x2 $2, h0;
-cvt.rn.f16x2.e4m3x2 $3, h1;
-}
-""")
+# One line: torch.compile copies the kernel's globals into generated source, where a literal
+# newline inside the string would not survive.
+_E2M1_BYTES_TO_FP16_PTX = tl.constexpr(
+    " ".join(
+        [
+            "{ .reg .b32 r_lo, r_hi, r_sign; .reg .b16 l0, l1, h0, h1;",
+            "and.b32 r_lo, $4, 0x0F0F0F0F; shr.u32 r_hi, $4, 4; and.b32 r_hi, r_hi, 0x0F0F0F0F;",
+            "and.b32 r_sign, r_lo, 0x08080808; shl.b32 r_lo, r_lo, 2; mad.lo.u32 r_lo, r_sign, 12, r_lo;",
+            "and.b32 r_sign, r_hi, 0x08080808; shl.b32 r_hi, r_hi, 2; mad.lo.u32 r_hi, r_sign, 12, r_hi;",
+            "mov.b32 {l0, l1}, r_lo; mov.b32 {h0, h1}, r_hi;",
+            "cvt.rn.f16x2.e4m3x2 $0, l0; cvt.rn.f16x2.e4m3x2 $1, l1;",
+            "cvt.rn.f16x2.e4m3x2 $2, h0; cvt.rn.f16x2.e4m3x2 $3, h1; }",
+        ]
+    )
+)
 
 
 @triton.jit
@@ -99,6 +95,8 @@ def _nvfp4_gemm_kernel(
     N,
     K,
     stride_am,
+    stride_wn,
+    stride_sn,
     stride_om,
     split_k,
     BLOCK_M: tl.constexpr,
@@ -110,8 +108,8 @@ def _nvfp4_gemm_kernel(
     EVEN_K: tl.constexpr,
     PTX: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_N weight tiles sweep over all activation tiles together, so the
-    # weight tiles stay in L2 while the activation streams by (prefill).
+    # Grouped tile order: when M spans several tiles, GROUP_N weight tiles sweep over all
+    # activation tiles together, so the weight tiles stay in L2 while the activation streams by.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -143,12 +141,12 @@ def _nvfp4_gemm_kernel(
         a_even = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :], mask=a_mask, other=0.0)
         a_odd = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :] + 8, mask=a_mask, other=0.0)
         packed = tl.load(
-            w_ptr + rows_n[:, None] * (K // 2) + offs_kb[None, :],
+            w_ptr + rows_n[:, None] * stride_wn + offs_kb[None, :],
             mask=(offs_n[:, None] < N) & (EVEN_K or offs_kb[None, :] < K // 2),
             other=0,
         )
         scale_codes = tl.load(
-            w_scales_ptr + rows_n[:, None] * (K // 16) + offs_ks[None, :],
+            w_scales_ptr + rows_n[:, None] * stride_sn + offs_ks[None, :],
             mask=(offs_n[:, None] < N) & (EVEN_K or offs_ks[None, :] < K // 16),
             other=0,
         )
@@ -170,7 +168,7 @@ def _nvfp4_gemm_kernel(
 
 
 @triton.jit
-def _split_k_epilogue_kernel(
+def _epilogue_kernel(
     partials_ptr,
     act_scale_ptr,
     weight_scale_ptr,
@@ -183,7 +181,8 @@ def _split_k_epilogue_kernel(
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    """Sum the fp32 partials over the K splits, then the GEMM's epilogue."""
+    """Sum the fp32 partial products over the K splits (or take the one product), then the
+    GEMM's epilogue: both global scales, the bias, the cast to the output dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -194,6 +193,43 @@ def _split_k_epilogue_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequantize_weight_kernel(
+    w_ptr,
+    w_scales_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """The packed weight as fp16 ``q * s_b`` ``[N, K]``, block-deinterleaved like the activation
+    operand (the product does not depend on the order of K, only on both operands sharing it)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = offs_n.to(tl.int64)
+    offs_half = tl.arange(0, BLOCK_K // 2)
+    offs_kb = tl.program_id(1) * (BLOCK_K // 2) + offs_half
+    offs_ks = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    packed = tl.load(
+        w_ptr + rows_n[:, None] * stride_wn + offs_kb[None, :],
+        mask=(offs_n[:, None] < N) & (offs_kb[None, :] < K // 2),
+        other=0,
+    )
+    scale_codes = tl.load(
+        w_scales_ptr + rows_n[:, None] * stride_sn + offs_ks[None, :],
+        mask=(offs_n[:, None] < N) & (offs_ks[None, :] < K // 16),
+        other=0,
+    )
+    even, odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
+    offs_even = tl.program_id(1) * BLOCK_K + (offs_half // 8) * 16 + offs_half % 8
+    mask = (offs_n[:, None] < N) & (offs_even[None, :] < K)
+    tl.store(out_ptr + rows_n[:, None] * K + offs_even[None, :], even, mask=mask)
+    tl.store(out_ptr + rows_n[:, None] * K + offs_even[None, :] + 8, odd, mask=mask)
 
 
 @dataclass(frozen=True)
@@ -215,19 +251,34 @@ class GemmConfig:
     programs_per_sm: int = 0
 
 
-# Keyed on the largest M each serves. Tuned on one H100 80GB HBM3 (torch 2.11, triton 3.6) at
-# K = N = 8192 and checked at (K, N) = (4096, 14336), (14336, 4096); see
-# examples/benchmarks/RESULTS.md. Few buckets on purpose: under torch.compile each bucket is one
-# graph (the choice is a guard on M), and M varies freely inside a bucket.
+@dataclass(frozen=True)
+class CublasAfterDequantize:
+    """Large M: dequantize the whole weight to fp16 once (``block_n x block_k`` tiles), then a
+    cuBLAS fp16 GEMM with fp32 output, then the epilogue kernel. At prefill sizes the in-register
+    kernel re-dequantizes each weight tile for every M tile and its tensor cores wait on that;
+    one extra pass over the weight (2 bytes per element written, read back by cuBLAS) is cheaper."""
+
+    block_n: int = 64
+    block_k: int = 256
+
+
+# Keyed on the largest M each serves. Chosen with examples/benchmarks/tune_gemm.py on one H100
+# 80GB HBM3 (torch 2.11, triton 3.6) over (K, N) = (8192, 8192), (4096, 14336), (14336, 4096) at
+# M = 1, 16, 64, 512, 4096 (examples/benchmarks/RESULTS.md): the M <= 16 entry was best or
+# within 10% of best at M = 16 on all three shapes (at M = 1, 16 x 64 x 256 tiles without a
+# split were ~10% faster); the M <= 64 entry best at 8192 x 8192; above 64, cuBLAS after
+# dequantizing beat the best in-register tiles (e.g. 0.89 against 1.69 ms at M = 4096).
+# Few buckets on purpose: under torch.compile each bucket is one graph (the choice is a guard on
+# M), and M varies freely inside a bucket.
 GEMM_CONFIGS = (
-    (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=4)),
-    (64, GemmConfig(64, 128, 128, 4, 4, programs_per_sm=4)),
-    (None, GemmConfig(128, 128, 64, 8, 3)),
+    (16, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2)),
+    (64, GemmConfig(64, 128, 256, 4, 3, programs_per_sm=2)),
+    (None, CublasAfterDequantize()),
 )
-SPLIT_K_EPILOGUE_BLOCK = 1024
+EPILOGUE_BLOCK = 1024
 
 
-def gemm_config(M: int) -> GemmConfig:
+def gemm_config(M: int) -> Union[GemmConfig, CublasAfterDequantize]:
     for max_m, config in GEMM_CONFIGS:
         if max_m is None or M <= max_m:
             return config
@@ -273,6 +324,30 @@ def _check_operands(a: torch.Tensor, weight_qdata: torch.Tensor, weight_block_sc
         )
 
 
+def launch_weight_dequantize(
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    out: torch.Tensor,
+    config: CublasAfterDequantize = CublasAfterDequantize(),
+) -> None:
+    """The packed weight into ``out``: fp16 ``[N, K]``, ``q * s_b``, block-deinterleaved."""
+    N, K = out.shape
+    weight_qdata = weight_qdata.contiguous()
+    weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
+    wrap_triton(_dequantize_weight_kernel)[(triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k))](
+        weight_qdata,
+        weight_block_scales,
+        out,
+        N,
+        K,
+        weight_qdata.stride(0),
+        weight_block_scales.stride(0),
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        PTX=_use_ptx_dequant(out.device),
+    )
+
+
 def launch_nvfp4_gemm(
     a: torch.Tensor,
     weight_qdata: torch.Tensor,
@@ -281,57 +356,73 @@ def launch_nvfp4_gemm(
     weight_per_tensor_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
-    config: Optional[GemmConfig] = None,
+    config: Union[GemmConfig, CublasAfterDequantize, None] = None,
 ) -> None:
     """Run the GEMM into ``out [M, N]``; ``config`` defaults to the table entry for M."""
     _check_operands(a, weight_qdata, weight_block_scales)
     M, K = a.shape
     N = weight_qdata.shape[0]
     config = config or gemm_config(M)
-    split_k = split_k_for(config, N, K, a.device)
     act_scale = act_per_tensor_scale.to(torch.float32).reshape(1)
     weight_scale = weight_per_tensor_scale.to(torch.float32).reshape(1)
-    partials = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
-    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-    wrap_triton(_nvfp4_gemm_kernel)[(tiles, split_k)](
-        a,
-        weight_qdata.contiguous(),
-        weight_block_scales.contiguous().view(torch.uint8),
-        act_scale,
-        weight_scale,
-        bias if bias is not None else act_scale,
-        partials,
-        M,
-        N,
-        K,
-        a.stride(0),
-        out.stride(0),
-        split_k,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        WRITE_PARTIALS=split_k > 1,
-        GROUP_N=config.group_n,
-        HAS_BIAS=bias is not None,
-        EVEN_K=K % config.block_k == 0,
-        PTX=_use_ptx_dequant(a.device),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if split_k > 1:
-        wrap_triton(_split_k_epilogue_kernel)[(triton.cdiv(M * N, SPLIT_K_EPILOGUE_BLOCK),)](
-            partials,
+    # Row strides travel as arguments (not K // 2, K // 16) so that Triton's specialisation of
+    # multiples of 16 lets it load the scale rows in 16-byte vectors and pipeline those loads;
+    # computed from K, a scale row looks byte-aligned and every iteration waits on global loads.
+    weight_qdata = weight_qdata.contiguous()
+    weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
+    ptx = _use_ptx_dequant(a.device)
+    if isinstance(config, CublasAfterDequantize):
+        split_k = 1
+        weight = torch.empty((N, K), dtype=torch.float16, device=a.device)
+        launch_weight_dequantize(weight_qdata, weight_block_scales, weight, config)
+        partials = torch.mm(a, weight.t(), out_dtype=torch.float32)
+    else:
+        split_k = split_k_for(config, N, K, a.device)
+        fused_epilogue = split_k == 1
+        partials = out if fused_epilogue else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
+        tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+        wrap_triton(_nvfp4_gemm_kernel)[(tiles, split_k)](
+            a,
+            weight_qdata,
+            weight_block_scales,
             act_scale,
             weight_scale,
             bias if bias is not None else act_scale,
-            out,
+            partials,
             M,
             N,
+            K,
+            a.stride(0),
+            weight_qdata.stride(0),
+            weight_block_scales.stride(0),
             out.stride(0),
             split_k,
-            BLOCK=SPLIT_K_EPILOGUE_BLOCK,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            WRITE_PARTIALS=not fused_epilogue,
+            GROUP_N=config.group_n,
             HAS_BIAS=bias is not None,
+            EVEN_K=K % config.block_k == 0,
+            PTX=ptx,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
+        if fused_epilogue:
+            return
+    wrap_triton(_epilogue_kernel)[(triton.cdiv(M * N, EPILOGUE_BLOCK),)](
+        partials,
+        act_scale,
+        weight_scale,
+        bias if bias is not None else act_scale,
+        out,
+        M,
+        N,
+        out.stride(0),
+        split_k,
+        BLOCK=EPILOGUE_BLOCK,
+        HAS_BIAS=bias is not None,
+    )
 
 
 @triton_op("nvfp4_static::nvfp4_gemm", mutates_args=())
