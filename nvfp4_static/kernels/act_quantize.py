@@ -21,8 +21,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
+from nvfp4_static.kernels.launch import traceable
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -159,7 +160,7 @@ def launch_activation_quantize(
     M, K = x.shape
     write_packed = gemm_operand is None
     grid = (triton.cdiv(M, BLOCK_ROWS), triton.cdiv(K, BLOCK_COLS))
-    wrap_triton(_activation_quantize_kernel)[grid](
+    traceable(_activation_quantize_kernel)[grid](
         x,
         per_tensor_scale.to(torch.float32).reshape(1),
         qdata if write_packed else x,

@@ -24,8 +24,9 @@ from typing import Optional, Union
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
+from nvfp4_static.kernels.launch import traceable
 from nvfp4_static.numerics import BLOCK_SIZE
 
 # E2M1 code (sign, e1, e0, m) -> FP8 E4M3 byte (sign, 0, 0, e1, e0, m, 0, 0) is the same number
@@ -334,7 +335,7 @@ def launch_weight_dequantize(
     N, K = out.shape
     weight_qdata = weight_qdata.contiguous()
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
-    wrap_triton(_dequantize_weight_kernel)[(triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k))](
+    traceable(_dequantize_weight_kernel)[(triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k))](
         weight_qdata,
         weight_block_scales,
         out,
@@ -381,7 +382,7 @@ def launch_nvfp4_gemm(
         fused_epilogue = split_k == 1
         partials = out if fused_epilogue else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
         tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-        wrap_triton(_nvfp4_gemm_kernel)[(tiles, split_k)](
+        traceable(_nvfp4_gemm_kernel)[(tiles, split_k)](
             a,
             weight_qdata,
             weight_block_scales,
@@ -410,7 +411,7 @@ def launch_nvfp4_gemm(
         )
         if fused_epilogue:
             return
-    wrap_triton(_epilogue_kernel)[(triton.cdiv(M * N, EPILOGUE_BLOCK),)](
+    traceable(_epilogue_kernel)[(triton.cdiv(M * N, EPILOGUE_BLOCK),)](
         partials,
         act_scale,
         weight_scale,
