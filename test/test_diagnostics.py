@@ -1,0 +1,129 @@
+"""Layer diagnostics on toy models: one report per converted layer, numbers checked independently."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torchao.quantization import quantize_
+
+from models import MLP, TransformerBlock
+from nvfp4_static import NVFP4StaticActivationConfig, NVFP4StaticLinear
+from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics, snr_db
+from nvfp4_static.numerics import fake_quantize_nvfp4, per_tensor_amax_to_scale
+
+DIM = 64
+
+
+def batches(n, seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return [scale * torch.randn(2, 16, DIM, generator=generator) for _ in range(n)]
+
+
+def converted(model, calibration, **config):
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config))
+    with torch.no_grad():
+        for batch in calibration:
+            model(batch)
+    quantize_(model, NVFP4StaticActivationConfig(step="convert", **config))
+    return model
+
+
+def float_and_converted(model_cls, **config):
+    torch.manual_seed(0)
+    float_model = model_cls()
+    return float_model, converted(copy.deepcopy(float_model), batches(4, seed=0), **config)
+
+
+@pytest.mark.parametrize("model_cls", [MLP, TransformerBlock], ids=["mlp", "block"])
+def test_one_report_per_converted_layer_carrying_its_calibration(model_cls):
+    float_model, model = float_and_converted(model_cls)
+    report = layer_diagnostics(model, batches(1, seed=1)[0], reference_model=float_model)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4StaticLinear)}
+    assert [d.name for d in report] == list(layers)
+    for d in report:
+        assert d.act_global_amax == layers[d.name].act_global_amax
+        assert d.calibration_stats["g_amax"] == pytest.approx(d.act_global_amax, rel=1e-6)
+        assert d.calibration_stats["set_by"] in ("rho*B_min", "margin*B_max")
+        assert d.recipe == {"act_calibration": "b_min", "weight_scale": "mse"}
+        assert d.calls == 1 and not d.warned
+        # NVFP4 keeps about 20 dB on Gaussian-like data per operand; 12 dB is far above what a
+        # wrong scale or a mismatched reference layer (near 0 dB or below) would give.
+        assert d.weight_snr_db > 12 and d.output_snr_db > 12 and d.act_snr_db > 12
+    assert not model._forward_hooks and not any(m._forward_hooks for m in layers.values())
+
+
+def test_first_layer_numbers_match_an_independent_computation():
+    _, model = float_and_converted(MLP, act_calibration="max", weight_scale="max")
+    x = batches(1, seed=2, scale=4.0)[0]  # 4x the calibration scale: some elements clip
+    up = layer_diagnostics(model, x)[0]
+    g_amax = model.up.act_global_amax
+    static = fake_quantize_nvfp4(x, per_tensor_amax_to_scale(torch.tensor(g_amax)))
+    dynamic = fake_quantize_nvfp4(x, per_tensor_amax_to_scale(x.abs().amax()))
+    assert up.name == "up" and up.batch_amax == float(x.abs().amax())
+    assert up.clipped_fraction == float((x.abs() > g_amax).double().mean()) > 0
+    assert up.act_snr_db == pytest.approx(snr_db(x, static), abs=1e-9)
+    assert up.act_dynamic_snr_db == pytest.approx(snr_db(x, dynamic), abs=1e-9)
+    assert up.act_snr_db < up.act_dynamic_snr_db  # clipping costs the static scale
+    assert up.weight_snr_db is None and up.output_snr_db is None
+
+
+def test_in_range_batch_does_not_clip_and_small_blocks_count_as_subnormal():
+    _, model = float_and_converted(MLP, act_calibration="max")
+    x = batches(1, seed=3, scale=0.5)[0]
+    x[0, 0, :16] = model.up.act_global_amax / 1e5  # one block far below g_amax / 28672
+    up = layer_diagnostics(model, x)[0]
+    assert up.clipped_fraction == 0
+    assert up.subnormal_block_fraction == pytest.approx(1 / (x.numel() // 16))
+
+
+def test_a_layer_called_twice_is_summed_over_both_calls():
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(DIM, DIM)
+
+        def forward(self, x):
+            return self.linear(torch.tanh(self.linear(x)))
+
+    float_model, model = float_and_converted(Twice)
+    (d,) = layer_diagnostics(model, batches(1, seed=4)[0], reference_model=float_model)
+    assert d.calls == 2 and math.isfinite(d.output_snr_db)
+
+
+def test_wide_block_amax_range_is_flagged():
+    torch.manual_seed(0)
+    calibration = batches(2, seed=5, scale=1e-2)
+    for batch in calibration:
+        batch[:, :4, :16] *= 1e5  # a few blocks ~1e5x larger than the rest: beyond 28672
+    with pytest.warns(UserWarning, match="B_max / B_min"):
+        model = converted(MLP(), calibration)
+    report = {d.name: d for d in layer_diagnostics(model, calibration[0])}
+    assert report["up"].warned
+    assert "!" in format_diagnostics(report.values()).splitlines()[2]
+
+
+@pytest.mark.parametrize(
+    "wrap", [lambda x: x, lambda x: (x,), lambda x: {"x": x}], ids=["tensor", "tuple", "mapping"]
+)
+def test_batch_may_be_a_tensor_a_tuple_or_a_mapping(wrap):
+    _, model = float_and_converted(MLP)
+    assert len(layer_diagnostics(model, wrap(batches(1, seed=6)[0]))) == 2
+
+
+def test_format_lists_every_layer_or_only_the_worst():
+    float_model, model = float_and_converted(TransformerBlock)
+    report = layer_diagnostics(model, batches(1, seed=7)[0], reference_model=float_model)
+    table = format_diagnostics(report)
+    assert all(d.name in table for d in report)
+    worst = min(report, key=lambda d: d.act_snr_db)
+    short = format_diagnostics(report, max_rows=1).splitlines()
+    assert len(short) == 3 and short[2].startswith(worst.name)
+
+
+def test_errors_name_what_is_missing():
+    with pytest.raises(ValueError, match="no NVFP4StaticLinear"):
+        layer_diagnostics(MLP(), batches(1, seed=8)[0])
+    _, model = float_and_converted(MLP)
+    with pytest.raises(ValueError, match="no module 'up'"):
+        layer_diagnostics(model, batches(1, seed=8)[0], reference_model=torch.nn.Sequential())
