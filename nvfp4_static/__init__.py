@@ -10,6 +10,7 @@
 """
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.diagnostics import LayerDiagnostics, format_diagnostics, layer_diagnostics
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.observed import NVFP4ObservedLinear
 from nvfp4_static.observers import (
@@ -33,4 +34,7 @@ __all__ = [
     "MseCalibrator",
     "NVFP4MSECalibrator",
     "BlockHessianAccumulator",
+    "layer_diagnostics",
+    "format_diagnostics",
+    "LayerDiagnostics",
 ]
