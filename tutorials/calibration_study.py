@@ -438,7 +438,7 @@ def plot_snr_vs_amax(q1: dict, path: pathlib.Path) -> None:
 
 def plot_more_calibration(q2: dict, real: dict, path: pathlib.Path) -> None:
     panels = len(q2) + (real is not None)
-    figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 5 if real else 4))
     for ax, (name, per_size) in zip(axes, q2.items()):
         sizes = list(per_size)
         for method in per_size[sizes[0]]["snr"]:
@@ -459,7 +459,7 @@ def plot_more_calibration(q2: dict, real: dict, path: pathlib.Path) -> None:
         ax.set_xlabel("calibration sequences (256 tokens)")
         ax.set_ylabel("held-out activation SNR (dB)")
         ax.set_title("SmolLM2-135M linear inputs")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
