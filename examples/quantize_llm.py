@@ -1,7 +1,7 @@
 """Quantize SmolLM2-135M-Instruct to static-activation NVFP4 and compare calibration recipes.
 
     pip install -e ".[examples]"
-    python examples/quantize_llm.py                          # CPU, a few minutes
+    python examples/quantize_llm.py                          # CPU: about 8 minutes on 2 cores
     python examples/quantize_llm.py --device cuda --compile  # GPU
     python examples/quantize_llm.py --n-calib 1              # max calibration's worst case
 
@@ -250,6 +250,7 @@ def main(argv=None) -> None:
         model = quantize(float_model, recipe, calib_batches, name)
         ppl, speed = evaluate(run(model), eval_batches, f"evaluate {name}")
         rows.append((name, ppl, speed, model_size_bytes(model)))
+        tqdm.write(f"{name}: perplexity {ppl:.3f}, {speed:.0f} tokens/s")
         if recipe is not None:
             summary = diagnostics_summary(
                 model, float_model, eval_batches[0][:1], args.diagnostics_rows
