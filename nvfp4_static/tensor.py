@@ -38,10 +38,15 @@ class NVFP4StaticTensor(NVFP4Tensor):
     Attributes beyond ``NVFP4Tensor``'s:
         backend_override: backend forced by the config (None: choose by device).
         linear_backend: the backend this tensor's linear runs on (derived, shown in ``repr``).
+        output_scale: ``act_per_tensor_scale * per_tensor_scale`` as a Python float, read once
+            when the tensor is built (None while the scales are fake or on ``meta``). The scales
+            are fixed after convert; a host copy lets the large-M GEMM give the scale to cuBLAS
+            as ``alpha`` without a device sync per call.
     """
 
     optional_tensor_attribute_names = NVFP4Tensor.optional_tensor_attribute_names + [
-        "backend_override"
+        "backend_override",
+        "output_scale",
     ]
 
     def __new__(
@@ -56,6 +61,7 @@ class NVFP4StaticTensor(NVFP4Tensor):
         use_triton_kernel=False,
         act_quant_kwargs=None,
         backend_override=None,
+        output_scale=None,
     ):
         self = super().__new__(
             cls,
@@ -70,6 +76,7 @@ class NVFP4StaticTensor(NVFP4Tensor):
             act_quant_kwargs,
         )
         self.backend_override = backend_override
+        self.output_scale = output_scale if output_scale is not None else _host_output_scale(self)
         self.linear_backend = resolve_backend(qdata.device, backend_override)
         linear_function(self.linear_backend)  # import now, outside any compiled region
         return self
@@ -119,6 +126,7 @@ class NVFP4StaticTensor(NVFP4Tensor):
             use_triton_kernel=self.use_triton_kernel,
             act_quant_kwargs=self.act_quant_kwargs,
             backend_override=self.backend_override,
+            output_scale=self.output_scale,
         )
         fields.update(changes)
         return type(self)(qdata, scale, **fields)
@@ -134,6 +142,15 @@ class NVFP4StaticTensor(NVFP4Tensor):
             f"act_global_amax={_amax_of(self.act_per_tensor_scale)}, "
             f"weight_global_amax={_amax_of(self.per_tensor_scale)})"
         )
+
+
+def _host_output_scale(weight: NVFP4StaticTensor) -> Optional[float]:
+    """``act_per_tensor_scale * per_tensor_scale`` in fp32, as a float; None if it cannot be read
+    (a scale missing, fake or on ``meta``). Syncs once, when a tensor is built from data."""
+    scales = (weight.act_per_tensor_scale, weight.per_tensor_scale)
+    if any(s is None or s.device.type == "meta" or is_fake(s) for s in scales):
+        return None
+    return float(scales[0].to(torch.float32) * scales[1].to(torch.float32))
 
 
 def _amax_of(per_tensor_scale: Optional[torch.Tensor]) -> str:
@@ -171,6 +188,7 @@ def _static_linear(
         weight.per_tensor_scale,
         weight.act_per_tensor_scale,
         bias,
+        weight.output_scale,
     )
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -311,6 +329,7 @@ def _(func, types, args, kwargs):
         )
     for name in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale"):
         getattr(dst, name).copy_(getattr(src, name))
+    dst.output_scale = _host_output_scale(dst)
     return dst
 
 

@@ -129,3 +129,39 @@ def test_gpu_compiled_fullgraph_one_graph_per_m_bucket():
             x, *rest = linear_inputs(M, 1024, 2048, torch.bfloat16, seed=M, device="cuda")
             assert torch.equal(compiled(x, *rest), triton_backend.static_nvfp4_linear(x, *rest))
         assert counters["stats"]["unique_graphs"] == bucket_index
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("M,N,K", [(1000, 4096, 4096), (4096, 8192, 8192)], ids=str)
+def test_gpu_triton_backend_with_a_host_output_scale_matches_cpu_backend(dtype, with_bias, M, N, K):
+    """Large M with the scale product on the host: cuBLAS takes the whole epilogue."""
+    x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias = linear_inputs(
+        M, N, K, dtype, seed=M, device="cuda", with_bias=with_bias
+    )
+    inputs = (x, weight_qdata, weight_block_scales, weight_scale, act_scale, None if bias is None else bias.to(dtype))
+    output_scale = float(act_scale * weight_scale)
+    out = triton_backend.static_nvfp4_linear(*inputs, output_scale)
+    assert relative_error(out, cpu.static_nvfp4_linear(*inputs)) <= gpu_tolerance(K, dtype)
+
+
+@requires_cuda
+def test_gpu_compiled_api_linear_at_prefill_size_equals_eager():
+    """Through ``F.linear`` on the weight subclass, whose host ``output_scale`` reaches the large-M
+    GEMM from the tensor's flattened attributes; compiled and eager must run the same cuBLAS call
+    (were alpha split off into a separate multiply, the rounding would differ)."""
+    from nvfp4_static.tensor import NVFP4StaticTensor
+
+    torch._dynamo.reset()
+    weight = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    nvfp4_weight = NVFP4StaticTensor.from_float(weight, torch.tensor(4.0), backend_override="triton")
+    assert nvfp4_weight.output_scale is not None
+    compiled = torch.compile(torch.nn.functional.linear, fullgraph=True)
+    x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = torch.nn.functional.linear(x, nvfp4_weight, bias)
+        assert torch.equal(compiled(x, nvfp4_weight, bias), eager)
+    inputs = (x, nvfp4_weight.qdata, nvfp4_weight.scale, nvfp4_weight.per_tensor_scale, nvfp4_weight.act_per_tensor_scale, bias)
+    assert relative_error(eager, cpu.static_nvfp4_linear(*inputs)) <= gpu_tolerance(1024, torch.bfloat16)

@@ -285,6 +285,16 @@ def test_save_load_round_trip_in_a_fresh_process(tmp_path):
         assert torch.equal(torch.load(tmp_path / "out.pt"), model(x))
 
 
+def test_loading_refreshes_each_weights_host_copy_of_its_output_scale():
+    source = quantized(make(MLP))
+    model = make(MLP)
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading"))
+    model.load_state_dict(source.state_dict())
+    for name in ("up", "down"):
+        loaded, original = getattr(model, name).weight, getattr(source, name).weight
+        assert loaded.output_scale == original.output_scale
+
+
 def test_loading_a_checkpoint_of_another_recipe_is_an_error():
     state = quantized(make(MLP), weight_scale="max").state_dict()
     model = make(MLP)

@@ -56,21 +56,26 @@ def rounding_ties() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([scale_ties, element_ties[None, :]]), torch.tensor(1.0)
 
 
-def empty_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+OPERAND_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def empty_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Packed codes, FP8 scales, and a GEMM operand of each dtype, all pre-filled with garbage."""
     M, K = x.shape
     return (
         torch.full((M, K // 2), 0xAB, dtype=torch.uint8, device=x.device),
         torch.full((M, K // 16), 0xAB, dtype=torch.uint8, device=x.device).view(torch.float8_e4m3fn),
-        torch.full((M, K), float("nan"), dtype=torch.float16, device=x.device),
+        [torch.full((M, K), float("nan"), dtype=dtype, device=x.device) for dtype in OPERAND_DTYPES],
     )
 
 
-def assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operand):
+def assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands):
     expected_qdata, expected_scales = quantize_nvfp4(x.cpu(), per_tensor_scale.cpu())
     assert torch.equal(qdata.cpu(), expected_qdata)
     assert torch.equal(block_scales.cpu().view(torch.uint8), expected_scales.view(torch.uint8))
-    expected_operand = deinterleave_blocks(dequantize_nvfp4(expected_qdata, expected_scales, output_dtype=torch.float16))
-    assert torch.equal(operand.cpu().view(torch.int16), expected_operand.view(torch.int16))
+    for operand in operands:
+        expected = deinterleave_blocks(dequantize_nvfp4(expected_qdata, expected_scales, output_dtype=operand.dtype))
+        assert torch.equal(operand.cpu().view(torch.int16), expected.view(torch.int16)), operand.dtype
 
 
 CASES = {
@@ -87,15 +92,15 @@ def interpreted_results():
     inputs["ties"] = rounding_ties()
     calls = []
     for x, per_tensor_scale in inputs.values():
-        qdata, block_scales, operand = empty_outputs(x)
+        qdata, block_scales, operands = empty_outputs(x)
         calls.append((LAUNCHER, (x, per_tensor_scale, qdata, block_scales, None)))
-        calls.append((LAUNCHER, (x, per_tensor_scale, None, None, operand)))
+        calls.extend((LAUNCHER, (x, per_tensor_scale, None, None, operand)) for operand in operands)
     results = iter(run_interpreted(calls))
     outputs = {}
     for name, (x, per_tensor_scale) in inputs.items():
         _, _, qdata, block_scales, _ = next(results)
-        operand = next(results)[4]
-        outputs[name] = (x, per_tensor_scale, qdata, block_scales, operand)
+        operands = [next(results)[4] for _ in OPERAND_DTYPES]
+        outputs[name] = (x, per_tensor_scale, qdata, block_scales, operands)
     return outputs
 
 
@@ -113,8 +118,14 @@ def test_deinterleave_blocks_puts_even_elements_first():
 def test_ops_route_cpu_tensors_to_the_reference():
     x, per_tensor_scale = wide_range_activation(3, 64, torch.bfloat16, seed=0)
     qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
-    operand = gemm_activation_operand(x, per_tensor_scale)
-    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operand)
+    operands = [gemm_activation_operand(x, per_tensor_scale, dtype) for dtype in OPERAND_DTYPES]
+    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands)
+
+
+def test_operand_of_another_dtype_is_an_error():
+    x, per_tensor_scale = wide_range_activation(3, 64, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        gemm_activation_operand(x, per_tensor_scale, torch.float32)
 
 
 @requires_cuda
@@ -123,14 +134,16 @@ def test_ops_route_cpu_tensors_to_the_reference():
 def test_gpu_kernel_matches_reference_bit_for_bit(dtype, M, K):
     x, per_tensor_scale = wide_range_activation(M, K, dtype, seed=M + K)
     x, per_tensor_scale = x.cuda(), per_tensor_scale.cuda()
-    qdata, block_scales, operand = empty_outputs(x)
+    qdata, block_scales, operands = empty_outputs(x)
     launch_activation_quantize(x, per_tensor_scale, qdata, block_scales, None)
-    launch_activation_quantize(x, per_tensor_scale, None, None, operand)
-    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operand)
+    for operand in operands:
+        launch_activation_quantize(x, per_tensor_scale, None, None, operand)
+    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands)
 
 
 @requires_cuda
 def test_gpu_ties_match_reference_bit_for_bit():
     x, per_tensor_scale = (t.cuda() for t in rounding_ties())
     qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
-    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, gemm_activation_operand(x, per_tensor_scale))
+    operands = [gemm_activation_operand(x, per_tensor_scale, dtype) for dtype in OPERAND_DTYPES]
+    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands)

@@ -117,6 +117,19 @@ def test_histogram_kernel_extreme_magnitudes_interpreted(magnitude):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_histogram_kernel_max_carries_non_finite_values_interpreted(dtype, bad):
+    """The observer refuses a batch by its non-finite running max: a NaN or Inf anywhere in the
+    input must reach it, whatever else the tile holds."""
+    x = activation((6, 48), dtype, seed=5)
+    x[4, 37] = bad
+    _, amax = histogram_of(launch_block_amax_histogram, x)
+    _, expected = reference_histogram(x)
+    assert not amax.isfinite() and torch.equal(amax.isnan(), expected.isnan())
+
+
+@interpreted
 def test_histogram_kernel_of_zeros_counts_nothing_and_keeps_the_max_interpreted():
     counts, amax = histogram_of(launch_block_amax_histogram, torch.zeros(4, 33), amax=torch.tensor(3.0))
     assert int(counts.sum()) == 0 and amax.item() == 3.0

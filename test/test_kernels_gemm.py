@@ -15,6 +15,8 @@ from nvfp4_static.kernels.gemm import (
     GEMM_CONFIGS,
     CublasAfterDequantize,
     GemmConfig,
+    activation_operand_dtype,
+    fuses_epilogue_into_cublas,
     launch_nvfp4_gemm,
     launch_weight_dequantize,
     nvfp4_gemm,
@@ -87,24 +89,28 @@ def interpreted_results():
                     cases.append((name, dtype_name, operands))
                     calls.append((LAUNCHER, (*operands, out, config)))
     weight_qdata, weight_block_scales = gemm_operands(*DEQUANTIZE_SHAPE, seed=5)[1:3]
-    dequantized = torch.full(DEQUANTIZE_SHAPE[1:], float("nan"), dtype=torch.float16)
-    calls.append((DEQUANTIZE_LAUNCHER, (weight_qdata, weight_block_scales, dequantized, CublasAfterDequantize(16, 32))))
-    *results, dequantize_result = run_interpreted(calls)
+    for dtype in DEQUANTIZE_DTYPES:
+        dequantized = torch.full(DEQUANTIZE_SHAPE[1:], float("nan"), dtype=dtype)
+        calls.append((DEQUANTIZE_LAUNCHER, (weight_qdata, weight_block_scales, dequantized, CublasAfterDequantize(16, 32))))
+    results = run_interpreted(calls)
     outputs = {name: (dtype_name, operands, args[6]) for (name, dtype_name, operands), args in zip(cases, results)}
-    outputs["dequantize"] = dequantize_result[:3]
+    for dtype, args in zip(DEQUANTIZE_DTYPES, results[len(cases) :]):
+        outputs[f"dequantize-{dtype}"] = args[:3]
     return outputs
 
 
 DEQUANTIZE_SHAPE = (1, 70, 48)  # (M, N, K): a ragged N and K for 16 x 32 tiles
+DEQUANTIZE_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def assert_dequantized_like_reference(weight_qdata, weight_block_scales, dequantized):
-    expected = deinterleave_blocks(dequantize_nvfp4(weight_qdata, weight_block_scales, output_dtype=torch.float16))
+    expected = deinterleave_blocks(dequantize_nvfp4(weight_qdata, weight_block_scales, output_dtype=dequantized.dtype))
     assert torch.equal(dequantized.cpu().view(torch.int16), expected.cpu().view(torch.int16))
 
 
-def test_interpreted_weight_dequantize_matches_reference_bit_for_bit(interpreted_results):
-    assert_dequantized_like_reference(*interpreted_results["dequantize"])
+@pytest.mark.parametrize("dtype", DEQUANTIZE_DTYPES, ids=["fp16", "bf16"])
+def test_interpreted_weight_dequantize_matches_reference_bit_for_bit(interpreted_results, dtype):
+    assert_dequantized_like_reference(*interpreted_results[f"dequantize-{dtype}"])
 
 
 INTERPRETER_CASES = [
@@ -136,6 +142,18 @@ def test_config_table_covers_every_m_and_decode_tiles_cover_their_bucket():
         assert config.programs_per_sm == 0 or config.block_m >= max_m
 
 
+def test_only_large_m_with_a_host_scale_and_a_matching_bias_fuses_the_epilogue_into_cublas():
+    bf16_bias = torch.zeros(8, dtype=torch.bfloat16)
+    assert fuses_epilogue_into_cublas(4096, torch.bfloat16, 1e-3, bf16_bias)
+    assert fuses_epilogue_into_cublas(4096, torch.float16, 1e-3, None)
+    assert not fuses_epilogue_into_cublas(16, torch.bfloat16, 1e-3, None)  # the Triton kernel's M
+    assert not fuses_epilogue_into_cublas(4096, torch.bfloat16, None, None)  # scale only on device
+    assert not fuses_epilogue_into_cublas(4096, torch.float32, 1e-3, None)  # no fp32 operands
+    assert not fuses_epilogue_into_cublas(4096, torch.bfloat16, 1e-3, bf16_bias.float())
+    assert activation_operand_dtype(4096, torch.bfloat16, 1e-3, None) == torch.bfloat16
+    assert activation_operand_dtype(16, torch.bfloat16, 1e-3, None) == torch.float16
+
+
 def gpu_tolerance(K: int, dtype: torch.dtype) -> float:
     """Recursive fp32 summation of K products errs by at most about K * 2^-24 relative (the
     products themselves are exact); add one rounding of the output to ``dtype``, and allow 2x."""
@@ -160,9 +178,31 @@ def test_gpu_gemm_matches_fp64_reference(dtype, with_bias, M, N, K):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", DEQUANTIZE_DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("N,K", [(8192, 8192), (96, 16)], ids=str)
-def test_gpu_weight_dequantize_matches_reference_bit_for_bit(N, K):
+def test_gpu_weight_dequantize_matches_reference_bit_for_bit(N, K, dtype):
     _, weight_qdata, weight_block_scales, *_ = gemm_operands(1, N, K, seed=N, device="cuda")
-    dequantized = torch.full((N, K), float("nan"), dtype=torch.float16, device="cuda")
+    dequantized = torch.full((N, K), float("nan"), dtype=dtype, device="cuda")
     launch_weight_dequantize(weight_qdata, weight_block_scales, dequantized)
     assert_dequantized_like_reference(weight_qdata, weight_block_scales, dequantized)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("M,N,K", [(4096, 8192, 8192), (100, 14336, 4096), (333, 96, 16)], ids=str)
+def test_gpu_cublas_fused_epilogue_matches_fp64_reference_and_the_triton_epilogue(dtype, with_bias, M, N, K):
+    """The op with a host scale: cuBLAS applies it as alpha and adds the bias, one rounding; the
+    result is within the same bound as the Triton epilogue's and close to it element for element."""
+    operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias = gemm_operands(M, N, K, seed=M, device="cuda")
+    bias = bias.to(dtype) if with_bias else None
+    output_scale = float(act_scale * weight_scale)
+    assert fuses_epilogue_into_cublas(M, dtype, output_scale, bias)
+    operand_in_dtype = operand.to(dtype)  # exact: q * s_b has at most 5 significant bits
+    fused = nvfp4_gemm(operand_in_dtype, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, dtype, output_scale)
+    unfused = nvfp4_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, dtype)
+    reference = reference_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
+    assert fused.dtype == dtype
+    assert relative_error(fused, reference) <= gpu_tolerance(K, dtype)
+    # Both round the same fp32 value, up to summation order: apart by about one output rounding.
+    assert relative_error(fused, unfused.double()) <= 2 * UNIT_ROUNDOFF[dtype]

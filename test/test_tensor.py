@@ -55,6 +55,14 @@ def test_ops_keep_the_subclass_and_its_attributes(op):
     assert type(out) is NVFP4StaticTensor
     assert out.backend_override == "cpu"
     assert out.act_per_tensor_scale is not None
+    assert out.output_scale == w.output_scale
+
+
+def test_output_scale_is_the_fp32_product_of_both_global_scales():
+    w = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    product = w.act_per_tensor_scale.float() * w.per_tensor_scale.float()
+    assert w.output_scale == product.item() and w.output_scale > 0
+    assert NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX).to("meta").output_scale == w.output_scale
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs an accelerator")

@@ -3,14 +3,18 @@
 For each weight shape (K, N) and token count M, in one run on one GPU:
 
 - ``bf16``: ``F.linear`` with the bf16 weight (cuBLAS), the baseline;
-- ``ours``: ``backends.triton.static_nvfp4_linear`` eagerly, and compiled (fullgraph, dynamic);
-- ``api``: the same through the public API, ``F.linear`` on an ``NVFP4StaticTensor`` weight (eager);
+- ``ours``: ``backends.triton.static_nvfp4_linear`` eagerly, given the host copy of the scale
+  product that an ``NVFP4StaticTensor`` carries (at M > 64 cuBLAS then applies scale and bias);
+  ``no alpha`` the same call without it (fp32 product + Triton epilogue), as the baseline of that
+  change;
+- ``api``: the same through the public API, ``F.linear`` on an ``NVFP4StaticTensor`` weight,
+  eager and compiled (fullgraph, dynamic);
 - ``naive``: dequantize the weight to bf16, quantize-dequantize the activation, ``F.linear``, compiled.
 
 Every time is a triton.testing.do_bench median (which flushes L2 between runs, so the weight
 streams from DRAM). Eager and compiled calls also pay Python launch overhead, which at decode
-sizes exceeds the GPU time, so ``bf16 graph`` and ``graph`` time the same bf16 and eager-ours
-calls captured in a CUDA graph (GPU time alone, as a served model would run them). The last
+sizes exceeds the GPU time, so ``bf16 graph``, ``graph`` and ``no alpha`` time the bf16 and
+eager-ours calls captured in a CUDA graph (GPU time alone, as a served model would run them). The last
 columns compare those two: bf16 over ours as a speedup, and the weight-streaming rate ours
 achieves (packed weight + scales bytes / time) as a share of a device-to-device copy measured
 in the same run. Run:
@@ -64,10 +68,10 @@ def main():
     copy_gbs = copy_bandwidth_gbs()
     print(f"device: {torch.cuda.get_device_name()}, device-to-device copy {copy_gbs:.0f} GB/s")
 
-    ours_compiled = torch.compile(static_nvfp4_linear, fullgraph=True, dynamic=True)
+    api_compiled = torch.compile(F.linear, fullgraph=True, dynamic=True)
     naive_compiled = torch.compile(naive_linear, fullgraph=True, dynamic=True)
 
-    names = ["bf16", "bf16 graph", "eager", "graph", "compiled", "api", "naive"]
+    names = ["bf16", "bf16 graph", "eager", "graph", "no alpha", "compiled", "api", "naive"]
     header = f"{'K':>6} {'N':>6} {'M':>5} | " + " ".join(f"{name:>10}" for name in names) + " (ms)"
     print(header + f" | {'bf16/ours':>9} {'weight GB/s':>11} {'of copy':>7}")
     with torch.no_grad():
@@ -80,17 +84,19 @@ def main():
             weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
             operands = (weight_qdata, weight_block_scales, weight_scale, act_scale, bias)
             api_weight = NVFP4StaticTensor.from_float(weight, act_amax, backend_override="triton")
+            output_scale = api_weight.output_scale
             weight_bytes = weight_qdata.numel() + weight_block_scales.numel()
             for M in args.m:
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                ours = lambda: static_nvfp4_linear(x, *operands)  # noqa: E731
+                ours = lambda: static_nvfp4_linear(x, *operands, output_scale)  # noqa: E731
                 bf16 = lambda: F.linear(x, weight, bias)  # noqa: E731
                 ms = {
                     "bf16": do_bench(bf16, return_mode="median"),
                     "bf16 graph": graph_ms(bf16),
                     "eager": do_bench(ours, return_mode="median"),
                     "graph": graph_ms(ours),
-                    "compiled": do_bench(lambda: ours_compiled(x, *operands), return_mode="median"),
+                    "no alpha": graph_ms(lambda: static_nvfp4_linear(x, *operands)),
+                    "compiled": do_bench(lambda: api_compiled(x, api_weight, bias), return_mode="median"),
                     "api": do_bench(lambda: F.linear(x, api_weight, bias), return_mode="median"),
                     "naive": do_bench(lambda: naive_compiled(x, *operands), return_mode="median"),
                 }

@@ -44,8 +44,10 @@ def static_nvfp4_linear(
     weight_per_tensor_scale: torch.Tensor,
     act_per_tensor_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
+    output_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Same arguments and result as ``backends.cpu.static_nvfp4_linear``."""
+    """Same arguments and result as ``backends.cpu.static_nvfp4_linear`` (``output_scale``
+    unused: the scales are applied to the fp32 result on the device)."""
     act_qdata, act_block_scales = quantize_activation_nvfp4(x, act_per_tensor_scale)
     a, b, scale_a, scale_b = scaled_mm_operands(act_qdata, act_block_scales, weight_qdata, weight_block_scales)
     out = torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)

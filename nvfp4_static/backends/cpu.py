@@ -19,6 +19,7 @@ def static_nvfp4_linear(
     weight_per_tensor_scale: torch.Tensor,
     act_per_tensor_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
+    output_scale: Optional[float] = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W^T + bias`` with ``x`` quantized to NVFP4 under its static global scale.
 
@@ -27,6 +28,9 @@ def static_nvfp4_linear(
         weight_qdata: ``[N, K // 2]`` packed E2M1 codes; weight_block_scales: ``[N, K // 16]`` FP8.
         weight_per_tensor_scale, act_per_tensor_scale: float32 scalars (torchao convention).
         bias: optional ``[N]``.
+        output_scale: ``act_per_tensor_scale * weight_per_tensor_scale`` as a Python float, when
+            the caller has it; a route that hands the epilogue to cuBLAS needs it on the host
+            (``backends.triton``). This route scales on the device and ignores it.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.

@@ -5,11 +5,12 @@ Per 16-element block: amax -> FP8 E4M3 block scale -> E2M1 codes, with exactly t
 even), so that the two agree bit for bit. The kernel writes either form the backends need:
 
 - ``quantize_activation_nvfp4``: packed codes + FP8 scales (the operands of a real FP4 GEMM);
-- ``gemm_activation_operand``: ``q * s_b`` in fp16, *without* the global scale, each 16-block
-  stored as its 8 even-index elements then its 8 odd ones. Every such product is exact in fp16
-  (at most 5 significant bits, magnitudes in [2^-7, 2688]); this is the A operand of the faithful
-  Triton GEMM (``kernels.gemm``), which reads even and odd elements as two contiguous halves
-  because they sit in the low and high nibbles of the packed weight.
+- ``gemm_activation_operand``: ``q * s_b`` in fp16 (or bf16), *without* the global scale, each
+  16-block stored as its 8 even-index elements then its 8 odd ones. Every such product is exact
+  in fp16 and bf16 (at most 5 significant bits, magnitudes in [2^-7, 2688]); this is the A
+  operand of the faithful GEMM (``kernels.gemm``), whose Triton kernel reads even and odd
+  elements as two contiguous halves because they sit in the low and high nibbles of the packed
+  weight.
 
 Both are ``torch.library.triton_op``s (visible to ``torch.compile``); on non-CUDA tensors they run
 the torch reference (a ``triton_op`` body is traced for every device, so the branch lives there). ``launch_activation_quantize`` is the bare launcher, which the tests run on CPU
@@ -127,7 +128,7 @@ def _activation_quantize_kernel(
         deinterleaved = tl.permute(tl.reshape(q, (BLOCK_M, GROUPS, 8, 2)), (0, 1, 3, 2))
         tl.store(
             operand_ptr + rows[:, None] * K + cols[None, :],
-            tl.reshape(deinterleaved, (BLOCK_M, BLOCK_K)).to(tl.float16),
+            tl.reshape(deinterleaved, (BLOCK_M, BLOCK_K)).to(operand_ptr.dtype.element_ty),
             mask=mask,
         )
 
@@ -154,7 +155,7 @@ def launch_activation_quantize(
     gemm_operand: Optional[torch.Tensor],
 ) -> None:
     """Run the kernel into preallocated outputs: pass ``qdata`` + ``block_scales`` (packed form)
-    or ``gemm_operand`` (fp16 ``q * s_b``, block-deinterleaved), the other as None."""
+    or ``gemm_operand`` (fp16 or bf16 ``q * s_b``, block-deinterleaved), the other as None."""
     _check_activation(x, per_tensor_scale)
     x = x if x.stride(1) == 1 else x.contiguous()
     M, K = x.shape
@@ -199,11 +200,16 @@ def deinterleave_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton_op("nvfp4_static::gemm_activation_operand", mutates_args=())
-def gemm_activation_operand(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> torch.Tensor:
-    """fp16 ``q * s_b`` of ``x`` quantized under ``per_tensor_scale``, block-deinterleaved, ``[M, K]``."""
+def gemm_activation_operand(
+    x: torch.Tensor, per_tensor_scale: torch.Tensor, operand_dtype: torch.dtype = torch.float16
+) -> torch.Tensor:
+    """``q * s_b`` of ``x`` quantized under ``per_tensor_scale``, block-deinterleaved, ``[M, K]``
+    in ``operand_dtype`` (fp16 or bf16: exact in both)."""
+    if operand_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"nvfp4_static: the GEMM operand is fp16 or bf16, not {operand_dtype}")
     if x.device.type != "cuda":
         qdata, block_scales = quantize_nvfp4(x, per_tensor_scale)
-        return deinterleave_blocks(dequantize_nvfp4(qdata, block_scales, output_dtype=torch.float16))
-    operand = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+        return deinterleave_blocks(dequantize_nvfp4(qdata, block_scales, output_dtype=operand_dtype))
+    operand = torch.empty(x.shape, dtype=operand_dtype, device=x.device)
     launch_activation_quantize(x, per_tensor_scale, None, None, operand)
     return operand

@@ -14,7 +14,10 @@ values in K order without shuffles, which matters because at decode sizes the ke
 instruction issue, not only memory, bounds the time. Small batches split K over several programs
 and sum the fp32 partials in a second small kernel that applies the epilogue. Large batches
 dequantize the weight once and hand the product to cuBLAS (``CublasAfterDequantize``); the
-numerics are the same.
+numerics are the same. There, when the caller knows the scale product on the host
+(``output_scale``) and the output is bf16 or fp16, both operands take the output's dtype (``q *
+s_b`` is exact in either) and cuBLAS applies the scale as its ``alpha`` and adds the bias before
+its one rounding, so no fp32 product travels through memory.
 """
 
 from dataclasses import dataclass
@@ -209,8 +212,9 @@ def _dequantize_weight_kernel(
     BLOCK_K: tl.constexpr,
     PTX: tl.constexpr,
 ):
-    """The packed weight as fp16 ``q * s_b`` ``[N, K]``, block-deinterleaved like the activation
-    operand (the product does not depend on the order of K, only on both operands sharing it)."""
+    """The packed weight as ``q * s_b`` ``[N, K]`` in ``out``'s dtype (fp16 or bf16: exact in
+    both), block-deinterleaved like the activation operand (the product does not depend on the
+    order of K, only on both operands sharing it)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = offs_n.to(tl.int64)
     offs_half = tl.arange(0, BLOCK_K // 2)
@@ -229,8 +233,9 @@ def _dequantize_weight_kernel(
     even, odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
     offs_even = tl.program_id(1) * BLOCK_K + (offs_half // 8) * 16 + offs_half % 8
     mask = (offs_n[:, None] < N) & (offs_even[None, :] < K)
-    tl.store(out_ptr + rows_n[:, None] * K + offs_even[None, :], even, mask=mask)
-    tl.store(out_ptr + rows_n[:, None] * K + offs_even[None, :] + 8, odd, mask=mask)
+    out_dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rows_n[:, None] * K + offs_even[None, :], even.to(out_dtype), mask=mask)
+    tl.store(out_ptr + rows_n[:, None] * K + offs_even[None, :] + 8, odd.to(out_dtype), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -254,8 +259,9 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class CublasAfterDequantize:
-    """Large M: dequantize the whole weight to fp16 once (``block_n x block_k`` tiles), then a
-    cuBLAS fp16 GEMM with fp32 output, then the epilogue kernel. At prefill sizes the in-register
+    """Large M: dequantize the whole weight once (``block_n x block_k`` tiles), then a cuBLAS
+    GEMM: with the scale and bias as its alpha and bias where ``fuses_epilogue_into_cublas``,
+    else fp16 with fp32 output and the epilogue kernel. At prefill sizes the in-register
     kernel re-dequantizes each weight tile for every M tile and its tensor cores wait on that;
     one extra pass over the weight (2 bytes per element written, read back by cuBLAS) is cheaper."""
 
@@ -306,11 +312,35 @@ def _use_ptx_dequant(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _check_operands(a: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torch.Tensor) -> None:
-    if a.dtype != torch.float16 or a.dim() != 2:
+def fuses_epilogue_into_cublas(
+    M: int, out_dtype: torch.dtype, output_scale: Optional[float], bias: Optional[torch.Tensor]
+) -> bool:
+    """Whether the GEMM for ``M`` rows runs as one cuBLAS call with ``alpha = output_scale`` and
+    the bias: the large-M route, a host copy of the scale, a bf16/fp16 output and a bias of that
+    dtype (cuBLAS adds the bias in the output's dtype; another dtype would be rounded first)."""
+    return (
+        isinstance(gemm_config(M), CublasAfterDequantize)
+        and output_scale is not None
+        and out_dtype in (torch.float16, torch.bfloat16)
+        and (bias is None or bias.dtype == out_dtype)
+    )
+
+
+def activation_operand_dtype(
+    M: int, out_dtype: torch.dtype, output_scale: Optional[float], bias: Optional[torch.Tensor]
+) -> torch.dtype:
+    """The dtype ``gemm_activation_operand`` should write for this GEMM: the output's where cuBLAS
+    takes the whole epilogue, else fp16 (the Triton kernel's tensor-core operand)."""
+    return out_dtype if fuses_epilogue_into_cublas(M, out_dtype, output_scale, bias) else torch.float16
+
+
+def _check_operands(
+    a: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torch.Tensor, operand_dtype: torch.dtype
+) -> None:
+    if a.dtype != operand_dtype or a.dim() != 2:
         raise ValueError(
-            f"nvfp4_static: the NVFP4 GEMM takes the activation as fp16 [M, K] (from "
-            f"gemm_activation_operand), got {a.dtype} {tuple(a.shape)}"
+            f"nvfp4_static: the NVFP4 GEMM takes the activation as {operand_dtype} [M, K] here (from "
+            f"gemm_activation_operand, see activation_operand_dtype), got {a.dtype} {tuple(a.shape)}"
         )
     K = a.shape[1]
     N = weight_qdata.shape[0]
@@ -331,7 +361,7 @@ def launch_weight_dequantize(
     out: torch.Tensor,
     config: CublasAfterDequantize = CublasAfterDequantize(),
 ) -> None:
-    """The packed weight into ``out``: fp16 ``[N, K]``, ``q * s_b``, block-deinterleaved."""
+    """The packed weight into ``out``: fp16 or bf16 ``[N, K]``, ``q * s_b``, block-deinterleaved."""
     N, K = out.shape
     weight_qdata = weight_qdata.contiguous()
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
@@ -349,6 +379,25 @@ def launch_weight_dequantize(
     )
 
 
+def cublas_with_fused_epilogue(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    output_scale: float,
+    bias: Optional[torch.Tensor],
+    config: CublasAfterDequantize = CublasAfterDequantize(),
+) -> torch.Tensor:
+    """``(a @ dequant(W)^T) * output_scale + bias`` in ``a``'s dtype, one cuBLAS call after the
+    weight dequantization: the fp32 accumulator is scaled by ``alpha``, the bias added, and the
+    sum rounded once, as the epilogue kernel does."""
+    weight = torch.empty((weight_qdata.shape[0], a.shape[1]), dtype=a.dtype, device=a.device)
+    launch_weight_dequantize(weight_qdata, weight_block_scales, weight, config)
+    if bias is None:
+        # beta = 0: cuBLAS neither reads nor needs the (broadcast) input.
+        return torch.addmm(a.new_zeros(()), a, weight.t(), beta=0, alpha=output_scale)
+    return torch.addmm(bias, a, weight.t(), alpha=output_scale)
+
+
 def launch_nvfp4_gemm(
     a: torch.Tensor,
     weight_qdata: torch.Tensor,
@@ -359,8 +408,9 @@ def launch_nvfp4_gemm(
     out: torch.Tensor,
     config: Union[GemmConfig, CublasAfterDequantize, None] = None,
 ) -> None:
-    """Run the GEMM into ``out [M, N]``; ``config`` defaults to the table entry for M."""
-    _check_operands(a, weight_qdata, weight_block_scales)
+    """Run the GEMM of an fp16 operand into ``out [M, N]`` with the epilogue in Triton;
+    ``config`` defaults to the table entry for M."""
+    _check_operands(a, weight_qdata, weight_block_scales, torch.float16)
     M, K = a.shape
     N = weight_qdata.shape[0]
     config = config or gemm_config(M)
@@ -435,16 +485,21 @@ def nvfp4_gemm(
     weight_per_tensor_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
+    output_scale: Optional[float] = None,
 ) -> torch.Tensor:
     """``(a @ dequant(W)^T) * act_scale * weight_scale + bias`` as ``[M, N]`` in ``out_dtype``.
 
-    ``a`` is fp16 ``q * s_b`` (no global scale). CUDA only: the torch route of the same product
-    is ``backends.cpu``.
+    ``a`` is ``q * s_b`` (no global scale) in ``activation_operand_dtype(M, out_dtype,
+    output_scale, bias)``; ``output_scale``, when given, is ``act_scale * weight_scale`` (fp32) as
+    a Python float. CUDA only: the torch route of the same product is ``backends.cpu``.
     """
     if a.device.type != "cuda":
         raise ValueError(
             f"nvfp4_static: nvfp4_gemm runs on CUDA tensors, got {a.device}; use the 'cpu' backend"
         )
+    if fuses_epilogue_into_cublas(a.shape[0], out_dtype, output_scale, bias):
+        _check_operands(a, weight_qdata, weight_block_scales, out_dtype)
+        return cublas_with_fused_epilogue(a, weight_qdata, weight_block_scales, output_scale, bias)
     out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
     launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out)
     return out

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_static import statistics
-from nvfp4_static.numerics import BLOCK_SIZE
+from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 # Blocks per program, as (rows, blocks along a row): 1024 blocks (32 KB of bf16) keep the
 # atomics per counted bin to one per program; tuned on an H100 with a 4096 x 8192 bf16 input.
@@ -63,6 +63,23 @@ def _bin_index(value, edges_ptr, num_edges):
 
 
 @triton.jit
+def _block_amax_propagating_nan(x):
+    """Per-row (16-wide block) max of ``|x|`` as float32, NaN if the block holds one.
+
+    Works on the bit patterns: with the sign cleared, a float's bits order like its magnitude
+    as an integer, NaN above Inf above every finite value. So one integer max per element does
+    what a float conversion, ``abs``, ``max`` and a separate NaN test did, and only the block's
+    winner is converted.
+    """
+    if x.dtype.primitive_bitwidth == 16:
+        # tl.max widens 16-bit integers; narrowing back is exact (the bits are non-negative).
+        winner_bits = tl.max(x.to(tl.int16, bitcast=True) & 0x7FFF, axis=1).to(tl.int16)
+    else:
+        winner_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    return winner_bits.to(x.dtype, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _block_amax_histogram_kernel(
     x_ptr,
     n_rows,
@@ -81,13 +98,14 @@ def _block_amax_histogram_kernel(
     block_cols = (tl.program_id(1) * BLOCKS_PER_ROW + tile % BLOCKS_PER_ROW) * 16
     cols = block_cols[:, None] + tl.arange(0, 16)[None, :]
     mask = (rows < n_rows)[:, None] & (cols < n_cols)  # a ragged last block reads as zeros
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * row_stride + cols, mask=mask, other=0.0)
-    magnitudes = tl.abs(x.to(tl.float32))
-    block_amax = tl.max(magnitudes, axis=1)
-    # tl.max drops NaN; the observer detects a bad batch by a non-finite running max, so a NaN
-    # anywhere in the tile must reach it (Inf does on its own).
-    has_nan = tl.max((magnitudes != magnitudes).to(tl.int32)) > 0
-    tile_max = tl.where(has_nan, float("nan"), tl.max(block_amax))
+    # Read once and never again: don't let the stream displace what L2 holds for others.
+    x = tl.load(
+        x_ptr + rows.to(tl.int64)[:, None] * row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first"
+    )
+    block_amax = _block_amax_propagating_nan(x)
+    # tl.max on floats drops NaN; the observer detects a bad batch by a non-finite running max,
+    # so a NaN block amax must win here (it does as a bit pattern, see above).
+    tile_max = tl.max(block_amax.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
     tl.atomic_max(amax_ptr, tile_max, sem="relaxed")
     counted = block_amax > 0.0
     bins = _bin_index(tl.where(counted, block_amax, 1.0), edges_ptr, num_edges)
@@ -112,11 +130,7 @@ def launch_block_amax_histogram(
     x: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor, bin_edges: torch.Tensor
 ) -> None:
     """Add ``x``'s block-amax histogram to ``counts`` and its max into ``amax``, in place."""
-    if not x.is_floating_point():
-        raise TypeError(
-            f"nvfp4_static.kernels.collect_block_amax_histogram: input has dtype {x.dtype}; "
-            "expected a floating-point activation"
-        )
+    check_dtype(x, "nvfp4_static.kernels.collect_block_amax_histogram: the activation")
     if counts.dtype != torch.int64 or counts.numel() != bin_edges.numel() + 1:
         raise ValueError(
             f"nvfp4_static.kernels.collect_block_amax_histogram: counts must be int64 with "
