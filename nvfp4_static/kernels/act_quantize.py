@@ -39,10 +39,15 @@ _E2M1_MAX = tl.constexpr(E2M1_MAX)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _E4M3_MIN_NORMAL = tl.constexpr(E4M3_MIN_NORMAL)
 
-# Tile of one program: rows x columns of the activation. Memory-bound at large M; one row per
-# program keeps a decode batch of one row spread over K / 512 programs.
+# Tile of one program: rows x columns of the activation, and its warps. Memory-bound at large M;
+# one row per program keeps a decode batch of one row spread over K / 1024 programs. Chosen by a
+# sweep on an H200 (rows 1-16, columns 256-2048, 2-8 warps; K = 4096 / 8192 / 14336, M = 1 to
+# 4096; examples/benchmarks/RESULTS.md): 1 x 1024 with 2 warps was best or within 2% at M >= 512
+# (19-20% faster than the earlier 1 x 512 with 4 warps at M = 4096); below that every tile takes
+# the same ~5 us.
 BLOCK_ROWS = 1
-BLOCK_COLS = 512
+BLOCK_COLS = 1024
+NUM_WARPS = 2
 
 
 @triton.jit
@@ -173,6 +178,7 @@ def launch_activation_quantize(
         BLOCK_M=BLOCK_ROWS,
         BLOCK_K=BLOCK_COLS,
         WRITE_PACKED=write_packed,
+        num_warps=NUM_WARPS,
     )
 
 
