@@ -59,12 +59,12 @@ class NVFP4ObservedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             observed = x.detach()
-            try:
-                self.act_calibrator.collect(observed)
-                if self.hessian_accumulator is not None:
-                    self.hessian_accumulator.collect(observed)
-            except ValueError as error:
-                raise ValueError(f"nvfp4_static: layer '{self.layer_name}': {error}") from error
+            # The Hessian first: it refuses everything the activation calibrator refuses (NaN,
+            # Inf) and more (finite values whose squares overflow), so a refused batch reaches
+            # neither and the two stay consistent. Their errors name the layer already.
+            if self.hessian_accumulator is not None:
+                self.hessian_accumulator.collect(observed)
+            self.act_calibrator.collect(observed)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -224,6 +224,22 @@ def test_non_finite_calibration_data_names_the_layer(bad):
         model(x)
 
 
+def test_activations_whose_squares_overflow_are_refused_by_both_observers_of_the_layer():
+    """Finite, but the Hessian's sum of squares overflows float32: a clear error, and neither the
+    Hessian nor the activation statistics take the batch (they stay as after the good one)."""
+    model = make(MLP)
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", weight_scale="hessian_mse"))
+    good, huge = calibration_batches(2)
+    model(good)
+    before = {key: value.clone() for key, value in model.up.act_calibrator.state_dict().items()}
+    hessian_before = model.up.hessian_accumulator.hessian.clone()
+    with pytest.raises(ValueError, match=r"'up'.*overflowed float32"):
+        model(huge * 1e30)
+    after = model.up.act_calibrator.state_dict()
+    assert all(torch.equal(before[key], after[key]) for key in before)
+    assert torch.equal(model.up.hessian_accumulator.hessian, hessian_before)
+
+
 class Odd(torch.nn.Module):
     def __init__(self):
         super().__init__()

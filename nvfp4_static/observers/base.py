@@ -74,6 +74,13 @@ class Observer(abc.ABC):
             return
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(torch.isinf(x).sum())
+        if n_nan + n_inf == 0:
+            raise ValueError(
+                f"{self.describe()}: collected tensor of shape {tuple(x.shape)} ({x.dtype}) is "
+                f"finite, but a statistic of it overflowed float32 (largest magnitude "
+                f"{float(x.abs().max()):.3g}, whose square the Hessian sums); activations this "
+                "large cannot be calibrated, so check the layers feeding this one"
+            )
         first = tuple(torch.nonzero(~torch.isfinite(x))[0].tolist())
         raise ValueError(
             f"{self.describe()}: collected tensor of shape {tuple(x.shape)} ({x.dtype}) holds "
