@@ -70,6 +70,8 @@ def test_interleave_undoes_deinterleave():
 INTERPRETER_CONFIGS = {
     "one-pass": GemmConfig(16, 16, 32, num_warps=4, num_stages=1),
     "split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, group_n=2, programs_per_sm=64),
+    "weight-as-a": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, group_n=2, weight_as_mma_a=True),
+    "weight-as-a-split-k": GemmConfig(16, 16, 32, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True),
 }
 INTERPRETER_SHAPES = [(3, 40, 48), (17, 70, 160), (2, 24, 16)]
 OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
@@ -165,7 +167,7 @@ def gpu_tolerance(K: int, dtype: torch.dtype) -> float:
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize(
     "M,N,K",
-    [(1, 8192, 8192), (16, 8192, 8192), (61, 4096, 14336), (100, 14336, 4096), (4096, 8192, 8192), (5, 96, 16)],
+    [(1, 8192, 8192), (16, 8192, 8192), (29, 1024, 4096), (61, 4096, 14336), (100, 14336, 4096), (4096, 8192, 8192), (5, 96, 16)],
     ids=str,
 )
 def test_gpu_gemm_matches_fp64_reference(dtype, with_bias, M, N, K):

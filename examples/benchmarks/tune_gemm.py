@@ -32,6 +32,8 @@ DECODE_TILES = [
     (16, 64, 512, 4, 3),
 ]
 MID_TILES = [(64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (32, 128, 256, 4, 3), (64, 128, 256, 8, 3)]
+# Transposed tiles (GemmConfig.weight_as_mma_a): the weight is the MMA's M side, so block_n >= 64.
+MID_TILES_WEIGHT_AS_A = [(64, 256, 256, 8, 3), (64, 128, 256, 4, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3)]
 PREFILL_CANDIDATES = [CublasAfterDequantize(), GemmConfig(128, 256, 128, 8, 3)]
 
 
@@ -39,7 +41,9 @@ def candidates(M: int) -> list:
     if M <= 16:
         return [GemmConfig(*tile, programs_per_sm=p) for tile in DECODE_TILES for p in (1, 2, 3)]
     if M <= 64:
-        return [GemmConfig(*tile, programs_per_sm=p) for tile in MID_TILES for p in (0, 1, 2)]
+        return [GemmConfig(*tile, programs_per_sm=p) for tile in MID_TILES for p in (0, 1, 2)] + [
+            GemmConfig(*tile, programs_per_sm=p, weight_as_mma_a=True) for tile in MID_TILES_WEIGHT_AS_A for p in (0, 1, 2)
+        ]
     return PREFILL_CANDIDATES
 
 
@@ -79,7 +83,7 @@ def main():
                 ms = graph_ms(run)
                 results.append((ms, error, config))
             results.sort(key=lambda r: r[0])
-            for ms, error, config in results[:3]:
+            for ms, error, config in results[:6]:
                 print(f"K={K:>5} N={N:>5} M={M:>4}  {ms:8.4f} ms  err {error:.1e}  bf16 {bf16_ms:.4f} ms  {config}")
             best.append((K, N, M, results[0][0], bf16_ms, results[0][2]))
     print("\nbest per shape (GEMM only, activation operand precomputed):")

@@ -111,6 +111,7 @@ def _nvfp4_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     PTX: tl.constexpr,
+    WEIGHT_AS_A: tl.constexpr,
 ):
     # Grouped tile order: when M spans several tiles, GROUP_N weight tiles sweep over all
     # activation tiles together, so the weight tiles stay in L2 while the activation streams by.
@@ -133,7 +134,12 @@ def _nvfp4_gemm_kernel(
     k_first = pid_k * tiles_per_split
     k_last = tl.minimum(k_first + tiles_per_split, tiles_k)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # WEIGHT_AS_A computes the transposed tile, W @ A^T: the dequantized weight is then the
+    # MMA's first operand, which Hopper's wgmma reads straight from registers.
+    if WEIGHT_AS_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(k_first, k_last):
         # The activation operand is stored block-deinterleaved (each 16-block: its 8 even
         # elements, then its 8 odd ones), so the even and odd halves load as 16-byte runs.
@@ -155,20 +161,29 @@ def _nvfp4_gemm_kernel(
             other=0,
         )
         w_even, w_odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
-        acc = tl.dot(a_even, tl.trans(w_even), acc)
-        acc = tl.dot(a_odd, tl.trans(w_odd), acc)
+        if WEIGHT_AS_A:
+            acc = tl.dot(w_even, tl.trans(a_even), acc)
+            acc = tl.dot(w_odd, tl.trans(a_odd), acc)
+        else:
+            acc = tl.dot(a_even, tl.trans(w_even), acc)
+            acc = tl.dot(a_odd, tl.trans(w_odd), acc)
 
-    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    # Output coordinates of each accumulator element, in either orientation.
+    if WEIGHT_AS_A:
+        m_index = rows_m[None, :]
+        n_index = offs_n[:, None]
+    else:
+        m_index = rows_m[:, None]
+        n_index = offs_n[None, :]
+    out_mask = (m_index < M) & (n_index < N)
     if not WRITE_PARTIALS:
         scale = tl.load(act_scale_ptr) * tl.load(weight_scale_ptr)
         acc = acc * scale
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + rows_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            acc += tl.load(bias_ptr + n_index, mask=n_index < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m_index * stride_om + n_index, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        partial_ptrs = out_ptr + (pid_k * M + rows_m[:, None]) * N + offs_n[None, :]
-        tl.store(partial_ptrs, acc, mask=out_mask)
+        tl.store(out_ptr + (pid_k * M + m_index) * N + n_index, acc, mask=out_mask)
 
 
 @triton.jit
@@ -245,7 +260,8 @@ class GemmConfig:
     ``programs_per_sm > 0`` splits K until the grid holds about that many programs per SM (a
     decode GEMM has few output tiles, and streaming the weight at full bandwidth needs many loads
     in flight); such an entry's ``block_m`` covers its whole M bucket, so the split does not
-    depend on M.
+    depend on M. ``weight_as_mma_a`` computes each tile transposed (``W @ A^T``), so that the
+    dequantized weight feeds the tensor cores from registers rather than shared memory.
     """
 
     block_m: int
@@ -255,6 +271,7 @@ class GemmConfig:
     num_stages: int
     group_n: int = 8
     programs_per_sm: int = 0
+    weight_as_mma_a: bool = False
 
 
 @dataclass(frozen=True)
@@ -275,16 +292,19 @@ class CublasAfterDequantize:
 
 
 # Keyed on the largest M each serves. Chosen with examples/benchmarks/tune_gemm.py on one H100
-# 80GB HBM3 (torch 2.11, triton 3.6) over (K, N) = (8192, 8192), (4096, 14336), (14336, 4096) at
-# M = 1, 16, 64, 512, 4096 (examples/benchmarks/RESULTS.md): the M <= 16 entry was best or
-# within 10% of best at M = 16 on all three shapes (at M = 1, 16 x 64 x 256 tiles without a
-# split were ~10% faster); the M <= 64 entry best at 8192 x 8192; above 64, cuBLAS after
-# dequantizing beat the best in-register tiles (e.g. 0.89 against 1.69 ms at M = 4096).
+# 80GB HBM3 (torch 2.11, triton 3.6) over (K, N) = (8192, 8192), (4096, 14336), (14336, 4096)
+# (examples/benchmarks/RESULTS.md): the M <= 16 entry was best or within 10% of best at M = 16
+# on all three shapes (at M = 1, 16 x 64 x 256 tiles without a split were ~10% faster); at
+# M = 17, 32-row tiles beat the 64-row ones by 1.1-1.3x; at M = 33 and 64 the transposed
+# 64 x 256 tiles were best at 8192 x 8192 and within 20% elsewhere (1.2x faster than the
+# untransposed 64 x 128 tiles at M = 64, 8192 x 8192); above 64, cuBLAS after dequantizing beat
+# the best in-register tiles (e.g. 0.89 against 1.69 ms at M = 4096).
 # Few buckets on purpose: under torch.compile each bucket is one graph (the choice is a guard on
 # M), and M varies freely inside a bucket.
 GEMM_CONFIGS = (
     (16, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2)),
-    (64, GemmConfig(64, 128, 256, 4, 3, programs_per_sm=2)),
+    (32, GemmConfig(32, 128, 256, 4, 3, programs_per_sm=1)),
+    (64, GemmConfig(64, 256, 256, 8, 3, programs_per_sm=2, weight_as_mma_a=True)),
     (None, CublasAfterDequantize()),
 )
 EPILOGUE_BLOCK = 1024
@@ -462,6 +482,7 @@ def launch_nvfp4_gemm(
             HAS_BIAS=bias is not None,
             EVEN_K=K % config.block_k == 0,
             PTX=ptx,
+            WEIGHT_AS_A=config.weight_as_mma_a,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
