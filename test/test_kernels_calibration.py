@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from triton_interpreter import skip_if_interpreter_unusable
+
 from nvfp4_static import kernels, statistics
 from nvfp4_static.kernels.block_hessian import launch_block_hessian
 from nvfp4_static.kernels.histogram import launch_block_amax_histogram
@@ -36,6 +38,7 @@ BIN_EDGES = statistics.histogram_bin_edges(num_bins=512, log2_min=-40.0, log2_ma
 def test_calibration_kernels_under_the_triton_interpreter():
     if INTERPRETED:
         pytest.skip("this is the interpreter subprocess")
+    skip_if_interpreter_unusable()
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
         cwd=Path(__file__).resolve().parents[1],
