@@ -75,16 +75,18 @@ def load_text(path) -> str:
     return "\n\n".join(topics.values())
 
 
-def split_sequences(token_ids: torch.Tensor, seq_len: int, n_calib: int, n_eval: int):
-    """The first ``n_calib`` and the last ``n_eval`` non-overlapping ``seq_len`` windows."""
+def split_sequences(token_ids: torch.Tensor, seq_len: int, n_calib: int, n_eval: int, calib_start: int = 0):
+    """``n_calib`` calibration windows of ``seq_len`` tokens from window ``calib_start`` on, and
+    the last ``n_eval`` windows for evaluation; the two never overlap."""
     n_available = token_ids.numel() // seq_len
-    if n_calib + n_eval > n_available:
+    if calib_start < 0 or calib_start + n_calib + n_eval > n_available:
         raise SystemExit(
-            f"the text holds {n_available} sequences of {seq_len} tokens, fewer than "
-            f"--n-calib {n_calib} + --n-eval {n_eval}; use a longer --text-file or fewer sequences"
+            f"the text holds {n_available} sequences of {seq_len} tokens: --calib-start {calib_start} "
+            f"+ --n-calib {n_calib} must stay below the {n_eval} held-out ones (--n-eval) at the end; "
+            "use a longer --text-file or fewer sequences"
         )
     sequences = token_ids[: n_available * seq_len].view(n_available, seq_len)
-    return sequences[:n_calib], sequences[n_available - n_eval :]
+    return sequences[calib_start : calib_start + n_calib], sequences[n_available - n_eval :]
 
 
 def parse_recipe(name: str, b_min_options: dict):
@@ -204,6 +206,8 @@ def main(argv=None) -> None:
                         help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--n-calib", type=int, default=16, help="calibration sequences")
     parser.add_argument("--n-eval", type=int, default=16, help="held-out evaluation sequences")
+    parser.add_argument("--calib-start", type=int, default=0,
+                        help="index of the first calibration sequence (to try other calibration draws)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
     parser.add_argument("--recipes", default=DEFAULT_RECIPES,
@@ -232,12 +236,13 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
     tokenizer, float_model = load_model(dtype, args.device, args.num_layers)
     token_ids = tokenizer(load_text(args.text_file), return_tensors="pt").input_ids[0]
-    calib, held_out = split_sequences(token_ids, args.seq_len, args.n_calib, args.n_eval)
+    calib, held_out = split_sequences(token_ids, args.seq_len, args.n_calib, args.n_eval, args.calib_start)
     calib_batches = batches(calib, args.batch_size, args.device)
     eval_batches = batches(held_out, args.batch_size, args.device)
     print(
         f"SmolLM2-135M-Instruct on {args.device} ({dtype}); calibration {args.n_calib} x "
-        f"{args.seq_len} tokens, held-out evaluation {args.n_eval} x {args.seq_len} tokens"
+        f"{args.seq_len} tokens from sequence {args.calib_start}, held-out evaluation "
+        f"{args.n_eval} x {args.seq_len} tokens"
     )
 
     def run(model):

