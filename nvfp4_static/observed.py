@@ -59,6 +59,7 @@ class NVFP4ObservedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             observed = x.detach()
+            self._settle_observers()
             # The Hessian first: it refuses everything the activation calibrator refuses (NaN,
             # Inf) and more (finite values whose squares overflow), so a refused batch reaches
             # neither and the two stay consistent. Their errors name the layer already.
@@ -66,6 +67,20 @@ class NVFP4ObservedLinear(torch.nn.Linear):
                 self.hessian_accumulator.collect(observed)
             self.act_calibrator.collect(observed)
         return F.linear(x, self.weight, self.bias)
+
+    def _settle_observers(self) -> None:
+        """Report a batch refused after the fact (on CUDA, see ``MergeableObserver``) once every
+        observer of this layer has dropped it, so that their statistics stay in step (the
+        Hessian can refuse a batch the activation calibrator took: squares that overflow)."""
+        observers = [o for o in (self.hessian_accumulator, self.act_calibrator) if o is not None]
+        refusing = [observer for observer in observers if observer.has_refused_pending_batch()]
+        if refusing:
+            for observer in observers:
+                if observer is not refusing[0]:
+                    observer.discard_pending_batch()
+            refusing[0].settle()  # restores its state and raises
+        for observer in observers:
+            observer.settle()  # all accepted: clears the pending tests
 
     def extra_repr(self) -> str:
         hessian = ", hessian=True" if self.hessian_accumulator is not None else ""

@@ -7,6 +7,7 @@ tiny CPU tensors. On a CUDA machine the ``cuda`` tests check the dispatching ops
 and a calibration forward compiled with ``fullgraph=True``.
 """
 
+import copy
 import os
 import subprocess
 import sys
@@ -331,11 +332,41 @@ def test_calibrator_refuses_non_finite_input_on_cuda(bad):
     x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
     calibrator.collect(x)
     before = calibrator.state_dict()
-    x[100, 1000] = bad
-    with pytest.raises(ValueError, match="'layer'"):
+    bad_batch = x.clone()
+    bad_batch[100, 1000] = bad
+    calibrator.collect(bad_batch)  # on CUDA the test is read later, without waiting for the GPU
+    with pytest.raises(ValueError, match="'layer'.*before this call"):
         calibrator.collect(x)
-    after = calibrator.state_dict()
+    after = calibrator.state_dict()  # neither the refused batch nor the one that reported it
     assert all(torch.equal(before[key], after[key]) for key in before)
+    calibrator.collect(bad_batch)
+    with pytest.raises(ValueError, match="'layer'"):
+        calibrator.compute_amax()  # convert reads the state: the refusal surfaces there too
+    assert torch.equal(calibrator.state_dict()["counts"], before["counts"])
+
+
+@cuda
+def test_observed_layer_drops_a_refused_batch_from_both_observers_on_cuda():
+    from torchao.quantization import quantize_
+
+    from nvfp4_static import NVFP4StaticActivationConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 64)).cuda()
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", weight_scale="hessian_mse"))
+    good = torch.randn(32, 256, device="cuda")
+    model(good)
+    observed = model[0]
+    act_before = observed.act_calibrator.state_dict()
+    hessian_before = observed.hessian_accumulator.state_dict()
+    model(good * 1e30)  # finite, but its squares overflow the Hessian
+    with pytest.raises(ValueError, match="'0'"):
+        model(good)
+    assert all(torch.equal(act_before[k], v) for k, v in observed.act_calibrator.state_dict().items())
+    assert all(torch.equal(hessian_before[k], v) for k, v in observed.hessian_accumulator.state_dict().items())
+    model(good)
+    copied = copy.deepcopy(model)  # a test in flight is settled first; events are not copied
+    copied(good)
+    assert copied[0].act_calibrator.compute_amax().item() == observed.act_calibrator.compute_amax().item()
 
 
 @cuda

@@ -7,7 +7,7 @@ same operation: reduce every entry of ``state_dict()`` by ``STATE_REDUCTIONS[key
 """
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Optional
 
 import torch
@@ -48,6 +48,18 @@ class Observer(abc.ABC):
 
     @abc.abstractmethod
     def reset(self) -> None: ...
+
+    def settle(self) -> None:
+        """Raise now for an earlier batch this observer refused but has not reported yet (a
+        test still on the GPU, see ``MergeableObserver``); nothing to do for most observers."""
+
+    def has_refused_pending_batch(self) -> bool:
+        """Whether ``settle()`` would raise (waits for that batch's test only)."""
+        return False
+
+    def discard_pending_batch(self) -> None:
+        """Take back the last batch if its test is still pending, whatever the result: for an
+        observer whose neighbour on the same layer refused that batch."""
 
     def _check_input(self, x: torch.Tensor, scan_for_non_finite: bool = True) -> torch.Tensor:
         """Reject unsupported dtypes (and, if asked, non-finite values); return ``x`` detached.
@@ -118,15 +130,84 @@ class MergeableObserver(Observer):
     def __init__(self, name: Optional[str] = None):
         super().__init__(name)
         self._state: Optional[dict[str, torch.Tensor]] = None
+        # (state before the batch, what the batch was) while its finite test is in flight, and
+        # the pinned flag and event that test reports through (made once, on the first CUDA batch).
+        self._pending_check: Optional[tuple] = None
+        self._check_flag: Optional[torch.Tensor] = None
+        self._check_event: Optional[torch.cuda.Event] = None
+
+    def __getstate__(self) -> dict:
+        """For copies and pickles: settle the batch in flight; events and pinned flags stay."""
+        self.settle()
+        return {**self.__dict__, "_check_flag": None, "_check_event": None}
 
     def reset(self) -> None:
         self._state = None
+        self._pending_check = None
+
+    def _update_refusing_non_finite(self, x: torch.Tensor, update: Callable[[], None], statistic: str) -> None:
+        """Run ``update()`` (which adds ``x`` to the state in place), then refuse the batch,
+        restoring the state from before it, if ``state[statistic]`` is no longer finite.
+
+        On CUDA the test does not wait for the GPU: its result travels to pinned host memory
+        behind an event and is read by ``settle()``, at the next collect or whenever the state is
+        next used, which then raises for that batch. Waiting at every collect would stall the
+        GPU at every observed layer (1.5x-13x calibration overhead on 56-112-linear models,
+        examples/benchmarks/RESULTS.md). On other devices the test raises at once. While
+        compiling, the check is left to ``_check_state_finite``.
+        """
+        if torch.compiler.is_compiling():
+            update()
+            return
+        self.settle()
+        before = {key: value.clone() for key, value in self._state.items()}
+        update()
+        value = self._state[statistic]
+        if value.device.type != "cuda":
+            try:
+                self._raise_if_non_finite(x, value)
+            except ValueError:
+                self._state = before
+                raise
+            return
+        if self._check_event is None:
+            self._check_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._check_event = torch.cuda.Event()
+        self._check_flag.copy_(torch.isfinite(value).all(), non_blocking=True)
+        self._check_event.record()
+        self._pending_check = (before, f"{x.dtype} tensor of shape {tuple(x.shape)}")
+
+    def has_refused_pending_batch(self) -> bool:
+        if self._pending_check is None or torch.compiler.is_compiling():
+            return False
+        self._check_event.synchronize()  # long done by now: later work is queued behind it
+        return not bool(self._check_flag)
+
+    def discard_pending_batch(self) -> None:
+        if self._pending_check is not None:
+            self._state = self._pending_check[0]
+            self._pending_check = None
+
+    def settle(self) -> None:
+        if not self.has_refused_pending_batch():
+            if not torch.compiler.is_compiling():
+                self._pending_check = None  # accepted
+            return
+        batch = self._pending_check[1]
+        self.discard_pending_batch()
+        raise ValueError(
+            f"{self.describe()}: the batch collected before this call ({batch}) held NaN or "
+            "Inf values (or, for a Hessian, values whose squares overflow float32); it was "
+            "left out of the statistics. Calibration needs finite activations: check the "
+            "layers feeding this one"
+        )
 
     def _merge_config(self) -> tuple:
         """Settings that must agree for two states to be combined (e.g. the histogram bins)."""
         return ()
 
     def _require_state(self, what: str) -> dict[str, torch.Tensor]:
+        self.settle()
         if self._state is None:
             raise self._not_collected_error(what)
         return self._state
@@ -150,6 +231,7 @@ class MergeableObserver(Observer):
                         f"{self.describe()}: state '{key}' has shape {tuple(value.shape)}, "
                         f"expected {tuple(self._state[key].shape)} (observers of different data?)"
                     )
+        self._pending_check = None  # whatever it was about is replaced
         self._state = {key: value.detach().clone() for key, value in state_dict.items()}
 
     def merge(self, other: "MergeableObserver") -> None:
@@ -159,6 +241,8 @@ class MergeableObserver(Observer):
                 f"{self.describe()}: cannot merge {other.describe()}; both must be the same "
                 f"class with the same settings ({self._merge_config()} vs {other._merge_config()})"
             )
+        self.settle()
+        other.settle()
         if other._state is None:
             return
         if self._state is None:

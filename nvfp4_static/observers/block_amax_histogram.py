@@ -73,18 +73,14 @@ class BlockAmaxHistogramObserver(MergeableObserver):
             }
         if self._bin_edges.device != x.device:
             self._bin_edges = self._bin_edges.to(x.device)
-        eager = not torch.compiler.is_compiling()
-        if eager:  # a batch with NaN/Inf is refused whole: keep the state to restore
-            before = {key: value.clone() for key, value in self._state.items()}
-        kernels.collect_block_amax_histogram(
-            x, self._state["counts"], self._state["literal_max"], self._bin_edges
-        )
-        if eager:
-            try:  # a NaN or Inf in x makes the running max NaN or Inf
-                self._raise_if_non_finite(x, self._state["literal_max"])
-            except ValueError:
-                self._state = before
-                raise
+
+        def update():
+            kernels.collect_block_amax_histogram(
+                x, self._state["counts"], self._state["literal_max"], self._bin_edges
+            )
+
+        # A NaN or Inf in x makes the running max NaN or Inf: the batch is then refused whole.
+        self._update_refusing_non_finite(x, update, "literal_max")
 
     @property
     def literal_max(self) -> float:

@@ -54,17 +54,14 @@ class BlockHessianAccumulator(MergeableObserver):
                 "num_tokens": torch.zeros((), dtype=torch.int64, device=x.device),
             }
         padded = pad_to_block_multiple(x, BLOCK_SIZE)
-        eager = not torch.compiler.is_compiling()
-        if eager:  # a batch with NaN/Inf is refused whole: keep the sum to restore
-            before = self._state["hessian"].clone()
-        kernels.accumulate_block_hessian(padded, self._state["hessian"])
-        if eager:
-            try:  # NaN/Inf in x reaches the Hessian's diagonal
-                self._raise_if_non_finite(x, self._state["hessian"])
-            except ValueError:
-                self._state["hessian"] = before
-                raise
-        self._state["num_tokens"] += x.numel() // self.in_features
+
+        def update():
+            kernels.accumulate_block_hessian(padded, self._state["hessian"])
+            self._state["num_tokens"] += x.numel() // self.in_features
+
+        # NaN/Inf in x (or squares that overflow) reach the Hessian's diagonal: the batch is
+        # then refused whole.
+        self._update_refusing_non_finite(x, update, "hessian")
 
     @property
     def hessian(self) -> torch.Tensor:
