@@ -48,7 +48,6 @@ E4M3_DYNAMIC_RANGE = E4M3_MAX / E4M3_MIN_NORMAL  # 28672
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
 def e4m3_positive_values() -> torch.Tensor:
     """The 126 positive finite FP8 E4M3 (fn) values in increasing order, as float32.
 

@@ -73,14 +73,12 @@ class NVFP4ObservedLinear(torch.nn.Linear):
         observer of this layer has dropped it, so that their statistics stay in step (the
         Hessian can refuse a batch the activation calibrator took: squares that overflow)."""
         observers = [o for o in (self.hessian_accumulator, self.act_calibrator) if o is not None]
-        refusing = [observer for observer in observers if observer.has_refused_pending_batch()]
-        if refusing:
-            for observer in observers:
-                if observer is not refusing[0]:
-                    observer.discard_pending_batch()
-            refusing[0].settle()  # restores its state and raises
+        refusing = next((o for o in observers if o.has_refused_pending_batch()), None)
         for observer in observers:
-            observer.settle()  # all accepted: clears the pending tests
+            if refusing is not None and observer is not refusing:
+                observer.discard_pending_batch()
+        for observer in observers:
+            observer.settle()  # raises for the refusing one; otherwise clears the pending tests
 
     def extra_repr(self) -> str:
         hessian = ", hessian=True" if self.hessian_accumulator is not None else ""

@@ -148,16 +148,21 @@ def _host_output_scale(weight: NVFP4StaticTensor) -> Optional[float]:
     """``act_per_tensor_scale * per_tensor_scale`` in fp32, as a float; None if it cannot be read
     (a scale missing, fake or on ``meta``). Syncs once, when a tensor is built from data."""
     scales = (weight.act_per_tensor_scale, weight.per_tensor_scale)
-    if any(s is None or s.device.type == "meta" or is_fake(s) for s in scales):
+    if any(s is None or not _holds_values(s) for s in scales):
         return None
     return float(scales[0].to(torch.float32) * scales[1].to(torch.float32))
+
+
+def _holds_values(t: torch.Tensor) -> bool:
+    """False for tensors without data to read: on ``meta``, or fake while tracing."""
+    return t.device.type != "meta" and not is_fake(t)
 
 
 def _amax_of(per_tensor_scale: Optional[torch.Tensor]) -> str:
     """The amax behind a per-tensor scale, for ``repr``; no value while tracing or on meta."""
     if per_tensor_scale is None:
         return "None"
-    if per_tensor_scale.device.type == "meta" or is_fake(per_tensor_scale):
+    if not _holds_values(per_tensor_scale):
         return "?"
     return f"{float(per_tensor_scale) * 448 * 6:.6g}"
 

@@ -189,18 +189,19 @@ class MergeableObserver(Observer):
             self._pending_check = None
 
     def settle(self) -> None:
-        if not self.has_refused_pending_batch():
-            if not torch.compiler.is_compiling():
-                self._pending_check = None  # accepted
+        if self._pending_check is None or torch.compiler.is_compiling():
             return
-        batch = self._pending_check[1]
-        self.discard_pending_batch()
-        raise ValueError(
-            f"{self.describe()}: the batch collected before this call ({batch}) held NaN or "
-            "Inf values (or, for a Hessian, values whose squares overflow float32); it was "
-            "left out of the statistics. Calibration needs finite activations: check the "
-            "layers feeding this one"
-        )
+        refused = self.has_refused_pending_batch()
+        before, batch = self._pending_check
+        self._pending_check = None
+        if refused:
+            self._state = before
+            raise ValueError(
+                f"{self.describe()}: the batch collected before this call ({batch}) held NaN or "
+                "Inf values (or, for a Hessian, values whose squares overflow float32); it was "
+                "left out of the statistics. Calibration needs finite activations: check the "
+                "layers feeding this one"
+            )
 
     def _merge_config(self) -> tuple:
         """Settings that must agree for two states to be combined (e.g. the histogram bins)."""
