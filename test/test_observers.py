@@ -674,3 +674,38 @@ def test_a_refused_batch_leaves_the_histogram_as_it_was():
         calibrator.collect(bad)
     after = calibrator.state_dict()
     assert all(torch.equal(before[key], after[key]) for key in before)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+@pytest.mark.parametrize(
+    "make",
+    [lambda: NVFP4ActMaxCalibrator(name=LAYER), lambda: BlockHessianAccumulator(64, name=LAYER)],
+    ids=["histogram", "block_hessian"],
+)
+def test_calibration_goes_on_after_a_refused_batch_as_if_it_never_came(make, device):
+    """The state before each batch is kept in reused buffers: a refusal restores it, and the
+    batches after it accumulate exactly as in a run that never saw the bad one (on CUDA the
+    refusal is reported later, at settle() or the next collect)."""
+    batches = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).to(device) for i in range(4)]
+    bad = batches[1].clone()
+    bad[2, 5] = float("nan")
+    clean, interrupted = make(), make()
+    for batch in batches:
+        clean.collect(batch)
+    for batch in batches[:2]:
+        interrupted.collect(batch)
+    with pytest.raises(ValueError, match=f"{LAYER}.*NaN"):
+        interrupted.collect(bad)
+        interrupted.settle()
+    for batch in batches[2:]:
+        interrupted.collect(batch)
+    expected, got = clean.state_dict(), interrupted.state_dict()
+    assert all(torch.equal(expected[key], got[key]) for key in expected)
+
+
+def test_block_hessian_needs_a_positive_width():
+    with pytest.raises(ValueError, match=f"{LAYER}.*in_features must be >= 1, got 0"):
+        BlockHessianAccumulator(0, name=LAYER)

@@ -3,8 +3,10 @@
 Each op runs a Triton kernel on CUDA tensors and the plain-torch reference in
 ``nvfp4_static.statistics`` / ``nvfp4_static.numerics`` otherwise; both give identical results.
 The calibration ops are ``torch.library`` custom ops, so a calibration forward compiles with
-``torch.compile(fullgraph=True)``. The calibrators and the tensor subclass call these, never a
-kernel directly.
+``torch.compile(fullgraph=True)``; run eagerly on CUDA, the collect ops call their launchers
+directly, because the custom op's dispatch costs as much host time as the launch itself and
+calibration runs them at every observed layer. The calibrators and the tensor subclass call
+these, never a kernel directly.
 """
 
 from typing import Optional
@@ -20,7 +22,10 @@ def collect_block_amax_histogram(
     x: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor, bin_edges: torch.Tensor
 ) -> None:
     """Add ``x``'s per-block-amax histogram into ``counts`` (int64) and max into ``amax``, in place."""
-    histogram.collect_block_amax_histogram(x, counts, amax, bin_edges)
+    if _launches_eagerly(x):
+        histogram.launch_block_amax_histogram(x, counts, amax, bin_edges)
+    else:
+        histogram.collect_block_amax_histogram(x, counts, amax, bin_edges)
 
 
 def fp8_scale_sweep(
@@ -32,4 +37,13 @@ def fp8_scale_sweep(
 
 def accumulate_block_hessian(x: torch.Tensor, hessian: torch.Tensor) -> None:
     """Add ``sum_tokens x_b x_b^T`` per 16-wide block of ``x`` into ``hessian`` [K/16, 16, 16], in place."""
-    block_hessian.accumulate_block_hessian(x, hessian)
+    if _launches_eagerly(x):
+        block_hessian.launch_block_hessian(x, hessian)
+    else:
+        block_hessian.accumulate_block_hessian(x, hessian)
+
+
+def _launches_eagerly(x: torch.Tensor) -> bool:
+    """Whether to skip the custom op: a CUDA tensor outside of tracing (the op's CUDA kernel
+    is this launcher; its other devices' kernel is the reference)."""
+    return x.is_cuda and not torch.compiler.is_compiling()

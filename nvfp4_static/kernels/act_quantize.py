@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from nvfp4_static.kernels.launch import traceable
+from nvfp4_static.kernels.launch import ceil_div, traceable
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -165,7 +165,7 @@ def launch_activation_quantize(
     x = x if x.stride(1) == 1 else x.contiguous()
     M, K = x.shape
     write_packed = gemm_operand is None
-    grid = (triton.cdiv(M, BLOCK_ROWS), triton.cdiv(K, BLOCK_COLS))
+    grid = (ceil_div(M, BLOCK_ROWS), ceil_div(K, BLOCK_COLS))
     traceable(_activation_quantize_kernel)[grid](
         x,
         per_tensor_scale.to(torch.float32).reshape(1),

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_static import statistics
+from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 # Tokens per step of a program's loop (tuned on an H100 with 4096 x 8192 bf16 tokens).
@@ -73,7 +74,7 @@ def launch_block_hessian(x: torch.Tensor, hessian: torch.Tensor) -> None:
     if x.stride(1) != 1:
         x = x.contiguous()
     blocks = 128 // (BLOCK_SIZE * x.element_size())
-    _block_hessian_kernel[(triton.cdiv(k // BLOCK_SIZE, blocks),)](
+    _block_hessian_kernel[(ceil_div(k // BLOCK_SIZE, blocks),)](
         x,
         x.shape[0],
         k,

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from nvfp4_static.kernels.launch import traceable
+from nvfp4_static.kernels.launch import ceil_div, traceable
 from nvfp4_static.numerics import BLOCK_SIZE
 
 # E2M1 code (sign, e1, e0, m) -> FP8 E4M3 byte (sign, 0, 0, e1, e0, m, 0, 0) is the same number
@@ -328,8 +328,8 @@ def split_k_for(config: GemmConfig, N: int, K: int, device: torch.device) -> int
     """How many programs share each output tile's K range (at least 2 K tiles each)."""
     if config.programs_per_sm == 0:
         return 1
-    wanted = triton.cdiv(config.programs_per_sm * _multiprocessor_count(device), triton.cdiv(N, config.block_n))
-    return max(1, min(wanted, triton.cdiv(K, config.block_k) // 2))
+    wanted = ceil_div(config.programs_per_sm * _multiprocessor_count(device), ceil_div(N, config.block_n))
+    return max(1, min(wanted, ceil_div(K, config.block_k) // 2))
 
 
 def _use_ptx_dequant(device: torch.device) -> bool:
@@ -390,7 +390,7 @@ def launch_weight_dequantize(
     N, K = out.shape
     weight_qdata = weight_qdata.contiguous()
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
-    traceable(_dequantize_weight_kernel)[(triton.cdiv(N, config.block_n), triton.cdiv(K, config.block_k))](
+    traceable(_dequantize_weight_kernel)[(ceil_div(N, config.block_n), ceil_div(K, config.block_k))](
         weight_qdata,
         weight_block_scales,
         out,
@@ -457,7 +457,7 @@ def launch_nvfp4_gemm(
         split_k = split_k_for(config, N, K, a.device)
         fused_epilogue = split_k == 1
         partials = out if fused_epilogue else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
-        tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+        tiles = ceil_div(M, config.block_m) * ceil_div(N, config.block_n)
         traceable(_nvfp4_gemm_kernel)[(tiles, split_k)](
             a,
             weight_qdata,
@@ -488,7 +488,7 @@ def launch_nvfp4_gemm(
         )
         if fused_epilogue:
             return
-    traceable(_epilogue_kernel)[(triton.cdiv(M * N, EPILOGUE_BLOCK),)](
+    traceable(_epilogue_kernel)[(ceil_div(M * N, EPILOGUE_BLOCK),)](
         partials,
         act_scale,
         weight_scale,

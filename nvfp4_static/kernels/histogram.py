@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_static import statistics
+from nvfp4_static.kernels.launch import ceil_div, next_power_of_2
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 # Blocks per program, as (rows, blocks along a row): 1024 blocks (32 KB of bf16) keep the
@@ -141,6 +142,8 @@ def launch_block_amax_histogram(
         raise ValueError(
             "nvfp4_static.kernels.collect_block_amax_histogram: needs at least one bin edge"
         )
+    if bin_edges.device != x.device or bin_edges.dtype != torch.float32 or not bin_edges.is_contiguous():
+        bin_edges = bin_edges.to(device=x.device, dtype=torch.float32).contiguous()
     n_cols = x.shape[-1] if x.ndim else 1
     x = x.reshape(-1, n_cols)
     if x.shape[1] and x.stride(1) != 1:
@@ -149,21 +152,21 @@ def launch_block_amax_histogram(
     if n_rows == 0 or n_cols == 0:
         amax.clamp_(min=0.0)  # no blocks: the batch max is 0
         return
-    blocks_per_row = min(MAX_BLOCKS_PER_ROW, triton.next_power_of_2(triton.cdiv(n_cols, BLOCK_SIZE)))
-    rows = min(BLOCKS_PER_PROGRAM // blocks_per_row, triton.next_power_of_2(n_rows))
-    grid = (triton.cdiv(n_rows, rows), triton.cdiv(triton.cdiv(n_cols, BLOCK_SIZE), blocks_per_row))
+    blocks_per_row = min(MAX_BLOCKS_PER_ROW, next_power_of_2(ceil_div(n_cols, BLOCK_SIZE)))
+    rows = min(BLOCKS_PER_PROGRAM // blocks_per_row, next_power_of_2(n_rows))
+    grid = (ceil_div(n_rows, rows), ceil_div(ceil_div(n_cols, BLOCK_SIZE), blocks_per_row))
     _block_amax_histogram_kernel[grid](
         x,
         n_rows,
         n_cols,
         x.stride(0),
-        bin_edges.to(device=x.device, dtype=torch.float32).contiguous(),
+        bin_edges,
         bin_edges.numel(),
         counts,
         amax,
         ROWS=rows,
         BLOCKS_PER_ROW=blocks_per_row,
-        WINDOW=min(WINDOW_BINS, triton.next_power_of_2(bin_edges.numel() + 1)),
+        WINDOW=min(WINDOW_BINS, next_power_of_2(bin_edges.numel() + 1)),
         num_warps=NUM_WARPS,
     )
 

@@ -1,4 +1,10 @@
-"""How the inference kernels are launched so that ``torch.compile`` can trace them."""
+"""Host-side launch helpers: tracing the inference kernels, and grid arithmetic.
+
+``triton.cdiv`` and ``triton.next_power_of_2`` are Triton ``constexpr_function``s, about 2 us
+of Python per call on the host; a launch computes several, and calibration launches at every
+observed layer, so grids are computed with the plain-integer versions below (they also work on
+``torch.SymInt``).
+"""
 
 import os
 
@@ -14,3 +20,12 @@ def traceable(kernel):
     if os.environ.get("TRITON_INTERPRET") == "1":
         return kernel
     return wrap_triton(kernel)
+
+
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 that is ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(n - 1, 0).bit_length()

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_static import statistics
+from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype, e4m3_positive_values
 
 NUM_CANDIDATES = e4m3_positive_values().numel()
@@ -198,7 +199,7 @@ def launch_fp8_scale_sweep(
         rows, num_warps = PLAIN_ROWS, PLAIN_NUM_WARPS
     codes = torch.empty(n_rows, k // BLOCK_SIZE, dtype=torch.uint8, device=weight.device)
     if codes.numel():
-        _fp8_scale_sweep_kernel[(triton.cdiv(n_rows, rows), k // BLOCK_SIZE)](
+        _fp8_scale_sweep_kernel[(ceil_div(n_rows, rows), k // BLOCK_SIZE)](
             weight,
             n_rows,
             weight.stride(0),

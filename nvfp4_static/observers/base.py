@@ -7,6 +7,7 @@ same operation: reduce every entry of ``state_dict()`` by ``STATE_REDUCTIONS[key
 """
 
 import abc
+import math
 from collections.abc import Callable, Mapping
 from typing import Optional
 
@@ -130,28 +131,34 @@ class MergeableObserver(Observer):
     def __init__(self, name: Optional[str] = None):
         super().__init__(name)
         self._state: Optional[dict[str, torch.Tensor]] = None
-        # (state before the batch, what the batch was) while its finite test is in flight, and
-        # the pinned flag and event that test reports through (made once, on the first CUDA batch).
+        # The state as it was before the last batch (same keys; refilled in place each batch).
+        self._state_before_batch: Optional[dict[str, torch.Tensor]] = None
+        # (dtype, shape) of the batch whose finite test is in flight on CUDA, and the pinned
+        # value and event that test reports through (made once, on the first CUDA batch).
         self._pending_check: Optional[tuple] = None
-        self._check_flag: Optional[torch.Tensor] = None
+        self._check_value: Optional[torch.Tensor] = None
         self._check_event: Optional[torch.cuda.Event] = None
 
     def __getstate__(self) -> dict:
-        """For copies and pickles: settle the batch in flight; events and pinned flags stay."""
+        """For copies and pickles: settle the batch in flight; events and pinned values stay."""
         self.settle()
-        return {**self.__dict__, "_check_flag": None, "_check_event": None}
+        return {**self.__dict__, "_check_value": None, "_check_event": None}
 
     def reset(self) -> None:
         self._state = None
+        self._state_before_batch = None
         self._pending_check = None
 
-    def _update_refusing_non_finite(self, x: torch.Tensor, update: Callable[[], None], statistic: str) -> None:
+    def _update_refusing_non_finite(
+        self, x: torch.Tensor, update: Callable[[], None], health: Callable[[], torch.Tensor]
+    ) -> None:
         """Run ``update()`` (which adds ``x`` to the state in place), then refuse the batch,
-        restoring the state from before it, if ``state[statistic]`` is no longer finite.
+        restoring the state from before it, if ``health()`` (a 0-d statistic of the new state
+        that NaN/Inf poisons) is not finite.
 
-        On CUDA the test does not wait for the GPU: its result travels to pinned host memory
-        behind an event and is read by ``settle()``, at the next collect or whenever the state is
-        next used, which then raises for that batch. Waiting at every collect would stall the
+        On CUDA the test does not wait for the GPU: ``health()`` travels to pinned host memory
+        behind an event and is read by ``settle()``, at the next collect or whenever the state
+        is next used, which then raises for that batch. Waiting at every collect would stall the
         GPU at every observed layer (1.5x-13x calibration overhead on 56-112-linear models,
         examples/benchmarks/RESULTS.md). On other devices the test raises at once. While
         compiling, the check is left to ``_check_state_finite``.
@@ -160,47 +167,63 @@ class MergeableObserver(Observer):
             update()
             return
         self.settle()
-        before = {key: value.clone() for key, value in self._state.items()}
+        self._save_state_before_batch()
         update()
-        value = self._state[statistic]
+        value = health()
         if value.device.type != "cuda":
             try:
                 self._raise_if_non_finite(x, value)
             except ValueError:
-                self._state = before
+                self.discard_batch()
                 raise
             return
         if self._check_event is None:
-            self._check_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._check_value = torch.empty((), dtype=value.dtype, pin_memory=True)
             self._check_event = torch.cuda.Event()
-        self._check_flag.copy_(torch.isfinite(value).all(), non_blocking=True)
+        self._check_value.copy_(value, non_blocking=True)
         self._check_event.record()
-        self._pending_check = (before, f"{x.dtype} tensor of shape {tuple(x.shape)}")
+        self._pending_check = (x.dtype, tuple(x.shape))
+
+    def _save_state_before_batch(self) -> None:
+        """Copy the state into ``_state_before_batch``, in place after the first batch: the
+        host cost of this copy is paid at every observed layer, so no allocation."""
+        saved = self._state_before_batch
+        if saved is None or any(
+            saved[key].device != value.device or saved[key].shape != value.shape
+            for key, value in self._state.items()
+        ):
+            self._state_before_batch = {key: value.clone() for key, value in self._state.items()}
+            return
+        torch._foreach_copy_(list(saved.values()), list(self._state.values()))
+
+    def discard_batch(self) -> None:
+        """Put the state back as it was before the last batch (its copy becomes stale)."""
+        self._state, self._state_before_batch = self._state_before_batch, None
+        self._pending_check = None
 
     def has_refused_pending_batch(self) -> bool:
         if self._pending_check is None or torch.compiler.is_compiling():
             return False
         self._check_event.synchronize()  # long done by now: later work is queued behind it
-        return not bool(self._check_flag)
+        return not math.isfinite(float(self._check_value))
 
     def discard_pending_batch(self) -> None:
         if self._pending_check is not None:
-            self._state = self._pending_check[0]
-            self._pending_check = None
+            self.discard_batch()
 
     def settle(self) -> None:
         if self._pending_check is None or torch.compiler.is_compiling():
             return
         refused = self.has_refused_pending_batch()
-        before, batch = self._pending_check
+        dtype, shape = self._pending_check
         self._pending_check = None
         if refused:
-            self._state = before
+            self.discard_batch()
             raise ValueError(
-                f"{self.describe()}: the batch collected before this call ({batch}) held NaN or "
-                "Inf values (or, for a Hessian, values whose squares overflow float32); it was "
-                "left out of the statistics. Calibration needs finite activations: check the "
-                "layers feeding this one"
+                f"{self.describe()}: the batch collected before this call ({dtype} tensor of "
+                f"shape {shape}) held NaN or Inf values (or, for a Hessian, values whose squares "
+                "overflow float32); it was left out of the statistics. Calibration needs finite "
+                "activations: check the layers feeding this one"
             )
 
     def _merge_config(self) -> tuple:
@@ -233,6 +256,7 @@ class MergeableObserver(Observer):
                         f"expected {tuple(self._state[key].shape)} (observers of different data?)"
                     )
         self._pending_check = None  # whatever it was about is replaced
+        self._state_before_batch = None
         self._state = {key: value.detach().clone() for key, value in state_dict.items()}
 
     def merge(self, other: "MergeableObserver") -> None:

@@ -80,7 +80,7 @@ class BlockAmaxHistogramObserver(MergeableObserver):
             )
 
         # A NaN or Inf in x makes the running max NaN or Inf: the batch is then refused whole.
-        self._update_refusing_non_finite(x, update, "literal_max")
+        self._update_refusing_non_finite(x, update, lambda: self._state["literal_max"])
 
     @property
     def literal_max(self) -> float:

@@ -31,6 +31,8 @@ class BlockHessianAccumulator(MergeableObserver):
 
     def __init__(self, in_features: int, *, name: Optional[str] = None):
         super().__init__(name)
+        if in_features < 1:
+            raise ValueError(f"{self.describe()}: in_features must be >= 1, got {in_features}")
         self.in_features = int(in_features)
 
     def _merge_config(self) -> tuple:
@@ -59,9 +61,12 @@ class BlockHessianAccumulator(MergeableObserver):
             kernels.accumulate_block_hessian(padded, self._state["hessian"])
             self._state["num_tokens"] += x.numel() // self.in_features
 
-        # NaN/Inf in x (or squares that overflow) reach the Hessian's diagonal: the batch is
-        # then refused whole.
-        self._update_refusing_non_finite(x, update, "hessian")
+        # NaN/Inf in x (or squares that overflow) reach the Hessian's diagonal, and a finite
+        # diagonal bounds every other entry (|H_ij| <= sqrt(H_ii H_jj)): the diagonal's max is
+        # a one-number test, and a batch that fails it is refused whole.
+        self._update_refusing_non_finite(
+            x, update, lambda: self._state["hessian"].diagonal(dim1=-2, dim2=-1).amax()
+        )
 
     @property
     def hessian(self) -> torch.Tensor:
