@@ -293,8 +293,9 @@ class CublasAfterDequantize:
 
 # Keyed on the largest M each serves. Chosen with examples/benchmarks/tune_gemm.py on one H100
 # 80GB HBM3 (torch 2.11, triton 3.6) over (K, N) = (8192, 8192), (4096, 14336), (14336, 4096)
-# (examples/benchmarks/RESULTS.md): the M <= 16 entry was best or within 10% of best at M = 16
-# on all three shapes (at M = 1, 16 x 64 x 256 tiles without a split were ~10% faster); at
+# (examples/benchmarks/RESULTS.md): at M = 1-4, 16 x 64 x 256 tiles split to one program per SM
+# took 7-14% less time than the M <= 16 entry on two shapes and 1-5% more on the third (K =
+# 14336, N = 4096); the M <= 16 entry was best or within 10% of best at M = 16 on all three; at
 # M = 17, 32-row tiles beat the 64-row ones by 1.1-1.3x; at M = 33 and 64 the transposed
 # 64 x 256 tiles were best at 8192 x 8192 and within 20% elsewhere (1.2x faster than the
 # untransposed 64 x 128 tiles at M = 64, 8192 x 8192); above 64, cuBLAS after dequantizing beat
@@ -302,6 +303,7 @@ class CublasAfterDequantize:
 # Few buckets on purpose: under torch.compile each bucket is one graph (the choice is a guard on
 # M), and M varies freely inside a bucket.
 GEMM_CONFIGS = (
+    (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1)),
     (16, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2)),
     (32, GemmConfig(32, 128, 256, 4, 3, programs_per_sm=1)),
     (64, GemmConfig(64, 256, 256, 8, 3, programs_per_sm=2, weight_as_mma_a=True)),
