@@ -147,3 +147,36 @@ def test_gpu_ties_match_reference_bit_for_bit():
     qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
     operands = [gemm_activation_operand(x, per_tensor_scale, dtype) for dtype in OPERAND_DTYPES]
     assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands)
+
+
+def test_traced_ops_are_graph_nodes_under_compile_and_equal_in_eager():
+    """``launch.traced_op``: dynamo records the custom op (what Inductor needs to see the
+    kernels); the eager call, which skips the op's dispatch, returns the same values."""
+    targets = []
+
+    def recording_backend(graph_module, example_inputs):
+        targets.extend(node.target for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    scale = x.abs().max() / (6 * 448)
+    compiled = torch.compile(gemm_activation_operand, backend=recording_backend, fullgraph=True)
+    assert torch.equal(compiled(x, scale), gemm_activation_operand(x, scale))
+    assert torch.ops.nvfp4_static.gemm_activation_operand.default in targets
+
+
+def test_only_real_tensors_outside_of_tracing_skip_the_ops():
+    """Fake tensors (how dynamo runs a tensor subclass's ops) and make_fx must take the op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from nvfp4_static.kernels.launch import runs_eagerly
+
+    x = torch.ones(2, 16)
+    assert runs_eagerly(x, 3, torch.float16)
+    with FakeTensorMode():
+        assert not runs_eagerly(torch.ones(2, 16))
+    seen = []
+    make_fx(lambda a: seen.append(runs_eagerly(a)) or a + 1)(x)
+    assert seen == [False]

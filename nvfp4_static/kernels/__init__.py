@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from nvfp4_static.kernels import block_hessian, histogram, scale_sweep
+from nvfp4_static.kernels.launch import runs_eagerly
 
 __all__ = ["collect_block_amax_histogram", "fp8_scale_sweep", "accumulate_block_hessian"]
 
@@ -22,7 +23,7 @@ def collect_block_amax_histogram(
     x: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor, bin_edges: torch.Tensor
 ) -> None:
     """Add ``x``'s per-block-amax histogram into ``counts`` (int64) and max into ``amax``, in place."""
-    if _launches_eagerly(x):
+    if _launches_eagerly(x, counts):
         histogram.launch_block_amax_histogram(x, counts, amax, bin_edges)
     else:
         histogram.collect_block_amax_histogram(x, counts, amax, bin_edges)
@@ -37,13 +38,13 @@ def fp8_scale_sweep(
 
 def accumulate_block_hessian(x: torch.Tensor, hessian: torch.Tensor) -> None:
     """Add ``sum_tokens x_b x_b^T`` per 16-wide block of ``x`` into ``hessian`` [K/16, 16, 16], in place."""
-    if _launches_eagerly(x):
+    if _launches_eagerly(x, hessian):
         block_hessian.launch_block_hessian(x, hessian)
     else:
         block_hessian.accumulate_block_hessian(x, hessian)
 
 
-def _launches_eagerly(x: torch.Tensor) -> bool:
-    """Whether to skip the custom op: a CUDA tensor outside of tracing (the op's CUDA kernel
-    is this launcher; its other devices' kernel is the reference)."""
-    return x.is_cuda and not torch.compiler.is_compiling()
+def _launches_eagerly(x: torch.Tensor, state: torch.Tensor) -> bool:
+    """Whether to skip the custom op: real CUDA tensors outside of tracing (the op's CUDA
+    kernel is this launcher; its other devices' kernel is the reference)."""
+    return x.is_cuda and runs_eagerly(x, state)

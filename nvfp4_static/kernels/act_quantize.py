@@ -12,9 +12,10 @@ even), so that the two agree bit for bit. The kernel writes either form the back
   elements as two contiguous halves because they sit in the low and high nibbles of the packed
   weight.
 
-Both are ``torch.library.triton_op``s (visible to ``torch.compile``); on non-CUDA tensors they run
-the torch reference (a ``triton_op`` body is traced for every device, so the branch lives there). ``launch_activation_quantize`` is the bare launcher, which the tests run on CPU
-under ``TRITON_INTERPRET=1``.
+Both are ``torch.library.triton_op``s while ``torch.compile`` traces (``launch.traced_op``; plain
+calls in eager mode); on non-CUDA tensors they run the torch reference (a ``triton_op`` body is
+traced for every device, so the branch lives there). ``launch_activation_quantize`` is the bare
+launcher, which the tests run on CPU under ``TRITON_INTERPRET=1``.
 """
 
 from typing import Optional
@@ -22,9 +23,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
-from nvfp4_static.kernels.launch import ceil_div, traceable
+from nvfp4_static.kernels.launch import ceil_div, traceable, traced_op
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -182,7 +182,7 @@ def launch_activation_quantize(
     )
 
 
-@triton_op("nvfp4_static::quantize_activation_nvfp4", mutates_args=())
+@traced_op("quantize_activation_nvfp4")
 def quantize_activation_nvfp4(
     x: torch.Tensor, per_tensor_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +205,7 @@ def deinterleave_blocks(x: torch.Tensor) -> torch.Tensor:
     return blocks.transpose(-1, -2).reshape(x.shape)
 
 
-@triton_op("nvfp4_static::gemm_activation_operand", mutates_args=())
+@traced_op("gemm_activation_operand")
 def gemm_activation_operand(
     x: torch.Tensor, per_tensor_scale: torch.Tensor, operand_dtype: torch.dtype = torch.float16
 ) -> torch.Tensor:

@@ -27,9 +27,8 @@ from typing import Optional, Union
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
-from nvfp4_static.kernels.launch import ceil_div, traceable
+from nvfp4_static.kernels.launch import ceil_div, traceable, traced_op
 from nvfp4_static.numerics import BLOCK_SIZE
 
 # E2M1 code (sign, e1, e0, m) -> FP8 E4M3 byte (sign, 0, 0, e1, e0, m, 0, 0) is the same number
@@ -505,7 +504,7 @@ def launch_nvfp4_gemm(
     )
 
 
-@triton_op("nvfp4_static::nvfp4_gemm", mutates_args=())
+@traced_op("nvfp4_gemm")
 def nvfp4_gemm(
     a: torch.Tensor,
     weight_qdata: torch.Tensor,
