@@ -80,8 +80,8 @@ def _activation_quantize_kernel(
     scales_ptr,
     operand_ptr,
     M,
-    K,
-    stride_xm,
+    K: tl.constexpr,
+    stride_xm: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     WRITE_PACKED: tl.constexpr,
@@ -162,6 +162,8 @@ def launch_activation_quantize(
     """Run the kernel into preallocated outputs: pass ``qdata`` + ``block_scales`` (packed form)
     or ``gemm_operand`` (fp16 or bf16 ``q * s_b``, block-deinterleaved), the other as None."""
     _check_activation(x, per_tensor_scale)
+    # K and the row stride reach the kernel as compile-time constants, known 16-byte aligned
+    # even in a dynamic-shape graph (see kernels.gemm.launch_nvfp4_gemm).
     x = x if x.stride(1) == 1 else x.contiguous()
     M, K = x.shape
     write_packed = gemm_operand is None

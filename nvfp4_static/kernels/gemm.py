@@ -95,12 +95,12 @@ def _nvfp4_gemm_kernel(
     bias_ptr,
     out_ptr,
     M,
-    N,
-    K,
-    stride_am,
-    stride_wn,
-    stride_sn,
-    stride_om,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    stride_am: tl.constexpr,
+    stride_wn: tl.constexpr,
+    stride_sn: tl.constexpr,
+    stride_om: tl.constexpr,
     split_k,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -193,8 +193,8 @@ def _epilogue_kernel(
     bias_ptr,
     out_ptr,
     M,
-    N,
-    stride_om,
+    N: tl.constexpr,
+    stride_om: tl.constexpr,
     split_k,
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -218,10 +218,10 @@ def _dequantize_weight_kernel(
     w_ptr,
     w_scales_ptr,
     out_ptr,
-    N,
-    K,
-    stride_wn,
-    stride_sn,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    stride_wn: tl.constexpr,
+    stride_sn: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PTX: tl.constexpr,
@@ -443,9 +443,11 @@ def launch_nvfp4_gemm(
     config = config or gemm_config(M)
     act_scale = act_per_tensor_scale.to(torch.float32).reshape(1)
     weight_scale = weight_per_tensor_scale.to(torch.float32).reshape(1)
-    # Row strides travel as arguments (not K // 2, K // 16) so that Triton's specialisation of
-    # multiples of 16 lets it load the scale rows in 16-byte vectors and pipeline those loads;
-    # computed from K, a scale row looks byte-aligned and every iteration waits on global loads.
+    # The kernels take the weight's shape and every row stride as compile-time constants: a
+    # scale row must be known 16-byte aligned to load in vectors and pipeline those loads
+    # (otherwise every iteration waits on global loads), and a plain integer argument is only
+    # known so when Triton specialises it, which Inductor does not do for a dynamic-shape graph
+    # (there, 6x slower at M = 16; examples/benchmarks/RESULTS.md). One compile per layer shape.
     weight_qdata = weight_qdata.contiguous()
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
     ptx = _use_ptx_dequant(a.device)
