@@ -71,8 +71,7 @@ def main():
     backend = quantized.qkv.weight.linear_backend
 
     # The default dynamic setting, as a user compiles: the token count turns dynamic after the
-    # first recompile while the hidden sizes stay static (dynamic=True slows our memory-bound
-    # kernels at prefill, see RESULTS.md).
+    # first recompile while the hidden sizes stay static.
     compiled_bf16 = torch.compile(block, fullgraph=True)
     compiled_nvfp4 = torch.compile(quantized, fullgraph=True)
     print(f"device: {torch.cuda.get_device_name()}, nvfp4 backend: {backend}")
