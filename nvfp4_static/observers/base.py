@@ -140,9 +140,11 @@ class MergeableObserver(Observer):
         self._check_event: Optional[torch.cuda.Event] = None
 
     def __getstate__(self) -> dict:
-        """For copies and pickles: settle the batch in flight; events and pinned values stay."""
+        """For copies and pickles: settle the batch in flight; then neither the saved state
+        (needed only while a test is in flight) nor the event and pinned value go along."""
         self.settle()
-        return {**self.__dict__, "_check_value": None, "_check_event": None}
+        dropped = ("_state_before_batch", "_check_value", "_check_event")
+        return {**self.__dict__, **dict.fromkeys(dropped)}
 
     def reset(self) -> None:
         self._state = None
@@ -174,7 +176,7 @@ class MergeableObserver(Observer):
             try:
                 self._raise_if_non_finite(x, value)
             except ValueError:
-                self.discard_batch()
+                self._restore_state_before_batch()
                 raise
             return
         if self._check_event is None:
@@ -196,8 +198,8 @@ class MergeableObserver(Observer):
             return
         torch._foreach_copy_(list(saved.values()), list(self._state.values()))
 
-    def discard_batch(self) -> None:
-        """Put the state back as it was before the last batch (its copy becomes stale)."""
+    def _restore_state_before_batch(self) -> None:
+        """Put the state back as it was before the last batch (the saved copy is used up)."""
         self._state, self._state_before_batch = self._state_before_batch, None
         self._pending_check = None
 
@@ -209,7 +211,7 @@ class MergeableObserver(Observer):
 
     def discard_pending_batch(self) -> None:
         if self._pending_check is not None:
-            self.discard_batch()
+            self._restore_state_before_batch()
 
     def settle(self) -> None:
         if self._pending_check is None or torch.compiler.is_compiling():
@@ -218,7 +220,7 @@ class MergeableObserver(Observer):
         dtype, shape = self._pending_check
         self._pending_check = None
         if refused:
-            self.discard_batch()
+            self._restore_state_before_batch()
             raise ValueError(
                 f"{self.describe()}: the batch collected before this call ({dtype} tensor of "
                 f"shape {shape}) held NaN or Inf values (or, for a Hessian, values whose squares "
