@@ -82,8 +82,10 @@ class NVFP4StaticTensor(NVFP4Tensor):
         return self
 
     # torchao's NVFP4Tensor disables __torch_function__; re-enable it so F.linear is caught
-    # whole (any leading dims, one activation quantization) instead of after decomposition.
-    __torch_function__ = TorchAOBaseTensor.__torch_function__
+    # whole (any leading dims, one activation quantization) instead of after decomposition into
+    # a transpose (a new subclass object) and addmm. Bound to this class: torchao looks up the
+    # handler table of the class it is bound to.
+    __torch_function__ = classmethod(TorchAOBaseTensor.__torch_function__.__func__)
 
     @classmethod
     def from_float(

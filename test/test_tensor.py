@@ -153,6 +153,21 @@ def test_linear_is_the_faithful_nvfp4_gemm(call, with_bias, x_shape, dtype):
     assert (out.double() - ref).norm() / ref.norm() <= tolerance
 
 
+def test_f_linear_is_handled_whole_without_transposing_the_weight(monkeypatch):
+    """F.linear reaches the subclass's own handler (one call, any leading dims) rather than its
+    decomposition into a transpose, which builds a new weight object on every call."""
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    expected = reference_linear(x, q, None)
+
+    def no_rewrap(*args, **kwargs):
+        raise AssertionError("F.linear rewrapped (transposed) the weight")
+
+    monkeypatch.setattr(NVFP4StaticTensor, "_rewrap", no_rewrap)
+    out = F.linear(x, q)
+    assert (out.double() - expected).norm() / expected.norm() <= 8e-3
+
+
 def test_linear_under_inference_mode_equals_no_grad():
     q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
     x = torch.randn(3, 128, dtype=torch.bfloat16)
