@@ -166,6 +166,18 @@ def test_traced_ops_are_graph_nodes_under_compile_and_equal_in_eager():
     assert torch.ops.nvfp4_static.gemm_activation_operand.default in targets
 
 
+def test_eager_calls_skip_the_op_dispatch():
+    """Eagerly, on real tensors, the body runs without going through the custom op (its
+    dispatch is host overhead); the op itself is still registered and callable."""
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    scale = x.abs().max() / (6 * 448)
+    op_name = "nvfp4_static::gemm_activation_operand"
+    for call, goes_through_op in ((gemm_activation_operand, False), (gemm_activation_operand.op, True)):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            call(x, scale)
+        assert any(event.name == op_name for event in profile.events()) == goes_through_op
+
+
 def test_only_real_tensors_outside_of_tracing_skip_the_ops():
     """Fake tensors (how dynamo runs a tensor subclass's ops) and make_fx must take the op."""
     from torch._subclasses.fake_tensor import FakeTensorMode
