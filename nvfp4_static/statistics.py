@@ -32,9 +32,17 @@ __all__ = [
     "block_hessian",
 ]
 
-# Rows of the weight processed per step of the reference sweep: bounds its temporaries to
-# a few MB whatever the weight size.
-SWEEP_ROWS_PER_CHUNK = 256
+# Weight elements per step of the reference sweep, by device: on a CPU the step's temporaries
+# (16x the chunk with a Hessian) should stay near the caches, on a GPU each step costs ~25
+# launches. 2^17 took 1-3x less time than 256-row steps on a 2-core CPU (K = 576 to 14336,
+# plain and Hessian; examples/benchmarks/RESULTS.md).
+SWEEP_ELEMENTS_PER_CHUNK = {"cpu": 1 << 17, "other": 1 << 21}
+
+
+def sweep_rows_per_chunk(k: int, device: torch.device) -> int:
+    """Rows of a ``[N, k]`` weight that one step of the reference sweep processes."""
+    budget = SWEEP_ELEMENTS_PER_CHUNK["cpu" if device.type == "cpu" else "other"]
+    return max(1, budget // max(k, 1))
 
 
 def histogram_bin_edges(num_bins: int, log2_min: float, log2_max: float) -> torch.Tensor:
@@ -163,8 +171,9 @@ def fp8_scale_sweep(
     if hessian is not None:
         upper_hessian = upper_triangular_hessian(hessian.to(weight.device))
     best_scales = torch.empty(n_rows, n_blocks, dtype=torch.float32, device=weight.device)
-    for start in range(0, n_rows, SWEEP_ROWS_PER_CHUNK):
-        w_blocks = weight[start : start + SWEEP_ROWS_PER_CHUNK].to(torch.float32)
+    rows_per_chunk = sweep_rows_per_chunk(k, weight.device)
+    for start in range(0, n_rows, rows_per_chunk):
+        w_blocks = weight[start : start + rows_per_chunk].to(torch.float32)
         w_blocks = w_blocks.reshape(-1, n_blocks, BLOCK_SIZE)
         best_error = torch.full(w_blocks.shape[:2], float("inf"), device=weight.device)
         best = torch.zeros(w_blocks.shape[:2], device=weight.device)
@@ -173,7 +182,7 @@ def fp8_scale_sweep(
             better = error < best_error
             best_error = torch.where(better, error, best_error)
             best = torch.where(better, candidate, best)
-        best_scales[start : start + SWEEP_ROWS_PER_CHUNK] = best
+        best_scales[start : start + rows_per_chunk] = best
     return best_scales.to(torch.float8_e4m3fn)
 
 

@@ -88,14 +88,18 @@ def test_fp8_scale_sweep_picks_the_smallest_candidate_for_an_all_zero_block():
     assert bool((scales[:, 0].to(torch.float32) == 2.0**-9).all())
 
 
-def test_fp8_scale_sweep_rows_are_independent_across_chunks():
-    rows = statistics.SWEEP_ROWS_PER_CHUNK + 44
-    weight = torch.randn(rows, 32, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "hessian"])
+def test_fp8_scale_sweep_rows_are_independent_across_chunks(weighted):
+    k = 8192
+    chunk = statistics.sweep_rows_per_chunk(k, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(chunk + 5, k, generator=generator)
+    hessian = statistics.block_hessian(torch.randn(8, k, generator=generator)) if weighted else None
     global_amax = weight.abs().max()
-    whole = statistics.fp8_scale_sweep(weight, global_amax)
-    # Split where the sweep's own chunks do not: rows 0..99 and 100..299.
-    pieces = torch.cat([statistics.fp8_scale_sweep(w, global_amax) for w in weight.split(100)])
-    assert torch.equal(whole.view(torch.uint8), pieces.view(torch.uint8))
+    whole = statistics.fp8_scale_sweep(weight, global_amax, hessian)
+    # Split where the sweep's own chunks do not.
+    pieces = [statistics.fp8_scale_sweep(w, global_amax, hessian) for w in weight.split(chunk // 2 + 1)]
+    assert torch.equal(whole.view(torch.uint8), torch.cat(pieces).view(torch.uint8))
 
 
 def test_fp8_scale_sweep_block_of_the_global_max_is_near_the_top_candidate():
