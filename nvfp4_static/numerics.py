@@ -32,6 +32,7 @@ __all__ = [
     "e2m1_values_by_code",
     "compute_block_scales",
     "quantize_nvfp4",
+    "quantize_nvfp4_unpacked",
     "dequantize_nvfp4",
     "fake_quantize_nvfp4",
 ]
@@ -195,17 +196,28 @@ def dequantize_nvfp4(
     return out.reshape(*qdata.shape[:-1], qdata.shape[-1] * 2).to(output_dtype)
 
 
+def quantize_nvfp4_unpacked(
+    x: torch.Tensor,
+    per_tensor_scale: torch.Tensor,
+    block_scales_e4m3: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_nvfp4`` without the packing: the E2M1 values ``q`` as float32 (shape of ``x``,
+    the sign of -0.0 kept) and the FP8 block scales. Dequantizing the packed pair gives exactly
+    these ``q``; skipping the codes saves most of the work where the values are used at once."""
+    _check_quantizable(x)
+    per_tensor_scale = per_tensor_scale.to(torch.float32)
+    if block_scales_e4m3 is None:
+        block_scales_e4m3 = compute_block_scales(x, per_tensor_scale)
+    return round_to_e2m1(_scaled_blocks(x, per_tensor_scale, block_scales_e4m3)), block_scales_e4m3
+
+
 def fake_quantize_nvfp4(
     x: torch.Tensor,
     per_tensor_scale: torch.Tensor,
     block_scales_e4m3: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Quantize then dequantize, in ``x``'s dtype, without packing (same values as the pair)."""
-    _check_quantizable(x)
-    per_tensor_scale = per_tensor_scale.to(torch.float32)
-    if block_scales_e4m3 is None:
-        block_scales_e4m3 = compute_block_scales(x, per_tensor_scale)
-    q = round_to_e2m1(_scaled_blocks(x, per_tensor_scale, block_scales_e4m3))
-    scales = per_tensor_scale * block_scales_e4m3.to(torch.float32)
+    q, block_scales_e4m3 = quantize_nvfp4_unpacked(x, per_tensor_scale, block_scales_e4m3)
+    scales = per_tensor_scale.to(torch.float32) * block_scales_e4m3.to(torch.float32)
     out = q.reshape(*x.shape[:-1], -1, BLOCK_SIZE) * scales.unsqueeze(-1)
     return out.reshape(x.shape).to(x.dtype)

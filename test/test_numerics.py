@@ -104,6 +104,31 @@ def test_quantize_is_bit_identical_to_torchao(
     assert_matches_torchao(x, per_tensor_amax_to_scale(amax))
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from(DTYPES),
+    log2_magnitude=st.integers(-100, 100),
+    log2_scale_ratio=st.integers(-12, 20),
+    zero_block_fraction=st.sampled_from([0.0, 0.3]),
+)
+def test_unpacked_quantize_gives_exactly_the_values_the_packed_codes_decode_to(
+    seed, dtype, log2_magnitude, log2_scale_ratio, zero_block_fraction
+):
+    """The CPU linear uses q from ``quantize_nvfp4_unpacked`` in place of decoding the packed
+    codes: same bits, -0.0 included, and the same block scales."""
+    generator = torch.Generator().manual_seed(seed)
+    x = _blocky_tensor(generator, (3, 64), log2_magnitude, zero_block_fraction).to(dtype)
+    x[0, :16] = -1e-30  # rounds to -0.0, which the packed codes keep as code 8
+    amax = x.abs().max().float()
+    scale = per_tensor_amax_to_scale(amax * 2.0**log2_scale_ratio if amax > 0 else torch.tensor(1.0))
+    q, block_scales = numerics.quantize_nvfp4_unpacked(x, scale)
+    qdata, packed_block_scales = numerics.quantize_nvfp4(x, scale)
+    assert_bitwise_equal(block_scales, packed_block_scales)
+    decoded = numerics.dequantize_nvfp4(qdata, torch.ones_like(packed_block_scales))
+    assert_bitwise_equal(q, decoded)
+
+
 def _e2m1_midpoints_tensor() -> torch.Tensor:
     """One block per midpoint: a 6 (so that under the global amax 448 * 6, i.e. per-tensor
     scale 1, the block scale is exactly 1) and 15 copies of the midpoint, signs alternating."""

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
+from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4_unpacked
 
 
 def static_nvfp4_linear(
@@ -35,8 +35,10 @@ def static_nvfp4_linear(
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
-    act_qdata, act_block_scales = quantize_nvfp4(x, act_per_tensor_scale)
-    act = dequantize_nvfp4(act_qdata, act_block_scales)
+    # q * s_b of the activation, the same values its packed codes would decode to.
+    act_q, act_block_scales = quantize_nvfp4_unpacked(x, act_per_tensor_scale)
+    blocks = act_q.reshape(*act_block_scales.shape, -1) * act_block_scales.to(torch.float32).unsqueeze(-1)
+    act = blocks.reshape(x.shape)
     weight = dequantize_nvfp4(weight_qdata, weight_block_scales)
     out = torch.mm(act, weight.t()) * (act_per_tensor_scale * weight_per_tensor_scale)
     if bias is not None:
