@@ -34,6 +34,7 @@ __all__ = [
     "quantize_nvfp4",
     "quantize_nvfp4_unpacked",
     "dequantize_nvfp4",
+    "times_block_scales",
     "fake_quantize_nvfp4",
 ]
 
@@ -188,12 +189,18 @@ def dequantize_nvfp4(
     faithful GEMM multiplies the global scales in afterwards.
     """
     codes = torch.stack((qdata & 0xF, qdata >> 4), dim=-1).to(torch.int32)
-    values = e2m1_values_by_code(qdata.device)[codes].reshape(*block_scales_e4m3.shape, BLOCK_SIZE)
+    values = e2m1_values_by_code(qdata.device)[codes].reshape(*qdata.shape[:-1], qdata.shape[-1] * 2)
     scales = block_scales_e4m3.to(torch.float32)
     if per_tensor_scale is not None:
         scales = per_tensor_scale.to(torch.float32) * scales
-    out = values * scales.unsqueeze(-1)
-    return out.reshape(*qdata.shape[:-1], qdata.shape[-1] * 2).to(output_dtype)
+    return times_block_scales(values, scales).to(output_dtype)
+
+
+def times_block_scales(values: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
+    """``values [..., K]`` with each 16-block multiplied by its scale ``[..., K // 16]``, in
+    float32: the one step every dequantization shares."""
+    blocks = values.reshape(*block_scales.shape, BLOCK_SIZE) * block_scales.to(torch.float32).unsqueeze(-1)
+    return blocks.reshape(values.shape)
 
 
 def quantize_nvfp4_unpacked(
@@ -219,5 +226,4 @@ def fake_quantize_nvfp4(
     """Quantize then dequantize, in ``x``'s dtype, without packing (same values as the pair)."""
     q, block_scales_e4m3 = quantize_nvfp4_unpacked(x, per_tensor_scale, block_scales_e4m3)
     scales = per_tensor_scale.to(torch.float32) * block_scales_e4m3.to(torch.float32)
-    out = q.reshape(*x.shape[:-1], -1, BLOCK_SIZE) * scales.unsqueeze(-1)
-    return out.reshape(x.shape).to(x.dtype)
+    return times_block_scales(q, scales).to(x.dtype)

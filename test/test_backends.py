@@ -7,6 +7,7 @@ replaced by an emulation of cuBLAS's block-scaled FP4 product.
 
 import pytest
 import torch
+from tolerances import UNIT_ROUNDOFF, gpu_tolerance
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 from torchao.prototype.mx_formats.utils import from_blocked
@@ -17,7 +18,6 @@ from nvfp4_static.kernels.gemm import GEMM_CONFIGS
 from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, quantize_nvfp4
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def float_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
@@ -86,11 +86,6 @@ def test_blackwell_route_with_emulated_scaled_mm_matches_cpu_backend(monkeypatch
     tolerance = 1e-5 if dtype == torch.float32 else UNIT_ROUNDOFF[dtype]
     assert relative_error(blackwell.static_nvfp4_linear(*inputs), cpu.static_nvfp4_linear(*inputs)) <= tolerance
 
-
-def gpu_tolerance(K: int, dtype: torch.dtype) -> float:
-    """Both routes multiply exact products; each sums K of them in fp32 in its own order (at most
-    about K * 2^-24 relative apart) and rounds once to ``dtype``: allow 2x the sum of those."""
-    return 2 * (K * 2.0**-24 + UNIT_ROUNDOFF[dtype])
 
 
 @requires_cuda

@@ -8,6 +8,7 @@ child process, see triton_interpreter); on a CUDA machine the checks run compile
 
 import pytest
 import torch
+from tolerances import UNIT_ROUNDOFF, gpu_tolerance
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.kernels.act_quantize import deinterleave_blocks, gemm_activation_operand
@@ -26,7 +27,6 @@ from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, dequantize_nvfp4, quantize
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
 DEQUANTIZE_LAUNCHER = "nvfp4_static.kernels.gemm:launch_weight_dequantize"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
@@ -155,11 +155,6 @@ def test_only_large_m_with_a_host_scale_and_a_matching_bias_fuses_the_epilogue_i
     assert activation_operand_dtype(4096, torch.bfloat16, 1e-3, None) == torch.bfloat16
     assert activation_operand_dtype(16, torch.bfloat16, 1e-3, None) == torch.float16
 
-
-def gpu_tolerance(K: int, dtype: torch.dtype) -> float:
-    """Recursive fp32 summation of K products errs by at most about K * 2^-24 relative (the
-    products themselves are exact); add one rounding of the output to ``dtype``, and allow 2x."""
-    return 2 * (K * 2.0**-24 + UNIT_ROUNDOFF[dtype])
 
 
 @requires_cuda

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4_unpacked
+from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4_unpacked, times_block_scales
 
 
 def static_nvfp4_linear(
@@ -36,9 +36,7 @@ def static_nvfp4_linear(
         ``[M, N]`` in ``x.dtype``.
     """
     # q * s_b of the activation, the same values its packed codes would decode to.
-    act_q, act_block_scales = quantize_nvfp4_unpacked(x, act_per_tensor_scale)
-    blocks = act_q.reshape(*act_block_scales.shape, -1) * act_block_scales.to(torch.float32).unsqueeze(-1)
-    act = blocks.reshape(x.shape)
+    act = times_block_scales(*quantize_nvfp4_unpacked(x, act_per_tensor_scale))
     weight = dequantize_nvfp4(weight_qdata, weight_block_scales)
     out = torch.mm(act, weight.t()) * (act_per_tensor_scale * weight_per_tensor_scale)
     if bias is not None:

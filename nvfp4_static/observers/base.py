@@ -188,15 +188,13 @@ class MergeableObserver(Observer):
 
     def _save_state_before_batch(self) -> None:
         """Copy the state into ``_state_before_batch``, in place after the first batch: the
-        host cost of this copy is paid at every observed layer, so no allocation."""
-        saved = self._state_before_batch
-        if saved is None or any(
-            saved[key].device != value.device or saved[key].shape != value.shape
-            for key, value in self._state.items()
-        ):
+        host cost of this copy is paid at every observed layer, so no allocation. (Whatever
+        replaces the state, ``load_state_dict``, ``reset`` or a restore, drops the saved copy,
+        so a kept one always matches the state's shapes and device.)"""
+        if self._state_before_batch is None:
             self._state_before_batch = {key: value.clone() for key, value in self._state.items()}
             return
-        torch._foreach_copy_(list(saved.values()), list(self._state.values()))
+        torch._foreach_copy_(list(self._state_before_batch.values()), list(self._state.values()))
 
     def _restore_state_before_batch(self) -> None:
         """Put the state back as it was before the last batch (the saved copy is used up)."""
