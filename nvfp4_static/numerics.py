@@ -10,6 +10,7 @@ With a given per-tensor scale the arithmetic below is exactly torchao's ``nvfp4_
 E2M1 cast are torchao's own helpers, so the two agree bit for bit.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -112,12 +113,16 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     grid's spacing is 1/2 below 2, 1 in [2, 4) and 2 from 4: scaling by its inverse (a power of
     two, so exact) turns each stretch into ``torch.round``'s integer ties-to-even, which sends
     0.25, 1.25, 2.5 and 5 down and 0.75, 1.75 and 3.5 up, as E2M1's even codes want. Four passes
-    over the data instead of a chain of comparisons (2.6x faster on a CPU; the CPU weight sweep
-    runs this 126 times per weight). The sign rides along, -0.0 included; NaN stays NaN.
+    over the data instead of a chain of comparisons (the CPU weight sweep runs this 126 times
+    per weight). The sign rides along, -0.0 included. NaN becomes 1.5 with NaN's sign, as in
+    torchao's cast: it arises where a zero block's scale reciprocal overflows (0 * inf) under a
+    tiny global scale, and the packed codes, cast by torchao, hold 1.5 there too.
     """
     magnitude = x.abs()
     steps_per_unit = torch.where(magnitude < 2.0, 2.0, torch.where(magnitude < 4.0, 1.0, 0.5))
-    return torch.round(x * steps_per_unit) / steps_per_unit
+    q = torch.round(x * steps_per_unit) / steps_per_unit
+    # q already carries x's sign; this only gives it back to the NaN made 1.5.
+    return torch.copysign(torch.nan_to_num(q, nan=1.5, posinf=math.inf, neginf=-math.inf), x)
 
 
 def compute_block_scales(

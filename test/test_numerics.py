@@ -149,6 +149,12 @@ ADVERSARIAL = {
     "e2m1_midpoints": (_e2m1_midpoints_tensor(), 448.0 * 6.0),
     "huge": (torch.linspace(-3e37, 3e37, 64).reshape(2, 32), None),
     "tiny": (torch.linspace(-1e-36, 1e-36, 64).reshape(2, 32), None),
+    # A zero block's scale is clamped up to 2^-6, whose reciprocal under this global scale
+    # overflows: 0 * inf is NaN, which torchao's cast turns into +-1.5.
+    "zero_block_whose_reciprocal_overflows": (
+        torch.cat([torch.zeros(2, 16), torch.full((2, 16), 1e-30)], dim=1),
+        1e-34,
+    ),
     "three_dims": (torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(0)), None),
 }
 
