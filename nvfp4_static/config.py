@@ -17,10 +17,16 @@ from torchao.core.config import AOBaseConfig
 from torchao.quantization.quantize_.common.quantization_step import QuantizationStep
 from torchao.quantization.transform_module import register_quantize_module_handler
 
-from nvfp4_static import kernels
+from nvfp4_static import kernels, statistics
 from nvfp4_static.backends import BACKENDS
 from nvfp4_static.linear import NVFP4StaticLinear
-from nvfp4_static.numerics import BLOCK_SIZE, E4M3_DYNAMIC_RANGE, check_dtype
+from nvfp4_static.numerics import (
+    BLOCK_SIZE,
+    E4M3_DYNAMIC_RANGE,
+    check_dtype,
+    per_tensor_amax_to_scale,
+    scale_reciprocal_overflows,
+)
 from nvfp4_static.observed import NVFP4ObservedLinear
 from nvfp4_static.observers import (
     BlockHessianAccumulator,
@@ -202,6 +208,14 @@ def _weight_block_scales(
     global_amax = weight.abs().amax().to(torch.float32)
     if global_amax == 0:
         return None
+    if statistics.sweep_reciprocals_overflow(global_amax):
+        warnings.warn(
+            f"nvfp4_static: layer '{module.layer_name}': weight amax {float(global_amax):.3g} is too "
+            f"small for the FP8 scale sweep (float32 reciprocals overflow); its block scales are "
+            f"block max, as torchao computes them",
+            stacklevel=2,
+        )
+        return None
     hessian = None
     if config.weight_scale == "hessian_mse":
         if module.hessian_accumulator is None:
@@ -235,10 +249,11 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
             f"calibration batches through the prepared model before step='convert'"
         )
     act_amax = torch.as_tensor(act_amax, dtype=torch.float32)
-    if not torch.isfinite(act_amax) or act_amax <= 0:
+    if not torch.isfinite(act_amax) or act_amax <= 0 or scale_reciprocal_overflows(per_tensor_amax_to_scale(act_amax)):
         raise ValueError(
             f"nvfp4_static: layer '{name}': calibrated activation amax is {float(act_amax)}; it "
-            f"must be finite and positive (did calibration feed only zeros?)"
+            f"must be finite and at least about 5e-34, below which NVFP4's block-scale "
+            f"reciprocals overflow float32 (did calibration feed only zeros?)"
         )
     weight = NVFP4StaticTensor.from_float(
         module.weight,

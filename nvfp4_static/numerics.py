@@ -27,6 +27,7 @@ __all__ = [
     "e4m3_positive_values",
     "fp8_scale_candidates",
     "per_tensor_amax_to_scale",
+    "scale_reciprocal_overflows",
     "pad_to_block_multiple",
     "block_amax",
     "round_to_e2m1",
@@ -114,15 +115,28 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     two, so exact) turns each stretch into ``torch.round``'s integer ties-to-even, which sends
     0.25, 1.25, 2.5 and 5 down and 0.75, 1.75 and 3.5 up, as E2M1's even codes want. Four passes
     over the data instead of a chain of comparisons (the CPU weight sweep runs this 126 times
-    per weight). The sign rides along, -0.0 included. NaN becomes 1.5 with NaN's sign, as in
-    torchao's cast: it arises where a zero block's scale reciprocal overflows (0 * inf) under a
-    tiny global scale, and the packed codes, cast by torchao, hold 1.5 there too.
+    per weight). The sign rides along, -0.0 included. NaN becomes 1.5 with NaN's sign, as
+    torchao's cast does on x86 (on CUDA it gives 2.0: the NaN's bits decide); a quantize makes
+    NaN only under a global scale that ``scale_reciprocal_overflows``, which the tensor refuses.
     """
     magnitude = x.abs()
     steps_per_unit = torch.where(magnitude < 2.0, 2.0, torch.where(magnitude < 4.0, 1.0, 0.5))
     q = torch.round(x * steps_per_unit) / steps_per_unit
     # q already carries x's sign; this only gives it back to the NaN made 1.5.
     return torch.copysign(torch.nan_to_num(q, nan=1.5, posinf=math.inf, neginf=-math.inf), x)
+
+
+def scale_reciprocal_overflows(per_tensor_scale: torch.Tensor, block_scale: float = E4M3_MIN_NORMAL) -> bool:
+    """Whether torchao's ``(1 / per_tensor_scale) / block_scale`` is infinite in float32.
+
+    With the smallest block scale a quantize uses (2^-6 after the clamp; a sweep candidate can
+    be 2^-9), an infinite reciprocal turns a zero element into ``0 * inf = NaN``, which
+    torchao's cast maps to a code that depends on the device's NaN (1.5 on x86, 2.0 on CUDA),
+    so no two backends could agree. It happens for a global amax below about 5e-34 (4e-33 in the
+    sweep). Answered on the host: float32 division is correctly rounded on every device.
+    """
+    per_tensor_scale = torch.as_tensor(per_tensor_scale, dtype=torch.float32).cpu()
+    return not bool(torch.isfinite((1.0 / per_tensor_scale) / block_scale).all())
 
 
 def compute_block_scales(

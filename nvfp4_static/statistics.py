@@ -20,6 +20,7 @@ from nvfp4_static.numerics import (
     e4m3_positive_values,
     per_tensor_amax_to_scale,
     round_to_e2m1,
+    scale_reciprocal_overflows,
 )
 
 __all__ = [
@@ -93,9 +94,22 @@ def sweep_candidate_factors(
     each FP8 value ``s``: torchao's quantize arithmetic. Computed once, by torch on the weight's
     device, for the reference and the kernel alike, so both multiply by the same floats.
     """
+    if sweep_reciprocals_overflow(global_amax):
+        raise ValueError(
+            f"nvfp4_static: fp8_scale_sweep: weight global amax {float(global_amax):.3g} is too "
+            f"small: the smallest FP8 candidate's scale reciprocal overflows float32 (below about "
+            f"4e-33 it does), so zeros would quantize to 0 * inf; such a weight is zero in effect"
+        )
     per_tensor_scale = per_tensor_amax_to_scale(global_amax).to(device)
     candidates = e4m3_positive_values().to(device)
     return (1.0 / per_tensor_scale) / candidates, per_tensor_scale * candidates
+
+
+def sweep_reciprocals_overflow(global_amax: torch.Tensor) -> bool:
+    """Whether the sweep's smallest candidate (2^-9, the largest reciprocal) overflows under
+    ``global_amax`` (see ``numerics.scale_reciprocal_overflows``)."""
+    per_tensor_scale = per_tensor_amax_to_scale(torch.as_tensor(global_amax, dtype=torch.float32).cpu())
+    return scale_reciprocal_overflows(per_tensor_scale, float(e4m3_positive_values()[0]))
 
 
 def upper_triangular_hessian(hessian: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,28 @@ def test_max_recipe_weight_is_torchaos_nvfp4_bit_for_bit():
     assert torch.equal(ours.act_per_tensor_scale, theirs.act_per_tensor_scale)
 
 
+def test_convert_refuses_an_activation_amax_too_small_for_nvfp4():
+    model = make(MLP)
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", act_calibration="max"))
+    with torch.no_grad():
+        model(calibration_batches(1)[0] * 1e-36)
+    with pytest.raises(ValueError, match="layer 'up': calibrated activation amax is .*at least about 5e-34"):
+        quantize_(model, NVFP4StaticActivationConfig(step="convert", act_calibration="max"))
+
+
+@pytest.mark.parametrize("weight_scale", ["mse", "hessian_mse"])
+def test_weight_too_small_for_the_sweep_gets_block_max_scales_with_a_warning(weight_scale):
+    model = make(MLP)
+    with torch.no_grad():
+        model.up.weight.mul_(1e-35 / model.up.weight.abs().max())
+    float_weight = model.up.weight.detach().clone()
+    with pytest.warns(UserWarning, match="'up': weight amax 1e-35 is too small"):
+        quantized(model, weight_scale=weight_scale)
+    theirs = NVFP4Tensor.to_nvfp4(float_weight, per_tensor_scale=per_tensor_amax_to_scale(float_weight.abs().amax()))
+    assert torch.equal(model.up.weight.qdata, theirs.qdata)
+    assert torch.equal(model.up.weight.scale.view(torch.uint8), theirs.scale.view(torch.uint8))
+
+
 def weight_sqnr(float_weight, converted):
     w = dequantize_nvfp4(converted.qdata, converted.scale, converted.per_tensor_scale)
     return sqnr_db(float_weight, w)

@@ -17,9 +17,11 @@ from nvfp4_static.kernels.act_quantize import (
 from nvfp4_static.numerics import (
     E2M1_MAX,
     E4M3_MAX,
+    E4M3_MIN_NORMAL,
     dequantize_nvfp4,
     e4m3_positive_values,
     quantize_nvfp4,
+    scale_reciprocal_overflows,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -69,6 +71,17 @@ def empty_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tor
     )
 
 
+def smallest_accepted_scale() -> tuple[torch.Tensor, torch.Tensor]:
+    """A zero block beside a 1e-30 one under the smallest global scale the tensor accepts:
+    the zero block's scale is clamped up to 2^-6, whose reciprocal is then just below float32's
+    max, so the kernel's reciprocal multiply meets the largest finite value it can."""
+    per_tensor_scale = torch.tensor(1 / E4M3_MIN_NORMAL / torch.finfo(torch.float32).max)
+    while scale_reciprocal_overflows(per_tensor_scale):
+        per_tensor_scale = torch.nextafter(per_tensor_scale, torch.tensor(1.0))
+    x = torch.cat([torch.zeros(2, 16), torch.full((2, 16), 1e-30)], dim=1)
+    return x, per_tensor_scale
+
+
 def assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands):
     expected_qdata, expected_scales = quantize_nvfp4(x.cpu(), per_tensor_scale.cpu())
     assert torch.equal(qdata.cpu(), expected_qdata)
@@ -90,6 +103,7 @@ def interpreted_results():
     """Every case's inputs and kernel outputs, from one interpreted child process."""
     inputs = {name: wide_range_activation(M, K, dtype, seed) for seed, (name, (M, K, dtype)) in enumerate(CASES.items())}
     inputs["ties"] = rounding_ties()
+    inputs["smallest_accepted_scale"] = smallest_accepted_scale()
     calls = []
     for x, per_tensor_scale in inputs.values():
         qdata, block_scales, operands = empty_outputs(x)
@@ -104,9 +118,15 @@ def interpreted_results():
     return outputs
 
 
-@pytest.mark.parametrize("case", list(CASES) + ["ties"])
+@pytest.mark.parametrize("case", list(CASES) + ["ties", "smallest_accepted_scale"])
 def test_interpreted_kernel_matches_reference_bit_for_bit(interpreted_results, case):
     assert_quantized_like_reference(*interpreted_results[case])
+
+
+def test_smallest_accepted_scale_case_sits_at_the_overflow_edge():
+    """Guards the case above: one float32 step below its scale the reciprocal overflows."""
+    _, per_tensor_scale = smallest_accepted_scale()
+    assert scale_reciprocal_overflows(torch.nextafter(per_tensor_scale, torch.tensor(0.0)))
 
 
 def test_deinterleave_blocks_puts_even_elements_first():
@@ -142,8 +162,9 @@ def test_gpu_kernel_matches_reference_bit_for_bit(dtype, M, K):
 
 
 @requires_cuda
-def test_gpu_ties_match_reference_bit_for_bit():
-    x, per_tensor_scale = (t.cuda() for t in rounding_ties())
+@pytest.mark.parametrize("case", [rounding_ties, smallest_accepted_scale], ids=["ties", "smallest_accepted_scale"])
+def test_gpu_corner_cases_match_reference_bit_for_bit(case):
+    x, per_tensor_scale = (t.cuda() for t in case())
     qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
     operands = [gemm_activation_operand(x, per_tensor_scale, dtype) for dtype in OPERAND_DTYPES]
     assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands)

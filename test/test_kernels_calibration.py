@@ -202,6 +202,14 @@ def test_sweep_kernel_extreme_magnitudes_interpreted(weighting, magnitude):
     assert_same_scales(launch_fp8_scale_sweep(weight, global_amax, hessian), expected)
 
 
+def test_sweep_launcher_refuses_a_global_amax_whose_reciprocals_overflow():
+    """Checked on the host before any launch (so it runs here on CPU tensors): the kernel never
+    sees the inf reciprocals under which its float min would differ from the reference's NaN."""
+    weight = torch.zeros(2, 32)
+    with pytest.raises(ValueError, match="too small"):
+        launch_fp8_scale_sweep(weight, torch.tensor(1e-34))
+
+
 def assert_hessian_within_fp32_rounding(got, x, initial):
     """|got - exact| <= 2 n u sum_t |x_i x_j| (n tokens, u = 2^-24): a float32 sum of n products."""
     tokens = x.reshape(-1, x.shape[-1] // 16, 16).double()

@@ -168,6 +168,19 @@ def test_quantize_is_bit_identical_to_torchao_on_adversarial_inputs(case, dtype)
     assert_matches_torchao(x, per_tensor_amax_to_scale(amax))
 
 
+def test_scale_reciprocal_overflows_exactly_where_zero_blocks_turn_nan():
+    """Past the edge a zero block quantizes through 0 * inf (code 1.5 or 2.0 by device); one
+    float32 step inside it the block is exact zeros."""
+    x = torch.cat([torch.zeros(1, 16), torch.ones(1, 16)], dim=1)
+    edge = torch.tensor(1 / numerics.E4M3_MIN_NORMAL / torch.finfo(torch.float32).max)
+    while numerics.scale_reciprocal_overflows(edge):
+        edge = torch.nextafter(edge, torch.tensor(1.0))
+    outside = torch.nextafter(edge, torch.tensor(0.0))
+    assert numerics.scale_reciprocal_overflows(outside)
+    assert numerics.quantize_nvfp4(x, edge)[0][0, :8].tolist() == [0] * 8
+    assert (numerics.quantize_nvfp4(x, outside)[0][0, :8] & 0x77).tolist() == [0x33] * 8
+
+
 def test_e2m1_midpoints_case_really_lands_on_midpoints():
     """Guards the adversarial case above: every block scale is exactly 1, so x / scale is x."""
     x = _e2m1_midpoints_tensor()

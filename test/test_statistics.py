@@ -89,6 +89,25 @@ def test_fp8_scale_sweep_picks_the_smallest_candidate_for_an_all_zero_block():
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "hessian"])
+def test_fp8_scale_sweep_refuses_a_global_amax_whose_reciprocals_overflow(weighted):
+    """Below ~4e-33 the smallest candidate's reciprocal is inf and zeros would quantize to
+    0 * inf = NaN: the sweep says so instead of choosing among NaN errors."""
+    weight = torch.cat([torch.zeros(2, 16), torch.full((2, 16), 1e-34)], dim=1)
+    hessian = statistics.block_hessian(torch.randn(4, 32)) if weighted else None
+    assert statistics.sweep_reciprocals_overflow(torch.tensor(1e-34))
+    with pytest.raises(ValueError, match="global amax 1e-34 is too small"):
+        statistics.fp8_scale_sweep(weight, torch.tensor(1e-34), hessian)
+
+
+def test_sweep_reciprocals_overflow_only_below_the_float32_limit():
+    smallest_candidate = 2.0**-9
+    # per_tensor_scale = amax / 2688; the largest reciprocal is 1 / per_tensor_scale / 2^-9.
+    limit = 2688 * (1 / smallest_candidate) / torch.finfo(torch.float32).max
+    assert not statistics.sweep_reciprocals_overflow(torch.tensor(limit * 1.01))
+    assert statistics.sweep_reciprocals_overflow(torch.tensor(limit * 0.99))
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "hessian"])
 def test_fp8_scale_sweep_rows_are_independent_across_chunks(weighted):
     k = 8192
     chunk = statistics.sweep_rows_per_chunk(k, torch.device("cpu"))

@@ -33,6 +33,11 @@ def test_from_float_matches_torchao_to_nvfp4(dtype):
     assert torch.equal(ours.dequantize(), theirs.dequantize())
 
 
+def test_from_float_refuses_an_activation_amax_whose_scale_reciprocals_overflow():
+    with pytest.raises(ValueError, match="activation global amax 1e-35 is below"):
+        NVFP4StaticTensor.from_float(make_weight(), torch.tensor(1e-35))
+
+
 TYPE_PRESERVING_OPS = {
     "t": lambda w: w.t(),
     "t_t": lambda w: w.t().t(),
