@@ -9,7 +9,9 @@ For each weight shape (K, N) and token count M, in one run on one GPU:
   change;
 - ``api``: the same through the public API, ``F.linear`` on an ``NVFP4StaticTensor`` weight,
   eager and compiled (fullgraph, dynamic);
-- ``naive``: dequantize the weight to bf16, quantize-dequantize the activation, ``F.linear``, compiled.
+- ``naive``: dequantize the weight to bf16, quantize-dequantize the activation, ``F.linear``, compiled;
+- ``read``: one Triton kernel that only reads the packed weight and its scales, in a CUDA graph:
+  the floor of any linear that streams the weight, timed the way ``graph`` is.
 
 Every time is a triton.testing.do_bench median (which flushes L2 between runs, so the weight
 streams from DRAM). Eager and compiled calls also pay Python launch overhead, which at decode
@@ -26,6 +28,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 from nvfp4_static.backends.triton import static_nvfp4_linear
@@ -58,6 +62,26 @@ def naive_linear(x, weight_qdata, weight_block_scales, weight_scale, act_scale, 
     return F.linear(fake_quantize_nvfp4(x, act_scale), weight, bias)
 
 
+@triton.jit
+def _read_weight_kernel(qdata_ptr, scales_ptr, n_qdata, n_scales, total_ptr, BLOCK: tl.constexpr):
+    """Sum ``BLOCK`` int32 words of the packed weight and the matching eighth of its scales (the
+    scales are 1/8 of the weight's bytes), so that every byte is loaded once and nothing else."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_scales = tl.program_id(0) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+    total = tl.sum(tl.load(qdata_ptr + offs, mask=offs < n_qdata, other=0))
+    total += tl.sum(tl.load(scales_ptr + offs_scales, mask=offs_scales < n_scales, other=0))
+    tl.atomic_add(total_ptr, total)
+
+
+def read_weight(weight_qdata: torch.Tensor, weight_block_scales: torch.Tensor, total: torch.Tensor) -> None:
+    """Launch ``_read_weight_kernel`` over the whole weight (2048 words and 4 warps per program:
+    the best of 2^10-2^13 words and 4 or 8 warps on an H100 and an H200)."""
+    words = weight_qdata.view(torch.int32).reshape(-1)
+    scale_words = weight_block_scales.view(torch.uint8).view(torch.int32).reshape(-1)
+    grid = (triton.cdiv(words.numel(), 2048),)
+    _read_weight_kernel[grid](words, scale_words, words.numel(), scale_words.numel(), total, BLOCK=2048, num_warps=4)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
@@ -71,7 +95,7 @@ def main():
     api_compiled = torch.compile(F.linear, fullgraph=True, dynamic=True)
     naive_compiled = torch.compile(naive_linear, fullgraph=True, dynamic=True)
 
-    names = ["bf16", "bf16 graph", "eager", "graph", "no alpha", "compiled", "api", "naive"]
+    names = ["bf16", "bf16 graph", "eager", "graph", "no alpha", "compiled", "api", "naive", "read"]
     header = f"{'K':>6} {'N':>6} {'M':>5} | " + " ".join(f"{name:>10}" for name in names) + " (ms)"
     print(header + f" | {'bf16/ours':>9} {'weight GB/s':>11} {'of copy':>7}")
     with torch.no_grad():
@@ -86,6 +110,8 @@ def main():
             api_weight = NVFP4StaticTensor.from_float(weight, act_amax, backend_override="triton")
             output_scale = api_weight.output_scale
             weight_bytes = weight_qdata.numel() + weight_block_scales.numel()
+            total = torch.zeros((), dtype=torch.int32, device="cuda")
+            read_ms = graph_ms(lambda: read_weight(weight_qdata, weight_block_scales, total))
             for M in args.m:
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 ours = lambda: static_nvfp4_linear(x, *operands, output_scale)  # noqa: E731
@@ -99,6 +125,7 @@ def main():
                     "compiled": do_bench(lambda: api_compiled(x, api_weight, bias), return_mode="median"),
                     "api": do_bench(lambda: F.linear(x, api_weight, bias), return_mode="median"),
                     "naive": do_bench(lambda: naive_compiled(x, *operands), return_mode="median"),
+                    "read": read_ms,
                 }
                 weight_gbs = weight_bytes / ms["graph"] / 1e6
                 print(
