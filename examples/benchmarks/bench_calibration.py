@@ -4,9 +4,10 @@
 
 Prints one table: per calibration hot path, our Triton kernel, the plain-torch reference and
 ModelOpt's implementation (nvidia-modelopt; its rows say why when it cannot be imported), with
-baselines from the same run (a device-to-device copy, ``x.abs().amax()``), and the calibration
-overhead of a prepared 8192 -> 28672 -> 8192 MLP (bf16, 4096 tokens) over the same MLP unprepared,
-through ``quantize_`` and through forward pre-hooks that call only our ops.
+baselines from the same run (a device-to-device copy, ``x.abs().amax()``, a bare read of the
+activation), and the calibration overhead of a prepared 8192 -> 28672 -> 8192 MLP (bf16, 4096
+tokens) over the same MLP unprepared, through ``quantize_`` and through forward pre-hooks that
+call only our ops.
 Times are medians of ``triton.testing.do_bench`` (the histogram also from a CUDA graph); a
 reference too slow to repeat is timed once.
 """
@@ -15,7 +16,7 @@ import time
 
 import torch
 import triton
-from bench_linear import graph_ms
+from bench_linear import bare_read_ms, graph_ms
 from torchao.quantization import quantize_
 
 from nvfp4_static import NVFP4StaticActivationConfig, kernels, statistics
@@ -102,6 +103,8 @@ def bench_histogram(x, modelopt_collect, bandwidth):
     # Launched one after another from Python, a 64 MB read can be shorter than the host's
     # launch; a graph replay shows the kernel's own time, as in a forward that hides the launch.
     ours_gpu = graph_ms(lambda: kernels.collect_block_amax_histogram(x, counts, amax, edges))
+    # The floor of any collect: one kernel that only reads the activation, timed both ways.
+    read, read_gpu = bare_read_ms(bench, x), bare_read_ms(graph_ms, x)
 
     def reference():
         batch_counts, batch_amax = statistics.block_amax_histogram(x, edges)
@@ -119,7 +122,8 @@ def bench_histogram(x, modelopt_collect, bandwidth):
     achieved = x.numel() * x.element_size() / ours / 1e9
     note = (
         f"{achieved:.2f} TB/s read = {achieved / bandwidth:.0%} of copy; from a CUDA graph "
-        f"{ours_gpu:.4f} ms; identical: {same}"
+        f"{ours_gpu:.4f} ms; a bare read of x {read:.4f} ms ({read_gpu:.4f} from a graph); "
+        f"identical: {same}"
     )
     return Row(f"histogram collect {tuple(x.shape)} bf16", ours, bench(reference), modelopt, note)
 

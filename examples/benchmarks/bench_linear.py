@@ -10,8 +10,9 @@ For each weight shape (K, N) and token count M, in one run on one GPU:
 - ``api``: the same through the public API, ``F.linear`` on an ``NVFP4StaticTensor`` weight,
   eager and compiled (fullgraph, dynamic);
 - ``naive``: dequantize the weight to bf16, quantize-dequantize the activation, ``F.linear``, compiled;
-- ``read``: one Triton kernel that only reads the packed weight and its scales, in a CUDA graph:
-  the floor of any linear that streams the weight, timed the way ``graph`` is.
+- ``read``: one Triton kernel that only reads the packed weight and its scales, in a CUDA graph
+  (the fastest of 15 launch shapes): the floor of any linear that streams the weight, timed
+  the way ``graph`` is.
 
 Every time is a triton.testing.do_bench median (which flushes L2 between runs, so the weight
 streams from DRAM). Eager and compiled calls also pay Python launch overhead, which at decode
@@ -25,6 +26,7 @@ in the same run. Run:
 """
 
 import argparse
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -63,23 +65,34 @@ def naive_linear(x, weight_qdata, weight_block_scales, weight_scale, act_scale, 
 
 
 @triton.jit
-def _read_weight_kernel(qdata_ptr, scales_ptr, n_qdata, n_scales, total_ptr, BLOCK: tl.constexpr):
-    """Sum ``BLOCK`` int32 words of the packed weight and the matching eighth of its scales (the
-    scales are 1/8 of the weight's bytes), so that every byte is loaded once and nothing else."""
+def _read_kernel(words_ptr, n_words, side_ptr, n_side, total_ptr, BLOCK: tl.constexpr, SIDE_BLOCK: tl.constexpr):
+    """Sum ``BLOCK`` int32 words of one buffer and ``SIDE_BLOCK`` of a second: every byte is
+    loaded once and almost nothing else is done."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs_scales = tl.program_id(0) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-    total = tl.sum(tl.load(qdata_ptr + offs, mask=offs < n_qdata, other=0))
-    total += tl.sum(tl.load(scales_ptr + offs_scales, mask=offs_scales < n_scales, other=0))
+    offs_side = tl.program_id(0) * SIDE_BLOCK + tl.arange(0, SIDE_BLOCK)
+    total = tl.sum(tl.load(words_ptr + offs, mask=offs < n_words, other=0))
+    total += tl.sum(tl.load(side_ptr + offs_side, mask=offs_side < n_side, other=0))
     tl.atomic_add(total_ptr, total)
 
 
-def read_weight(weight_qdata: torch.Tensor, weight_block_scales: torch.Tensor, total: torch.Tensor) -> None:
-    """Launch ``_read_weight_kernel`` over the whole weight (2048 words and 4 warps per program:
-    the best of 2^10-2^13 words and 4 or 8 warps on an H100 and an H200)."""
-    words = weight_qdata.view(torch.int32).reshape(-1)
-    scale_words = weight_block_scales.view(torch.uint8).view(torch.int32).reshape(-1)
-    grid = (triton.cdiv(words.numel(), 2048),)
-    _read_weight_kernel[grid](words, scale_words, words.numel(), scale_words.numel(), total, BLOCK=2048, num_warps=4)
+def bare_read_ms(timer, tensor: torch.Tensor, side: Optional[torch.Tensor] = None) -> float:
+    """The least time ``timer`` (``graph_ms`` or ``do_bench``) gives for reading ``tensor`` (and
+    ``side``, e.g. a weight's scales) once in one kernel, over 15 launch shapes (1024-16384 words
+    and 4-16 warps per program): the floor of any kernel that must read those bytes."""
+    words = tensor.reshape(-1).view(torch.uint8).view(torch.int32)
+    side_words = words[:0] if side is None else side.reshape(-1).view(torch.uint8).view(torch.int32)
+    total = torch.zeros((), dtype=torch.int32, device=tensor.device)
+    best = float("inf")
+    for block in (1024, 2048, 4096, 8192, 16384):
+        programs = triton.cdiv(words.numel(), block)
+        side_block = max(1, triton.next_power_of_2(triton.cdiv(side_words.numel(), programs)))
+        for num_warps in (4, 8, 16):
+            launch = lambda: _read_kernel[(programs,)](  # noqa: E731
+                words, words.numel(), side_words, side_words.numel(), total,
+                BLOCK=block, SIDE_BLOCK=side_block, num_warps=num_warps,
+            )
+            best = min(best, timer(launch))
+    return best
 
 
 def main():
@@ -110,8 +123,7 @@ def main():
             api_weight = NVFP4StaticTensor.from_float(weight, act_amax, backend_override="triton")
             output_scale = api_weight.output_scale
             weight_bytes = weight_qdata.numel() + weight_block_scales.numel()
-            total = torch.zeros((), dtype=torch.int32, device="cuda")
-            read_ms = graph_ms(lambda: read_weight(weight_qdata, weight_block_scales, total))
+            read_ms = bare_read_ms(graph_ms, weight_qdata, weight_block_scales)
             for M in args.m:
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 ours = lambda: static_nvfp4_linear(x, *operands, output_scale)  # noqa: E731
