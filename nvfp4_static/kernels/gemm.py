@@ -98,8 +98,6 @@ def _nvfp4_gemm_kernel(
     N: tl.constexpr,
     K: tl.constexpr,
     stride_am: tl.constexpr,
-    stride_wn: tl.constexpr,
-    stride_sn: tl.constexpr,
     stride_om: tl.constexpr,
     split_k,
     BLOCK_M: tl.constexpr,
@@ -150,12 +148,12 @@ def _nvfp4_gemm_kernel(
         a_even = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :], mask=a_mask, other=0.0)
         a_odd = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :] + 8, mask=a_mask, other=0.0)
         packed = tl.load(
-            w_ptr + rows_n[:, None] * stride_wn + offs_kb[None, :],
+            w_ptr + rows_n[:, None] * (K // 2) + offs_kb[None, :],
             mask=(offs_n[:, None] < N) & (EVEN_K or offs_kb[None, :] < K // 2),
             other=0,
         )
         scale_codes = tl.load(
-            w_scales_ptr + rows_n[:, None] * stride_sn + offs_ks[None, :],
+            w_scales_ptr + rows_n[:, None] * (K // 16) + offs_ks[None, :],
             mask=(offs_n[:, None] < N) & (EVEN_K or offs_ks[None, :] < K // 16),
             other=0,
         )
@@ -220,8 +218,6 @@ def _dequantize_weight_kernel(
     out_ptr,
     N: tl.constexpr,
     K: tl.constexpr,
-    stride_wn: tl.constexpr,
-    stride_sn: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PTX: tl.constexpr,
@@ -235,12 +231,12 @@ def _dequantize_weight_kernel(
     offs_kb = tl.program_id(1) * (BLOCK_K // 2) + offs_half
     offs_ks = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
     packed = tl.load(
-        w_ptr + rows_n[:, None] * stride_wn + offs_kb[None, :],
+        w_ptr + rows_n[:, None] * (K // 2) + offs_kb[None, :],
         mask=(offs_n[:, None] < N) & (offs_kb[None, :] < K // 2),
         other=0,
     )
     scale_codes = tl.load(
-        w_scales_ptr + rows_n[:, None] * stride_sn + offs_ks[None, :],
+        w_scales_ptr + rows_n[:, None] * (K // 16) + offs_ks[None, :],
         mask=(offs_n[:, None] < N) & (offs_ks[None, :] < K // 16),
         other=0,
     )
@@ -397,8 +393,6 @@ def launch_weight_dequantize(
         out,
         N,
         K,
-        weight_qdata.stride(0),
-        weight_block_scales.stride(0),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         PTX=_use_ptx_dequant(out.device),
@@ -443,11 +437,12 @@ def launch_nvfp4_gemm(
     config = config or gemm_config(M)
     act_scale = act_per_tensor_scale.to(torch.float32).reshape(1)
     weight_scale = weight_per_tensor_scale.to(torch.float32).reshape(1)
-    # The kernels take the weight's shape and every row stride as compile-time constants: a
-    # scale row must be known 16-byte aligned to load in vectors and pipeline those loads
-    # (otherwise every iteration waits on global loads), and a plain integer argument is only
-    # known so when Triton specialises it, which Inductor does not do for a dynamic-shape graph
-    # (there, 6x slower at M = 16; examples/benchmarks/RESULTS.md). One compile per layer shape.
+    # The kernels take the weight's shape and the other row strides as compile-time constants
+    # (the contiguous weight's are K / 2 and K / 16): a scale row must be known 16-byte aligned
+    # to load in vectors and pipeline those loads (otherwise every iteration waits on global
+    # loads), and a plain integer argument is only known so when Triton specialises it, which
+    # Inductor does not do for a dynamic-shape graph (there, 6x slower at M = 16;
+    # examples/benchmarks/RESULTS.md). One compile per layer shape.
     weight_qdata = weight_qdata.contiguous()
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
     ptx = _use_ptx_dequant(a.device)
@@ -473,8 +468,6 @@ def launch_nvfp4_gemm(
             N,
             K,
             a.stride(0),
-            weight_qdata.stride(0),
-            weight_block_scales.stride(0),
             out.stride(0),
             split_k,
             BLOCK_M=config.block_m,
