@@ -249,7 +249,8 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
             f"calibration batches through the prepared model before step='convert'"
         )
     act_amax = torch.as_tensor(act_amax, dtype=torch.float32)
-    if not torch.isfinite(act_amax) or act_amax <= 0 or scale_reciprocal_overflows(per_tensor_amax_to_scale(act_amax)):
+    too_small = act_amax <= 0 or scale_reciprocal_overflows(per_tensor_amax_to_scale(act_amax))
+    if not torch.isfinite(act_amax) or too_small:
         raise ValueError(
             f"nvfp4_static: layer '{name}': calibrated activation amax is {float(act_amax)}; it "
             f"must be finite and at least about 5e-34, below which NVFP4's block-scale "
