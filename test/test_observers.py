@@ -470,6 +470,13 @@ def sweep(weight, hessian=None, global_amax=None):
     return calibrator
 
 
+def test_weight_sweep_refuses_a_global_amax_too_small_for_it_naming_the_layer():
+    weight = torch.full((4, 32), 1e-35)
+    calibrator = NVFP4MSECalibrator(torch.zeros(4, 2), torch.tensor(1e-35), name=LAYER)
+    with pytest.raises(ValueError, match=f"'{LAYER}'.*global amax 1e-35 is too small"):
+        calibrator.collect(weight)
+
+
 @pytest.mark.parametrize("weighting", ["plain", "hessian"])
 def test_weight_sweep_matches_a_brute_force_over_the_126_candidates(weighting):
     weight = weight_with_varied_blocks(seed=21)
