@@ -73,12 +73,12 @@ class NVFP4ObservedLinear(torch.nn.Linear):
         observer of this layer has dropped it, so that their statistics stay in step (the
         Hessian can refuse a batch the activation calibrator took: squares that overflow)."""
         observers = [o for o in (self.hessian_accumulator, self.act_calibrator) if o is not None]
-        refusing = next((o for o in observers if o.has_refused_pending_batch()), None)
-        for observer in observers:
-            if refusing is not None and observer is not refusing:
+        refused = [observer.has_refused_pending_batch() for observer in observers]
+        for observer, its_refusal in zip(observers, refused):
+            if any(refused) and not its_refusal:
                 observer.discard_pending_batch()
-        for observer in observers:
-            observer.settle()  # raises for the refusing one; otherwise clears the pending tests
+        for observer, its_refusal in zip(observers, refused):
+            observer.settle(its_refusal)  # raises for a refusing one; else clears its pending test
 
     def extra_repr(self) -> str:
         hessian = ", hessian=True" if self.hessian_accumulator is not None else ""

@@ -87,7 +87,6 @@ def test_blackwell_route_with_emulated_scaled_mm_matches_cpu_backend(monkeypatch
     assert relative_error(blackwell.static_nvfp4_linear(*inputs), cpu.static_nvfp4_linear(*inputs)) <= tolerance
 
 
-
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])

@@ -156,7 +156,6 @@ def test_only_large_m_with_a_host_scale_and_a_matching_bias_fuses_the_epilogue_i
     assert activation_operand_dtype(16, torch.bfloat16, 1e-3, None) == torch.float16
 
 
-
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])

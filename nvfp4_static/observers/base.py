@@ -50,9 +50,11 @@ class Observer(abc.ABC):
     @abc.abstractmethod
     def reset(self) -> None: ...
 
-    def settle(self) -> None:
+    def settle(self, refused: Optional[bool] = None) -> None:
         """Raise now for an earlier batch this observer refused but has not reported yet (a
-        test still on the GPU, see ``MergeableObserver``); nothing to do for most observers."""
+        test still on the GPU, see ``MergeableObserver``); nothing to do for most observers.
+        ``refused``, when given, is what ``has_refused_pending_batch()`` just answered, so that
+        the test is not read twice."""
 
     def has_refused_pending_batch(self) -> bool:
         """Whether ``settle()`` would raise (waits for that batch's test only)."""
@@ -211,10 +213,11 @@ class MergeableObserver(Observer):
         if self._pending_check is not None:
             self._restore_state_before_batch()
 
-    def settle(self) -> None:
+    def settle(self, refused: Optional[bool] = None) -> None:
         if self._pending_check is None or torch.compiler.is_compiling():
             return
-        refused = self.has_refused_pending_batch()
+        if refused is None:
+            refused = self.has_refused_pending_batch()
         dtype, shape = self._pending_check
         self._pending_check = None
         if refused:
