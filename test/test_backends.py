@@ -91,7 +91,9 @@ def test_blackwell_route_with_emulated_scaled_mm_matches_cpu_backend(monkeypatch
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize(
-    "M,N,K", [(1, 4096, 4096), (13, 8192, 8192), (77, 1024, 4096), (1000, 4096, 4096), (3, 48, 16)], ids=str
+    "M,N,K",
+    [(1, 4096, 4096), (1, 96, 16), (13, 8192, 8192), (77, 1024, 4096), (1000, 4096, 4096), (3, 48, 16)],
+    ids=str,
 )
 def test_gpu_triton_backend_matches_cpu_backend(dtype, with_bias, M, N, K):
     inputs = linear_inputs(M, N, K, dtype, seed=M, device="cuda", with_bias=with_bias)
@@ -116,7 +118,7 @@ def test_gpu_compiled_fullgraph_one_graph_per_m_bucket():
     counters = torch._dynamo.utils.counters
     counters.clear()
     compiled = torch.compile(triton_backend.static_nvfp4_linear, fullgraph=True, dynamic=True)
-    decode_bucket = GEMM_CONFIGS[0][0]
+    decode_bucket = next(max_m for max_m, _ in GEMM_CONFIGS if max_m >= 4)
     buckets = {"decode": [2, decode_bucket // 2 + 1, decode_bucket], "prefill": [300, 1000, 777]}
     for bucket_index, m_values in enumerate(buckets.values(), start=1):
         for M in m_values:

@@ -6,6 +6,8 @@ order and the rounding of the output. On CPU the kernel runs under the Triton in
 child process, see triton_interpreter); on a CUDA machine the checks run compiled, at real sizes.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tolerances import UNIT_ROUNDOFF, gpu_tolerance
@@ -21,6 +23,7 @@ from nvfp4_static.kernels.gemm import (
     launch_nvfp4_gemm,
     launch_weight_dequantize,
     nvfp4_gemm,
+    quantizing_nvfp4_gemm,
 )
 from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, dequantize_nvfp4, quantize_nvfp4
 
@@ -29,17 +32,24 @@ DEQUANTIZE_LAUNCHER = "nvfp4_static.kernels.gemm:launch_weight_dequantize"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
-    """Activation operand, packed weight, both global scales and a bias, as the backends pass them."""
+def raw_gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
+    """Raw activation (with a block gain spread of 2^12, so block scales differ), packed weight,
+    both global scales and a bias."""
     generator = torch.Generator(device).manual_seed(seed)
-    x = torch.randn(M, K, generator=generator, device=device)
+    gains = torch.exp2(torch.randint(-8, 5, (M, K // 16, 1), generator=generator, device=device).float())
+    x = (torch.randn(M, K // 16, 16, generator=generator, device=device) * gains).reshape(M, K)
     weight = torch.randn(N, K, generator=generator, device=device) * torch.rand(N, 1, generator=generator, device=device)
     act_scale = x.abs().max() / (E4M3_MAX * E2M1_MAX)
     weight_scale = weight.abs().max() / (E4M3_MAX * E2M1_MAX)
     weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
-    operand = gemm_activation_operand(x, act_scale)
     bias = torch.randn(N, generator=generator, device=device)
-    return operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias
+    return x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias
+
+
+def gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
+    """Activation operand, packed weight, both global scales and a bias, as the backends pass them."""
+    x, *rest = raw_gemm_operands(M, N, K, seed, device)
+    return gemm_activation_operand(x, rest[2]), *rest
 
 
 def interleave_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -66,12 +76,17 @@ def test_interleave_undoes_deinterleave():
 
 
 # Small tiles so that the interpreter sees several K tiles, a ragged last tile (K=48 with 32-wide
-# tiles), M and N edges, and a split K (programs_per_sm large against the CPU's one "SM").
+# tiles), M and N edges, and a split K (programs_per_sm large against the CPU's one "SM"). The
+# quantizing configs take the raw activation: one row per tile (M = 3: three tiles), two rows
+# spread over the 16 MMA rows with a split K, and one transposed.
 INTERPRETER_CONFIGS = {
     "one-pass": GemmConfig(16, 16, 32, num_warps=4, num_stages=1),
     "split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, group_n=2, programs_per_sm=64),
     "weight-as-a": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, group_n=2, weight_as_mma_a=True),
     "weight-as-a-split-k": GemmConfig(16, 16, 32, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True),
+    "quantizing-1-row": GemmConfig(16, 16, 32, num_warps=4, num_stages=1, activation_rows=1),
+    "quantizing-2-rows-split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, activation_rows=2),
+    "quantizing-weight-as-a": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, weight_as_mma_a=True, activation_rows=4),
 }
 INTERPRETER_SHAPES = [(3, 40, 48), (17, 70, 160), (2, 24, 16)]
 OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
@@ -89,7 +104,11 @@ def interpreted_results():
                     out = torch.full((M, N), float("nan"), dtype=dtype)
                     name = f"{config_name}-{M}x{N}x{K}-{dtype_name}-{'bias' if with_bias else 'nobias'}"
                     cases.append((name, dtype_name, operands))
-                    calls.append((LAUNCHER, (*operands, out, config)))
+                    if config.activation_rows:  # the raw activation the operand was made from
+                        x = raw_gemm_operands(M, N, K, seed=shape_index)[0]
+                        calls.append((LAUNCHER, (x, *operands[1:], out, config, True)))
+                    else:
+                        calls.append((LAUNCHER, (*operands, out, config)))
     weight_qdata, weight_block_scales = gemm_operands(*DEQUANTIZE_SHAPE, seed=5)[1:3]
     for dtype in DEQUANTIZE_DTYPES:
         dequantized = torch.full(DEQUANTIZE_SHAPE[1:], float("nan"), dtype=dtype)
@@ -141,7 +160,13 @@ def test_config_table_covers_every_m_and_decode_tiles_cover_their_bucket():
     assert GEMM_CONFIGS[-1][0] is None
     for max_m, config in GEMM_CONFIGS[:-1]:
         # A split-K entry's grid must not depend on M (see GemmConfig).
-        assert config.programs_per_sm == 0 or config.block_m >= max_m
+        assert config.programs_per_sm == 0 or (config.activation_rows or config.block_m) >= max_m
+
+
+@pytest.mark.parametrize("rows", [-1, 3, 32])
+def test_gemm_config_refuses_activation_rows_that_do_not_tile_the_mma_rows(rows):
+    with pytest.raises(ValueError, match="activation_rows"):
+        GemmConfig(16, 64, 256, 4, 3, activation_rows=rows)
 
 
 def test_only_large_m_with_a_host_scale_and_a_matching_bias_fuses_the_epilogue_into_cublas():
@@ -202,3 +227,46 @@ def test_gpu_cublas_fused_epilogue_matches_fp64_reference_and_the_triton_epilogu
     assert relative_error(fused, reference) <= gpu_tolerance(K, dtype)
     # Both round the same fp32 value, up to summation order: apart by about one output rounding.
     assert relative_error(fused, unfused.double()) <= 2 * UNIT_ROUNDOFF[dtype]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(
+    "M,N,K,rows,programs_per_sm",
+    [(1, 8192, 8192, 1, 0), (1, 4096, 14336, 1, 1), (3, 14336, 4096, 4, 2), (5, 1024, 4096, 2, 1), (16, 8192, 8192, 16, 2), (1, 96, 16, 1, 0)],
+    ids=str,
+)
+def test_gpu_quantizing_gemm_equals_the_two_kernel_route_bit_for_bit(dtype, with_bias, M, N, K, rows, programs_per_sm):
+    """Quantizing the activation inside the GEMM (rows spread over the MMA tile, several row
+    tiles at M = 5, split K or not, a K shorter than one tile) gives the operand kernel + GEMM's
+    output exactly, with the same tiles: same operand values, same sums in the same order."""
+    x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias = raw_gemm_operands(M, N, K, seed=M, device="cuda")
+    x = x.to(dtype)
+    bias = bias if with_bias else None
+    config = GemmConfig(16, 64, 256, 4, 4, programs_per_sm=programs_per_sm, activation_rows=rows)
+    fused = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+    launch_nvfp4_gemm(x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, fused, config, raw_activation=True)
+    operand = gemm_activation_operand(x, act_scale)
+    two_kernels = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+    launch_nvfp4_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, two_kernels, replace(config, activation_rows=0))
+    assert torch.equal(fused, two_kernels)
+    reference = reference_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
+    assert relative_error(fused, reference) <= gpu_tolerance(K, dtype)
+
+
+def test_quantizing_op_names_the_cpu_backend_for_cpu_tensors():
+    with pytest.raises(ValueError, match="cpu"):
+        quantizing_nvfp4_gemm(*raw_gemm_operands(1, 16, 32, seed=0))
+
+
+def test_launcher_refuses_a_config_that_would_misread_the_activation():
+    """An fp16 operand under a quantizing config would be quantized again, a raw activation
+    under an operand config multiplied unquantized: both wrong products, so both are refused."""
+    x, *weights_and_bias = raw_gemm_operands(1, 16, 32, seed=0)
+    out = torch.empty(1, 16)
+    quantizing, operand_only = GemmConfig(16, 16, 32, 4, 1, activation_rows=1), GemmConfig(16, 16, 32, 4, 1)
+    with pytest.raises(ValueError, match="raw_activation=False .* activation_rows = 1"):
+        launch_nvfp4_gemm(x.half(), *weights_and_bias, out, quantizing)
+    with pytest.raises(ValueError, match="raw_activation=True .* activation_rows = 0"):
+        launch_nvfp4_gemm(x, *weights_and_bias, out, operand_only, raw_activation=True)

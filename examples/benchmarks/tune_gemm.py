@@ -1,10 +1,11 @@
 """Sweep tile configs of the Triton NVFP4 GEMM per M, to (re)fill ``kernels.gemm.GEMM_CONFIGS``.
 
-For each weight shape and M, every candidate runs through the production op (``nvfp4_gemm``,
-with the table replaced by that one config), is checked against a float32 product of the same
-dequantized operands, and is timed as a CUDA graph replay (GPU time without Python launch
-overhead; do_bench median, L2 flushed between replays). Prints the best per (K, N, M), and the
-bf16 ``F.linear`` time of the same shape for scale. Run on one GPU:
+For each weight shape and M, every candidate runs as the whole Triton linear
+(``backends.triton.static_nvfp4_linear`` with the table replaced by that one config: the
+activation kernel and the GEMM, or one GEMM that quantizes the activation itself), is checked
+against a float32 product of the same dequantized operands, and is timed as a CUDA graph replay
+(GPU time without Python launch overhead; do_bench median, L2 flushed between replays). Prints
+the best per (K, N, M), and the bf16 ``F.linear`` time of the same shape for scale. Run on one GPU:
 
     python examples/benchmarks/tune_gemm.py
 """
@@ -15,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from bench_linear import graph_ms
 
+from nvfp4_static.backends.triton import static_nvfp4_linear
 from nvfp4_static.kernels import gemm
 from nvfp4_static.kernels.act_quantize import gemm_activation_operand
-from nvfp4_static.kernels.gemm import CublasAfterDequantize, GemmConfig, nvfp4_gemm
+from nvfp4_static.kernels.gemm import CublasAfterDequantize, GemmConfig
 from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
 
 SHAPES = [(8192, 8192), (4096, 14336), (14336, 4096)]
@@ -39,7 +41,14 @@ PREFILL_CANDIDATES = [CublasAfterDequantize(), GemmConfig(128, 256, 128, 8, 3)]
 
 def candidates(M: int) -> list:
     if M <= 16:
-        return [GemmConfig(*tile, programs_per_sm=p) for tile in DECODE_TILES for p in (1, 2, 3)]
+        # Each decode tile twice: after the activation kernel, and quantizing its rows itself.
+        rows = 1 << (M - 1).bit_length()
+        return [
+            GemmConfig(*tile, programs_per_sm=p, activation_rows=r)
+            for tile in DECODE_TILES
+            for p in (1, 2, 3)
+            for r in (0, rows)
+        ]
     if M <= 64:
         return [GemmConfig(*tile, programs_per_sm=p) for tile in MID_TILES for p in (0, 1, 2)] + [
             GemmConfig(*tile, programs_per_sm=p, weight_as_mma_a=True) for tile in MID_TILES_WEIGHT_AS_A for p in (0, 1, 2)
@@ -71,8 +80,8 @@ def main():
             results = []
             for config in candidates(M):
                 gemm.GEMM_CONFIGS = ((None, config),)
-                run = lambda: nvfp4_gemm(  # noqa: E731
-                    operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, torch.bfloat16
+                run = lambda: static_nvfp4_linear(  # noqa: E731
+                    x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias
                 )
                 try:
                     out = run()
@@ -86,7 +95,7 @@ def main():
             for ms, error, config in results[:6]:
                 print(f"K={K:>5} N={N:>5} M={M:>4}  {ms:8.4f} ms  err {error:.1e}  bf16 {bf16_ms:.4f} ms  {config}")
             best.append((K, N, M, results[0][0], bf16_ms, results[0][2]))
-    print("\nbest per shape (GEMM only, activation operand precomputed):")
+    print("\nbest per shape (whole linear):")
     for K, N, M, ms, bf16_ms, config in best:
         print(f"K={K:>5} N={N:>5} M={M:>4}  {ms:8.4f} ms  bf16 {bf16_ms:8.4f} ms  {config}")
 

@@ -4,6 +4,7 @@ Two steps: the activation is quantized under its static global scale and written
 operand ``q * s_b`` (``kernels.act_quantize``), then the GEMM reads the packed weight,
 dequantizes it and applies both global scales and the bias in its epilogue (``kernels.gemm``;
 at large M cuBLAS does the product, with the epilogue fused where ``output_scale`` is known).
+At the smallest decode sizes the GEMM quantizes the activation itself: one launch.
 Numerically this is ``backends.cpu`` up to the order of fp32 sums.
 Non-CUDA tensors take the ``cpu`` route.
 """
@@ -14,7 +15,12 @@ import torch
 
 from nvfp4_static.backends import cpu
 from nvfp4_static.kernels.act_quantize import gemm_activation_operand
-from nvfp4_static.kernels.gemm import activation_operand_dtype, nvfp4_gemm
+from nvfp4_static.kernels.gemm import (
+    activation_operand_dtype,
+    nvfp4_gemm,
+    quantizes_activation_in_gemm,
+    quantizing_nvfp4_gemm,
+)
 
 
 def static_nvfp4_linear(
@@ -31,6 +37,10 @@ def static_nvfp4_linear(
     if x.device.type != "cuda":
         return cpu.static_nvfp4_linear(
             x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias
+        )
+    if quantizes_activation_in_gemm(x.shape[0]):
+        return quantizing_nvfp4_gemm(
+            x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias
         )
     operand_dtype = activation_operand_dtype(x.shape[0], x.dtype, output_scale, bias)
     operand = gemm_activation_operand(x, act_per_tensor_scale, operand_dtype)

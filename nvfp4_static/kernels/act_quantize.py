@@ -73,6 +73,49 @@ def e2m1_magnitude_code(a):
 
 
 @triton.jit
+def nvfp4_block_scale(block_amax, per_tensor_scale):
+    """Each block's FP8 scale (fp32 value, code byte) under the global scale, and the reciprocal
+    that maps the block onto the E2M1 range, as ``numerics.quantize_nvfp4`` computes them."""
+    scale = tl.math.div_rn(tl.math.div_rn(block_amax, _E2M1_MAX), per_tensor_scale)
+    scale = tl.minimum(tl.maximum(scale, _E4M3_MIN_NORMAL), _E4M3_MAX)
+    scale, scale_code = round_to_e4m3(scale)
+    reciprocal = tl.math.div_rn(tl.math.div_rn(1.0, per_tensor_scale), scale)
+    return scale, scale_code, reciprocal
+
+
+@triton.jit
+def round_to_e2m1(scaled):
+    """(magnitude code 0..7, sign) of values already multiplied by their block's reciprocal."""
+    scaled = tl.minimum(tl.maximum(scaled, -_E2M1_MAX), _E2M1_MAX)
+    # torchao keeps the sign bit of the scaled value, so -0.0 becomes code 0x8.
+    return e2m1_magnitude_code(tl.abs(scaled)), scaled.to(tl.int32, bitcast=True) < 0
+
+
+@triton.jit
+def e2m1_value(magnitude, negative):
+    """The E2M1 number of a (magnitude code, sign) pair, as fp32."""
+    # Magnitudes 0, 0.5, 1, 1.5, 2 are code / 2; codes 5, 6, 7 are 3, 4, 6.
+    q = tl.where(magnitude <= 4, magnitude * 0.5, tl.where(magnitude == 7, 6.0, magnitude - 2.0))
+    # Multiply by -1 rather than negate: Triton's unary minus is 0 - q, which loses -0.0.
+    return tl.where(negative, q * -1.0, q)
+
+
+@triton.jit
+def quantize_to_operand_halves(x, per_tensor_scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``q * s_b`` (fp32) of a raw activation tile ``[ROWS, BLOCK_K]`` (whole 16-blocks), as its
+    even-K and its odd-K elements, ``[ROWS, BLOCK_K / 2]`` each: the GEMM operand's two halves,
+    for a GEMM that quantizes its activation itself. Bit for bit the kernel below's values."""
+    even, odd = tl.split(tl.reshape(x.to(tl.float32), (ROWS, BLOCK_K // 16, 8, 2)))
+    block_amax = tl.maximum(tl.max(tl.abs(even), axis=2), tl.max(tl.abs(odd), axis=2))
+    scale, scale_code, reciprocal = nvfp4_block_scale(block_amax, per_tensor_scale)
+    even_magnitude, even_negative = round_to_e2m1(even * reciprocal[:, :, None])
+    odd_magnitude, odd_negative = round_to_e2m1(odd * reciprocal[:, :, None])
+    even = e2m1_value(even_magnitude, even_negative) * scale[:, :, None]
+    odd = e2m1_value(odd_magnitude, odd_negative) * scale[:, :, None]
+    return tl.reshape(even, (ROWS, BLOCK_K // 2)), tl.reshape(odd, (ROWS, BLOCK_K // 2))
+
+
+@triton.jit
 def _activation_quantize_kernel(
     x_ptr,
     per_tensor_scale_ptr,
@@ -97,17 +140,8 @@ def _activation_quantize_kernel(
     blocks = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, 16))
 
     per_tensor_scale = tl.load(per_tensor_scale_ptr)
-    block_amax = tl.max(tl.abs(blocks), axis=2)
-    scale = tl.math.div_rn(tl.math.div_rn(block_amax, _E2M1_MAX), per_tensor_scale)
-    scale = tl.minimum(tl.maximum(scale, _E4M3_MIN_NORMAL), _E4M3_MAX)
-    scale, scale_code = round_to_e4m3(scale)
-    reciprocal = tl.math.div_rn(tl.math.div_rn(1.0, per_tensor_scale), scale)
-
-    scaled = blocks * reciprocal[:, :, None]
-    scaled = tl.minimum(tl.maximum(scaled, -_E2M1_MAX), _E2M1_MAX)
-    magnitude = e2m1_magnitude_code(tl.abs(scaled))
-    # torchao keeps the sign bit of the scaled value, so -0.0 becomes code 0x8.
-    negative = scaled.to(tl.int32, bitcast=True) < 0
+    scale, scale_code, reciprocal = nvfp4_block_scale(tl.max(tl.abs(blocks), axis=2), per_tensor_scale)
+    magnitude, negative = round_to_e2m1(blocks * reciprocal[:, :, None])
 
     if WRITE_PACKED:
         codes = tl.reshape(magnitude + negative.to(tl.int32) * 8, (BLOCK_M, BLOCK_K // 2, 2))
@@ -126,10 +160,7 @@ def _activation_quantize_kernel(
             mask=(rows[:, None] < M) & (group_cols[None, :] < K // 16),
         )
     else:
-        # E2M1 magnitudes 0, 0.5, 1, 1.5, 2 are code / 2; codes 5, 6, 7 are 3, 4, 6.
-        q = tl.where(magnitude <= 4, magnitude * 0.5, tl.where(magnitude == 7, 6.0, magnitude - 2.0))
-        # Multiply by -1 rather than negate: Triton's unary minus is 0 - q, which loses -0.0.
-        q = tl.where(negative, q * -1.0, q) * scale[:, :, None]
+        q = e2m1_value(magnitude, negative) * scale[:, :, None]
         deinterleaved = tl.permute(tl.reshape(q, (BLOCK_M, GROUPS, 8, 2)), (0, 1, 3, 2))
         tl.store(
             operand_ptr + rows[:, None] * K + cols[None, :],

@@ -14,13 +14,15 @@ values in K order without shuffles, which matters because at decode sizes the ke
 instruction issue, not only memory, bounds the time. Small batches split K over several programs
 and sum the fp32 partials in a second small kernel that applies the epilogue. Large batches
 dequantize the weight once and hand the product to cuBLAS (``CublasAfterDequantize``); the
-numerics are the same. There, when the caller knows the scale product on the host
+numerics are the same. At M = 1 the kernel takes the raw activation and quantizes it in its K
+loop (``GemmConfig.activation_rows``), with ``act_quantize``'s arithmetic, so no operand
+kernel runs before it. There, when the caller knows the scale product on the host
 (``output_scale``) and the output is bf16 or fp16, both operands take the output's dtype (``q *
 s_b`` is exact in either) and cuBLAS applies the scale as its ``alpha`` and adds the bias before
 its one rounding, so no fp32 product travels through memory.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional, Union
 
@@ -28,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nvfp4_static.kernels.act_quantize import quantize_to_operand_halves
 from nvfp4_static.kernels.launch import ceil_div, traceable, traced_op
-from nvfp4_static.numerics import BLOCK_SIZE
+from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 # E2M1 code (sign, e1, e0, m) -> FP8 E4M3 byte (sign, 0, 0, e1, e0, m, 0, 0) is the same number
 # times 2^-6, subnormals included, and the hardware FP8 -> fp16 convert does the rest. The input
@@ -86,6 +89,16 @@ def dequantize_weight_tile(packed, scale_codes, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
+def spread_rows(rows, ROWS: tl.constexpr, SPREAD: tl.constexpr, WIDTH: tl.constexpr):
+    """``[ROWS, WIDTH]`` -> ``[ROWS * SPREAD, WIDTH]`` with row r at r * SPREAD and zeros between."""
+    if SPREAD == 1:
+        return rows
+    slot = tl.arange(0, SPREAD)
+    spread = tl.where(slot[None, :, None] == 0, rows[:, None, :], 0.0)
+    return tl.reshape(spread, (ROWS * SPREAD, WIDTH))
+
+
+@triton.jit
 def _nvfp4_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -109,12 +122,18 @@ def _nvfp4_gemm_kernel(
     EVEN_K: tl.constexpr,
     PTX: tl.constexpr,
     WEIGHT_AS_A: tl.constexpr,
+    QUANTIZE_ROWS: tl.constexpr,
 ):
     # Grouped tile order: when M spans several tiles, GROUP_N weight tiles sweep over all
     # activation tiles together, so the weight tiles stay in L2 while the activation streams by.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    tiles_m = tl.cdiv(M, BLOCK_M)
+    # Activation rows per tile: BLOCK_M, or QUANTIZE_ROWS spread over the MMA's BLOCK_M rows
+    # (row r of a tile on MMA row r * SPREAD, zeros between), so that a decode tile quantizes
+    # only its real rows rather than all BLOCK_M.
+    ROWS: tl.constexpr = QUANTIZE_ROWS if QUANTIZE_ROWS > 0 else BLOCK_M
+    SPREAD: tl.constexpr = BLOCK_M // ROWS
+    tiles_m = tl.cdiv(M, ROWS)
     tiles_n = tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_N * tiles_m)
     first_n = group * GROUP_N
@@ -122,7 +141,9 @@ def _nvfp4_gemm_kernel(
     pid_n = first_n + (pid % (GROUP_N * tiles_m)) % group_size
     pid_m = (pid % (GROUP_N * tiles_m)) // group_size
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mma_rows = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * ROWS + mma_rows // SPREAD
+    valid_m = (mma_rows % SPREAD == 0) & (offs_m < M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = offs_m.to(tl.int64)
     rows_n = offs_n.to(tl.int64)
@@ -137,16 +158,32 @@ def _nvfp4_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANTIZE_ROWS > 0:
+        act_scale = tl.load(act_scale_ptr)
+        rows_x = (pid_m * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     for k_tile in range(k_first, k_last):
-        # The activation operand is stored block-deinterleaved (each 16-block: its 8 even
-        # elements, then its 8 odd ones), so the even and odd halves load as 16-byte runs.
         offs_half = tl.arange(0, BLOCK_K // 2)
-        offs_even = k_tile * BLOCK_K + (offs_half // 8) * 16 + offs_half % 8
         offs_kb = k_tile * (BLOCK_K // 2) + offs_half
         offs_ks = k_tile * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-        a_mask = (offs_m[:, None] < M) & (EVEN_K or offs_even[None, :] < K)
-        a_even = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :], mask=a_mask, other=0.0)
-        a_odd = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :] + 8, mask=a_mask, other=0.0)
+        if QUANTIZE_ROWS > 0:
+            # a_ptr is the raw activation: quantize this tile's rows here (whole 16-blocks, so
+            # a masked tail quantizes to zeros) and spread them onto the MMA rows.
+            offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                a_ptr + rows_x[:, None] * stride_am + offs_k[None, :],
+                mask=(rows_x[:, None] < M) & (EVEN_K or offs_k[None, :] < K),
+                other=0.0,
+            )
+            a_even, a_odd = quantize_to_operand_halves(x, act_scale, ROWS, BLOCK_K)
+            a_even = spread_rows(a_even, ROWS, SPREAD, BLOCK_K // 2).to(tl.float16)
+            a_odd = spread_rows(a_odd, ROWS, SPREAD, BLOCK_K // 2).to(tl.float16)
+        else:
+            # The activation operand is stored block-deinterleaved (each 16-block: its 8 even
+            # elements, then its 8 odd ones), so the even and odd halves load as 16-byte runs.
+            offs_even = k_tile * BLOCK_K + (offs_half // 8) * 16 + offs_half % 8
+            a_mask = valid_m[:, None] & (EVEN_K or offs_even[None, :] < K)
+            a_even = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :], mask=a_mask, other=0.0)
+            a_odd = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :] + 8, mask=a_mask, other=0.0)
         packed = tl.load(
             w_ptr + rows_n[:, None] * (K // 2) + offs_kb[None, :],
             mask=(offs_n[:, None] < N) & (EVEN_K or offs_kb[None, :] < K // 2),
@@ -169,10 +206,11 @@ def _nvfp4_gemm_kernel(
     if WEIGHT_AS_A:
         m_index = rows_m[None, :]
         n_index = offs_n[:, None]
+        out_mask = valid_m[None, :] & (n_index < N)
     else:
         m_index = rows_m[:, None]
         n_index = offs_n[None, :]
-    out_mask = (m_index < M) & (n_index < N)
+        out_mask = valid_m[:, None] & (n_index < N)
     if not WRITE_PARTIALS:
         scale = tl.load(act_scale_ptr) * tl.load(weight_scale_ptr)
         acc = acc * scale
@@ -257,6 +295,9 @@ class GemmConfig:
     in flight); such an entry's ``block_m`` covers its whole M bucket, so the split does not
     depend on M. ``weight_as_mma_a`` computes each tile transposed (``W @ A^T``), so that the
     dequantized weight feeds the tensor cores from registers rather than shared memory.
+    ``activation_rows > 0`` hands the GEMM the raw activation: each program quantizes that many
+    rows of it (its tile) in its K loop, so a decode linear needs no activation kernel (one
+    launch fewer, and no operand round trip); ``block_m`` is then the MMA's row count.
     """
 
     block_m: int
@@ -267,6 +308,15 @@ class GemmConfig:
     group_n: int = 8
     programs_per_sm: int = 0
     weight_as_mma_a: bool = False
+    activation_rows: int = 0
+
+    def __post_init__(self):
+        rows = self.activation_rows
+        if rows < 0 or (rows and (rows & (rows - 1) or self.block_m % rows)):
+            raise ValueError(
+                f"nvfp4_static: GemmConfig.activation_rows must be 0 or a power of 2 dividing "
+                f"block_m = {self.block_m}, got {rows}"
+            )
 
 
 @dataclass(frozen=True)
@@ -294,10 +344,15 @@ class CublasAfterDequantize:
 # M = 17, 32-row tiles beat the 64-row ones by 1.1-1.3x; at M = 33 and 64 the transposed
 # 64 x 256 tiles were best at 8192 x 8192 and within 20% elsewhere (1.2x faster than the
 # untransposed 64 x 128 tiles at M = 64, 8192 x 8192); above 64, cuBLAS after dequantizing beat
-# the best in-register tiles (e.g. 0.89 against 1.69 ms at M = 4096).
+# the best in-register tiles (e.g. 0.89 against 1.69 ms at M = 4096). At M = 1, tiles that
+# quantize their one activation row themselves (no activation kernel) took 2%, 2% and 21% less
+# time for the whole linear than the M <= 4 entry after the activation kernel; at M = 4 and 16,
+# where every tile quantizes 4 or 16 rows, they were 0-16% slower, so only M = 1 does this
+# (RESULTS.md, "M = 1: the GEMM quantizes its activation row").
 # Few buckets on purpose: under torch.compile each bucket is one graph (the choice is a guard on
 # M), and M varies freely inside a bucket.
 GEMM_CONFIGS = (
+    (1, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2, activation_rows=1)),
     (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1)),
     (16, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2)),
     (32, GemmConfig(32, 128, 256, 4, 3, programs_per_sm=1)),
@@ -357,9 +412,17 @@ def activation_operand_dtype(
 
 
 def _check_operands(
-    a: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torch.Tensor, operand_dtype: torch.dtype
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    operand_dtype: Optional[torch.dtype],
 ) -> None:
-    if a.dtype != operand_dtype or a.dim() != 2:
+    """``operand_dtype`` None: ``a`` is the raw activation, which the GEMM quantizes itself."""
+    if operand_dtype is None:
+        check_dtype(a, "activation")
+        if a.dim() != 2:
+            raise ValueError(f"nvfp4_static: the NVFP4 GEMM takes the activation as [M, K], got {tuple(a.shape)}")
+    elif a.dtype != operand_dtype or a.dim() != 2:
         raise ValueError(
             f"nvfp4_static: the NVFP4 GEMM takes the activation as {operand_dtype} [M, K] here (from "
             f"gemm_activation_operand, see activation_operand_dtype), got {a.dtype} {tuple(a.shape)}"
@@ -428,13 +491,27 @@ def launch_nvfp4_gemm(
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
     config: Union[GemmConfig, CublasAfterDequantize, None] = None,
+    raw_activation: bool = False,
 ) -> None:
-    """Run the GEMM of an fp16 operand into ``out [M, N]`` with the epilogue in Triton;
-    ``config`` defaults to the table entry for M."""
-    _check_operands(a, weight_qdata, weight_block_scales, torch.float16)
+    """Run the GEMM into ``out [M, N]`` with the epilogue in Triton. ``a`` is the fp16 operand
+    from ``gemm_activation_operand``, or with ``raw_activation`` the activation itself (bf16,
+    fp16 or fp32), which the kernel quantizes: then the config must have ``activation_rows > 0``,
+    and without it ``activation_rows == 0`` (each would misread the other's ``a``). ``config``
+    defaults to the table's tiles for M (an operand taken as given where that entry quantizes)."""
+    if config is None:
+        config = gemm_config(a.shape[0])
+        if isinstance(config, GemmConfig) and not raw_activation:
+            config = replace(config, activation_rows=0)
+    quantize_rows = config.activation_rows if isinstance(config, GemmConfig) else 0
+    if bool(quantize_rows) != raw_activation:
+        raise ValueError(
+            f"nvfp4_static: raw_activation={raw_activation} but {config} has activation_rows = "
+            f"{quantize_rows}: a config quantizes the raw activation exactly when activation_rows > 0"
+        )
+    _check_operands(a, weight_qdata, weight_block_scales, None if raw_activation else torch.float16)
+    a = a if a.stride(1) == 1 else a.contiguous()
     M, K = a.shape
     N = weight_qdata.shape[0]
-    config = config or gemm_config(M)
     act_scale = act_per_tensor_scale.to(torch.float32).reshape(1)
     weight_scale = weight_per_tensor_scale.to(torch.float32).reshape(1)
     # The kernels take the weight's shape and the other row strides as compile-time constants
@@ -455,7 +532,7 @@ def launch_nvfp4_gemm(
         split_k = split_k_for(config, N, K, a.device)
         fused_epilogue = split_k == 1
         partials = out if fused_epilogue else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
-        tiles = ceil_div(M, config.block_m) * ceil_div(N, config.block_n)
+        tiles = ceil_div(M, quantize_rows or config.block_m) * ceil_div(N, config.block_n)
         traceable(_nvfp4_gemm_kernel)[(tiles, split_k)](
             a,
             weight_qdata,
@@ -479,6 +556,7 @@ def launch_nvfp4_gemm(
             EVEN_K=K % config.block_k == 0,
             PTX=ptx,
             WEIGHT_AS_A=config.weight_as_mma_a,
+            QUANTIZE_ROWS=quantize_rows,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -516,13 +594,48 @@ def nvfp4_gemm(
     output_scale, bias)``; ``output_scale``, when given, is ``act_scale * weight_scale`` (fp32) as
     a Python float. CUDA only: the torch route of the same product is ``backends.cpu``.
     """
-    if a.device.type != "cuda":
-        raise ValueError(
-            f"nvfp4_static: nvfp4_gemm runs on CUDA tensors, got {a.device}; use the 'cpu' backend"
-        )
+    _require_cuda(a, "nvfp4_gemm")
     if fuses_epilogue_into_cublas(a.shape[0], out_dtype, output_scale, bias):
         _check_operands(a, weight_qdata, weight_block_scales, out_dtype)
         return cublas_with_fused_epilogue(a, weight_qdata, weight_block_scales, output_scale, bias)
     out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
     launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out)
     return out
+
+
+def quantizes_activation_in_gemm(M: int) -> bool:
+    """Whether the table's GEMM for ``M`` rows takes the raw activation and quantizes it itself
+    (``GemmConfig.activation_rows``): then the linear is ``quantizing_nvfp4_gemm``, one launch."""
+    config = gemm_config(M)
+    return isinstance(config, GemmConfig) and config.activation_rows > 0
+
+
+@traced_op("quantizing_nvfp4_gemm")
+def quantizing_nvfp4_gemm(
+    x: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The static NVFP4 linear of a raw activation ``x [M, K]`` (bf16, fp16 or fp32) in the GEMM
+    itself: quantized under ``act_per_tensor_scale`` in the kernel's K loop (the same values as
+    ``gemm_activation_operand``), then as ``nvfp4_gemm``; ``[M, N]`` in ``x``'s dtype. CUDA only,
+    and only for M where ``quantizes_activation_in_gemm``."""
+    _require_cuda(x, "quantizing_nvfp4_gemm")
+    if not quantizes_activation_in_gemm(x.shape[0]):
+        raise ValueError(
+            f"nvfp4_static: no GEMM config quantizes the activation at M = {x.shape[0]}; "
+            "use gemm_activation_operand and nvfp4_gemm"
+        )
+    out = torch.empty((x.shape[0], weight_qdata.shape[0]), dtype=x.dtype, device=x.device)
+    launch_nvfp4_gemm(
+        x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out, raw_activation=True
+    )
+    return out
+
+
+def _require_cuda(a: torch.Tensor, op_name: str) -> None:
+    if a.device.type != "cuda":
+        raise ValueError(f"nvfp4_static: {op_name} runs on CUDA tensors, got {a.device}; use the 'cpu' backend")
