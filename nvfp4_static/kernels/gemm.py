@@ -14,12 +14,12 @@ values in K order without shuffles, which matters because at decode sizes the ke
 instruction issue, not only memory, bounds the time. Small batches split K over several programs
 and sum the fp32 partials in a second small kernel that applies the epilogue. Large batches
 dequantize the weight once and hand the product to cuBLAS (``CublasAfterDequantize``); the
-numerics are the same. At M = 1 the kernel takes the raw activation and quantizes it in its K
-loop (``GemmConfig.activation_rows``), with ``act_quantize``'s arithmetic, so no operand
-kernel runs before it. There, when the caller knows the scale product on the host
+numerics are the same. There, when the caller knows the scale product on the host
 (``output_scale``) and the output is bf16 or fp16, both operands take the output's dtype (``q *
 s_b`` is exact in either) and cuBLAS applies the scale as its ``alpha`` and adds the bias before
-its one rounding, so no fp32 product travels through memory.
+its one rounding, so no fp32 product travels through memory. At M = 1 the kernel takes the raw
+activation instead and quantizes it in its K loop (``GemmConfig.activation_rows``) with
+``act_quantize``'s arithmetic, so no operand kernel runs before it.
 """
 
 from dataclasses import dataclass, replace
