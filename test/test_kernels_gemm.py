@@ -234,7 +234,14 @@ def test_gpu_cublas_fused_epilogue_matches_fp64_reference_and_the_triton_epilogu
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize(
     "M,N,K,rows,programs_per_sm",
-    [(1, 8192, 8192, 1, 0), (1, 4096, 14336, 1, 1), (3, 14336, 4096, 4, 2), (5, 1024, 4096, 2, 1), (16, 8192, 8192, 16, 2), (1, 96, 16, 1, 0)],
+    [
+        (1, 8192, 8192, 1, 0),
+        (1, 4096, 14336, 1, 1),
+        (3, 14336, 4096, 4, 2),
+        (5, 1024, 4096, 2, 1),
+        (16, 8192, 8192, 16, 2),
+        (1, 96, 16, 1, 0),
+    ],
     ids=str,
 )
 def test_gpu_quantizing_gemm_equals_the_two_kernel_route_bit_for_bit(dtype, with_bias, M, N, K, rows, programs_per_sm):
@@ -249,7 +256,8 @@ def test_gpu_quantizing_gemm_equals_the_two_kernel_route_bit_for_bit(dtype, with
     launch_nvfp4_gemm(x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, fused, config, raw_activation=True)
     operand = gemm_activation_operand(x, act_scale)
     two_kernels = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
-    launch_nvfp4_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, two_kernels, replace(config, activation_rows=0))
+    operand_config = replace(config, activation_rows=0)
+    launch_nvfp4_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, two_kernels, operand_config)
     assert torch.equal(fused, two_kernels)
     reference = reference_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
     assert relative_error(fused, reference) <= gpu_tolerance(K, dtype)
