@@ -74,8 +74,9 @@ class NVFP4ObservedLinear(torch.nn.Linear):
         Hessian can refuse a batch the activation calibrator took: squares that overflow)."""
         observers = [o for o in (self.hessian_accumulator, self.act_calibrator) if o is not None]
         refused = [observer.has_refused_pending_batch() for observer in observers]
+        any_refused = any(refused)
         for observer, its_refusal in zip(observers, refused):
-            if any(refused) and not its_refusal:
+            if any_refused and not its_refusal:
                 observer.discard_pending_batch()
         for observer, its_refusal in zip(observers, refused):
             observer.settle(its_refusal)  # raises for a refusing one; else clears its pending test

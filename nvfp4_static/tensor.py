@@ -105,14 +105,14 @@ class NVFP4StaticTensor(NVFP4Tensor):
                 computes them from block maxes, exactly as torchao does.
             backend_override: force a backend (see ``nvfp4_static.backends``).
         """
-        weight_per_tensor_scale = per_tensor_amax_to_scale(weight.detach().abs().amax())
-        qdata, scale = quantize_nvfp4(weight.detach(), weight_per_tensor_scale, block_scales_e4m3)
         act_per_tensor_scale = per_tensor_amax_to_scale(act_global_amax.detach()).to(weight.device)
         if scale_reciprocal_overflows(act_per_tensor_scale):
             raise ValueError(
                 f"nvfp4_static: activation global amax {float(act_global_amax):.3g} is below what "
                 f"NVFP4 can quantize with (about 5e-34: block-scale reciprocals overflow float32)"
             )
+        weight_per_tensor_scale = per_tensor_amax_to_scale(weight.detach().abs().amax())
+        qdata, scale = quantize_nvfp4(weight.detach(), weight_per_tensor_scale, block_scales_e4m3)
         return cls(
             qdata,
             scale,

@@ -622,13 +622,8 @@ def quantizing_nvfp4_gemm(
     """The static NVFP4 linear of a raw activation ``x [M, K]`` (bf16, fp16 or fp32) in the GEMM
     itself: quantized under ``act_per_tensor_scale`` in the kernel's K loop (the same values as
     ``gemm_activation_operand``), then as ``nvfp4_gemm``; ``[M, N]`` in ``x``'s dtype. CUDA only,
-    and only for M where ``quantizes_activation_in_gemm``."""
+    and only for M where ``quantizes_activation_in_gemm`` (the launcher refuses other M)."""
     _require_cuda(x, "quantizing_nvfp4_gemm")
-    if not quantizes_activation_in_gemm(x.shape[0]):
-        raise ValueError(
-            f"nvfp4_static: no GEMM config quantizes the activation at M = {x.shape[0]}; "
-            "use gemm_activation_operand and nvfp4_gemm"
-        )
     out = torch.empty((x.shape[0], weight_qdata.shape[0]), dtype=x.dtype, device=x.device)
     launch_nvfp4_gemm(
         x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out, raw_activation=True
