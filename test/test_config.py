@@ -1,5 +1,6 @@
 """The quantize_ flow: prepare, calibrate, convert, compile, save/load, and its errors."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from torchao.core.config import config_from_dict, config_to_dict
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 from torchao.quantization import quantize_
 from torchao.quantization.quantize_.common.quantization_step import QuantizationStep
+from torchao.utils import unwrap_tensor_subclass
 
 from models import MLP, TransformerBlock
 from nvfp4_static import (
@@ -205,6 +207,21 @@ MLP(
         repr(NVFP4StaticActivationConfig(step="convert")),
         """NVFP4StaticActivationConfig(step='convert', act_calibration='b_min', rho=16384.0, b_min_percentile=1.0, b_max_percentile=99.99, margin=1.0, num_bins=512, log2_min=-40.0, log2_max=40.0, percentile=99.99, mse_start_multiplier=0.25, mse_stop_multiplier=4.0, mse_step_size=0.1, weight_scale='mse', strict=False, backend=None)""",
     )
+
+
+def test_compiled_model_with_unwrapped_weights_gives_the_same_outputs():
+    """torchao's unwrap_tensor_subclass (the README's advice for less host time per compiled
+    call) holds each weight as plain tensors and rebuilds the NVFP4StaticTensor in the graph:
+    scales and backend survive, so the outputs are the compiled subclass model's exactly."""
+    model = quantized(make(TransformerBlock))
+    unwrapped = unwrap_tensor_subclass(copy.deepcopy(model))
+    assert "mlp.up.parametrizations.weight.original0" in dict(unwrapped.named_parameters())
+    assert type(unwrapped.mlp.up.weight) is NVFP4StaticTensor
+    x = torch.randn(2, 5, DIM)
+    with torch.no_grad():
+        expected = torch.compile(model, fullgraph=True)(x)
+        out = torch.compile(unwrapped, fullgraph=True)(x)
+    assert torch.equal(out, expected)
 
 
 def test_compiled_model_matches_eager_without_recompiling():

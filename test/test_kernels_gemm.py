@@ -77,6 +77,7 @@ def test_interleave_undoes_deinterleave():
 
 # Small tiles so that the interpreter sees several K tiles, a ragged last tile (K=48 with 32-wide
 # tiles), M and N edges, and a split K (programs_per_sm large against the CPU's one "SM"). The
+# split-K configs split K = 224 three ways, unevenly (3 + 3 + 1 tiles). The
 # quantizing configs take the raw activation: one row per tile (M = 3: three tiles), two rows
 # spread over the 16 MMA rows with a split K, and one transposed.
 INTERPRETER_CONFIGS = {
@@ -88,7 +89,7 @@ INTERPRETER_CONFIGS = {
     "quantizing-2-rows-split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, activation_rows=2),
     "quantizing-weight-as-a": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, weight_as_mma_a=True, activation_rows=4),
 }
-INTERPRETER_SHAPES = [(3, 40, 48), (17, 70, 160), (2, 24, 16)]
+INTERPRETER_SHAPES = [(3, 40, 48), (17, 70, 224), (2, 24, 16)]
 OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
 
 
