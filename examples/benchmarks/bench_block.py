@@ -9,9 +9,10 @@ Prints, per token count, the compiled bf16 and compiled NVFP4 times (backend cho
 device) and their ratio, all measured in the same run: once as called from Python
 (``do_bench``: host overhead included), once as the calling thread's CPU time per call (the
 host's own work, which wall time on a shared host inflates by up to 2x between runs), and once
-replayed from a CUDA graph (GPU time, as a serving loop under CUDA graphs sees it). ``unwrapped`` is the NVFP4 block after torchao's
-``unwrap_tensor_subclass`` (each weight held as plain tensors that a parametrization rebuilds
-inside the graph), so the compiled call does not flatten five weight subclasses on every call.
+replayed from a CUDA graph (GPU time, as a serving loop under CUDA graphs sees it).
+``unwrapped`` is the NVFP4 block after torchao's ``unwrap_tensor_subclass`` (each weight held as
+plain tensors that a parametrization rebuilds inside the graph), so the compiled call does not
+flatten five weight subclasses on every call.
 """
 
 import argparse
