@@ -6,6 +6,7 @@ on a CUDA machine the same checks run compiled, at real sizes.
 
 import pytest
 import torch
+from edges import smallest_accepted_per_tensor_scale
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.kernels.act_quantize import (
@@ -17,7 +18,6 @@ from nvfp4_static.kernels.act_quantize import (
 from nvfp4_static.numerics import (
     E2M1_MAX,
     E4M3_MAX,
-    E4M3_MIN_NORMAL,
     dequantize_nvfp4,
     e4m3_positive_values,
     quantize_nvfp4,
@@ -75,9 +75,7 @@ def smallest_accepted_scale() -> tuple[torch.Tensor, torch.Tensor]:
     """A zero block beside a 1e-30 one under the smallest global scale the tensor accepts:
     the zero block's scale is clamped up to 2^-6, whose reciprocal is then just below float32's
     max, so the kernel's reciprocal multiply meets the largest finite value it can."""
-    per_tensor_scale = torch.tensor(1 / E4M3_MIN_NORMAL / torch.finfo(torch.float32).max)
-    while scale_reciprocal_overflows(per_tensor_scale):
-        per_tensor_scale = torch.nextafter(per_tensor_scale, torch.tensor(1.0))
+    per_tensor_scale = smallest_accepted_per_tensor_scale()
     x = torch.cat([torch.zeros(2, 16), torch.full((2, 16), 1e-30)], dim=1)
     return x, per_tensor_scale
 

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
+from edges import smallest_accepted_per_tensor_scale
 from nvfp4_static import numerics
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -172,9 +173,7 @@ def test_scale_reciprocal_overflows_exactly_where_zero_blocks_turn_nan():
     """Past the edge a zero block quantizes through 0 * inf (code 1.5 or 2.0 by device); one
     float32 step inside it the block is exact zeros."""
     x = torch.cat([torch.zeros(1, 16), torch.ones(1, 16)], dim=1)
-    edge = torch.tensor(1 / numerics.E4M3_MIN_NORMAL / torch.finfo(torch.float32).max)
-    while numerics.scale_reciprocal_overflows(edge):
-        edge = torch.nextafter(edge, torch.tensor(1.0))
+    edge = smallest_accepted_per_tensor_scale()
     outside = torch.nextafter(edge, torch.tensor(0.0))
     assert numerics.scale_reciprocal_overflows(outside)
     assert numerics.quantize_nvfp4(x, edge)[0][0, :8].tolist() == [0] * 8
