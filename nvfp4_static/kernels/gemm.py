@@ -343,7 +343,9 @@ class CublasAfterDequantize:
 # 14336, N = 4096); the M <= 16 entry was best or within 10% of best at M = 16 on all three; at
 # M = 17, 32-row tiles beat the 64-row ones by 1.1-1.3x; at M = 33 and 64 the transposed
 # 64 x 256 tiles were best at 8192 x 8192 and within 20% elsewhere (1.2x faster than the
-# untransposed 64 x 128 tiles at M = 64, 8192 x 8192); above 64, cuBLAS after dequantizing beat
+# untransposed 64 x 128 tiles at M = 64, 8192 x 8192; fewer K splits won by 9% and 17% on the
+# other two shapes, whose split-K products cost 0.6x the weight's bytes, RESULTS.md "The 33-64-row
+# bucket per weight shape"); above 64, cuBLAS after dequantizing beat
 # the best in-register tiles (e.g. 0.89 against 1.69 ms at M = 4096). At M = 1, tiles that
 # quantize their one activation row themselves (no activation kernel) took 2%, 2% and 21% less
 # time for the whole linear than the M <= 4 entry after the activation kernel; at M = 4 and 16,
