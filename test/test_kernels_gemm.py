@@ -161,7 +161,7 @@ def test_config_table_covers_every_m_and_decode_tiles_cover_their_bucket():
     assert GEMM_CONFIGS[-1][0] is None
     for max_m, config in GEMM_CONFIGS[:-1]:
         # A split-K entry's grid must not depend on M (see GemmConfig).
-        assert config.programs_per_sm == 0 or (config.activation_rows or config.block_m) >= max_m
+        assert config.programs_per_sm == 0 or config.rows_per_tile >= max_m
 
 
 @pytest.mark.parametrize("rows", [-1, 3, 32])

@@ -292,7 +292,7 @@ class GemmConfig:
 
     ``programs_per_sm > 0`` splits K until the grid holds about that many programs per SM (a
     decode GEMM has few output tiles, and streaming the weight at full bandwidth needs many loads
-    in flight); such an entry's ``block_m`` covers its whole M bucket, so the split does not
+    in flight); such an entry's ``rows_per_tile`` covers its whole M bucket, so the split does not
     depend on M. ``weight_as_mma_a`` computes each tile transposed (``W @ A^T``), so that the
     dequantized weight feeds the tensor cores from registers rather than shared memory.
     ``activation_rows > 0`` hands the GEMM the raw activation: each program quantizes that many
@@ -317,6 +317,11 @@ class GemmConfig:
                 f"nvfp4_static: GemmConfig.activation_rows must be 0 or a power of 2 dividing "
                 f"block_m = {self.block_m}, got {rows}"
             )
+
+    @property
+    def rows_per_tile(self) -> int:
+        """Activation rows one program covers: its quantized rows, else the MMA's."""
+        return self.activation_rows or self.block_m
 
 
 @dataclass(frozen=True)
@@ -534,7 +539,7 @@ def launch_nvfp4_gemm(
         split_k = split_k_for(config, N, K, a.device)
         fused_epilogue = split_k == 1
         partials = out if fused_epilogue else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
-        tiles = ceil_div(M, quantize_rows or config.block_m) * ceil_div(N, config.block_n)
+        tiles = ceil_div(M, config.rows_per_tile) * ceil_div(N, config.block_n)
         traceable(_nvfp4_gemm_kernel)[(tiles, split_k)](
             a,
             weight_qdata,

@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static import kernels, statistics
+from nvfp4_static import kernels
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     E4M3_MAX,
@@ -109,13 +109,11 @@ class NVFP4MSECalibrator(Observer):
             shape = (weight.shape[0], weight.shape[1] // BLOCK_SIZE)
             scales = torch.full(shape, E4M3_MIN_NORMAL, device=weight.device)
             self._block_scales_e4m3 = scales.to(torch.float8_e4m3fn)
-        elif statistics.sweep_reciprocals_overflow(global_amax):
-            raise ValueError(
-                f"{self.describe()}: global amax {float(global_amax):.3g} is too small for the FP8 "
-                f"scale sweep (below about 4e-33 its scale reciprocals overflow float32)"
-            )
         else:
-            self._block_scales_e4m3 = kernels.fp8_scale_sweep(weight, global_amax, self.hessian)
+            try:
+                self._block_scales_e4m3 = kernels.fp8_scale_sweep(weight, global_amax, self.hessian)
+            except ValueError as error:  # e.g. a global amax whose scale reciprocals overflow
+                raise ValueError(f"{self.describe()}: {error}") from error
 
     @property
     def block_scales_e4m3(self) -> torch.Tensor:
