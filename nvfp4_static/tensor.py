@@ -194,8 +194,8 @@ def _static_linear(
             f"nvfp4_static: activation of shape {tuple(x.shape)} does not match weight of shape "
             f"{tuple(weight.shape)} (in_features {weight.shape[-1]})"
         )
-    out = linear_function(weight.linear_backend)(
-        x.reshape(-1, x.shape[-1]),
+    return linear_function(weight.linear_backend)(
+        x,
         weight.qdata,
         weight.scale,
         weight.per_tensor_scale,
@@ -203,7 +203,6 @@ def _static_linear(
         bias,
         weight.output_scale,
     )
-    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @implements_torch_function([torch.nn.functional.linear])

@@ -8,13 +8,14 @@ replaced by an emulation of cuBLAS's block-scaled FP4 product.
 import pytest
 import torch
 from tolerances import UNIT_ROUNDOFF, gpu_tolerance
+from torch.fx.experimental.proxy_tensor import make_fx
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 from torchao.prototype.mx_formats.utils import from_blocked
 
 from nvfp4_static.backends import blackwell, cpu
 from nvfp4_static.backends import triton as triton_backend
-from nvfp4_static.kernels.gemm import GEMM_CONFIGS
+from nvfp4_static.kernels.gemm import GEMM_CONFIGS, gemm_bucket
 from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, quantize_nvfp4
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -110,21 +111,58 @@ def test_gpu_3d_activation_flattened_by_the_caller():
     assert relative_error(out.reshape(-1, 512), cpu.static_nvfp4_linear(x, *rest)) <= gpu_tolerance(1024, torch.bfloat16)
 
 
-@requires_cuda
-def test_gpu_compiled_fullgraph_one_graph_per_m_bucket():
-    """M varies freely inside a config bucket; crossing into another bucket compiles once more.
-    M = 1 is left out: dynamo specialises sizes 0 and 1 whatever the bucket."""
+def m_at_every_gemm_bucket_bound() -> list[int]:
+    """2, each bound of the tile table with the M just past it, and a prefill size."""
+    bounds = [max_m for max_m, _ in GEMM_CONFIGS[:-1] if max_m >= 2]
+    return [2] + [m for bound in bounds for m in (bound, bound + 1)] + [1000]
+
+
+def test_traced_linear_picks_the_tables_bucket_for_every_m_from_one_graph(monkeypatch):
+    """The cond tree the Triton route traces, each bucket's linear replaced by a marker of its
+    index (CPU, no kernels): compiled for a dynamic M by dynamo, and traced symbolically as
+    AOTAutograd traces a weight subclass's linear, every M runs ``gemm_bucket(M)``'s branch."""
+
+    def bucket_marker(bucket, output_scale, x, *weights_and_bias):
+        return x.new_full((*x.shape[:-1], 1), float(bucket))
+
+    monkeypatch.setattr(triton_backend, "_linear_in_bucket", bucket_marker)
+    weights = (torch.zeros(8, 8, dtype=torch.uint8), torch.zeros(8, 1), torch.ones(()), torch.ones(()))
+
+    def linear(x, *weights):
+        return triton_backend._linear_branching_on_m(None, x, *weights, None)
+
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compiled = torch.compile(triton_backend.static_nvfp4_linear, fullgraph=True, dynamic=True)
-    decode_bucket = next(max_m for max_m, _ in GEMM_CONFIGS if max_m >= 4)
-    buckets = {"decode": [2, decode_bucket // 2 + 1, decode_bucket], "prefill": [300, 1000, 777]}
-    for bucket_index, m_values in enumerate(buckets.values(), start=1):
-        for M in m_values:
-            x, *rest = linear_inputs(M, 1024, 2048, torch.bfloat16, seed=M, device="cuda")
-            assert torch.equal(compiled(x, *rest), triton_backend.static_nvfp4_linear(x, *rest))
-        assert counters["stats"]["unique_graphs"] == bucket_index
+    compiled = torch.compile(linear, fullgraph=True, dynamic=True)
+    symbolic = make_fx(linear, tracing_mode="symbolic")(torch.zeros(3, 5, 16), *weights)
+    for M in m_at_every_gemm_bucket_bound():
+        x = torch.zeros(M, 16)
+        assert compiled(x, *weights).unique().tolist() == [gemm_bucket(M)], M
+        for shape in [(M, 1, 16), (1, M, 16)]:
+            assert symbolic(torch.zeros(shape), *weights).unique().tolist() == [gemm_bucket(M)], shape
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@requires_cuda
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_gpu_compiled_fullgraph_one_graph_for_every_m(with_bias):
+    """A graph compiled for a dynamic M holds every tile bucket behind a cond: M from 2 to
+    prefill sizes runs without recompiling, each M with the same kernels as the eager call.
+    M = 1 is left out: dynamo specialises sizes 0 and 1 (their own graph) whatever we do. The
+    host-scale route is a model's (test_config), where the scale is the weight's constant."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    _, *weights, bias = linear_inputs(1, 1024, 2048, torch.bfloat16, seed=0, device="cuda", with_bias=with_bias)
+    compiled = torch.compile(lambda x: triton_backend.static_nvfp4_linear(x, *weights, bias), fullgraph=True, dynamic=True)
+    m_values = m_at_every_gemm_bucket_bound()
+    assert len({gemm_bucket(M) for M in m_values}) == len(GEMM_CONFIGS) - 1  # all but M = 1's
+    for M in m_values:
+        x = torch.randn(M, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(M)).bfloat16()
+        expected = triton_backend.static_nvfp4_linear(x, *weights, bias)
+        assert torch.equal(compiled(x), expected), f"M = {M}"
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 @requires_cuda

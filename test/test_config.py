@@ -241,6 +241,32 @@ def test_compiled_model_matches_eager_without_recompiling():
     assert frames[0] == frames[-1] == 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_model_serves_every_token_count_from_one_graph():
+    """On the Triton backend the token count picks the GEMM's tiles at run time (a cond per
+    tile bucket), so one dynamic graph covers decode and prefill sizes alike, with the outputs
+    of a graph compiled for each size on its own."""
+    model = quantized(make(TransformerBlock, torch.bfloat16), torch.bfloat16).cuda()
+    assert model.proj.weight.linear_backend in ("triton", "blackwell")
+    inputs = [
+        torch.randn(batch, seq, DIM, device="cuda", dtype=torch.bfloat16)
+        # Distinct sizes first: dynamo would otherwise give batch and seq one symbol (duck
+        # sizing) and recompile at the first pair that differs.
+        for batch, seq in [(2, 3), (3, 5), (4, 8), (6, 9), (8, 128), (2, 2)]  # M = 6 ... 1024, 4
+    ]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    dynamic = torch.compile(model, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        outputs = [dynamic(x) for x in inputs]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for x, out in zip(inputs, outputs):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            static = torch.compile(model, fullgraph=True, dynamic=False)(x)
+        assert torch.equal(out, static), tuple(x.shape)
+
+
 def test_convert_without_calibration_names_the_layer():
     model = make(MLP)
     quantize_(model, NVFP4StaticActivationConfig(step="prepare"))

@@ -20,6 +20,8 @@ from nvfp4_static.kernels.gemm import (
     GemmConfig,
     activation_operand_dtype,
     fuses_epilogue_into_cublas,
+    gemm_bucket,
+    gemm_config,
     launch_nvfp4_gemm,
     launch_weight_dequantize,
     nvfp4_gemm,
@@ -172,14 +174,23 @@ def test_gemm_config_refuses_activation_rows_that_do_not_tile_the_mma_rows(rows)
 
 def test_only_large_m_with_a_host_scale_and_a_matching_bias_fuses_the_epilogue_into_cublas():
     bf16_bias = torch.zeros(8, dtype=torch.bfloat16)
-    assert fuses_epilogue_into_cublas(4096, torch.bfloat16, 1e-3, bf16_bias)
-    assert fuses_epilogue_into_cublas(4096, torch.float16, 1e-3, None)
-    assert not fuses_epilogue_into_cublas(16, torch.bfloat16, 1e-3, None)  # the Triton kernel's M
-    assert not fuses_epilogue_into_cublas(4096, torch.bfloat16, None, None)  # scale only on device
-    assert not fuses_epilogue_into_cublas(4096, torch.float32, 1e-3, None)  # no fp32 operands
-    assert not fuses_epilogue_into_cublas(4096, torch.bfloat16, 1e-3, bf16_bias.float())
-    assert activation_operand_dtype(4096, torch.bfloat16, 1e-3, None) == torch.bfloat16
-    assert activation_operand_dtype(16, torch.bfloat16, 1e-3, None) == torch.float16
+    prefill, decode = gemm_config(4096), gemm_config(16)
+    assert fuses_epilogue_into_cublas(prefill, torch.bfloat16, 1e-3, bf16_bias)
+    assert fuses_epilogue_into_cublas(prefill, torch.float16, 1e-3, None)
+    assert not fuses_epilogue_into_cublas(decode, torch.bfloat16, 1e-3, None)  # the Triton kernel's tiles
+    assert not fuses_epilogue_into_cublas(prefill, torch.bfloat16, None, None)  # scale only on device
+    assert not fuses_epilogue_into_cublas(prefill, torch.float32, 1e-3, None)  # no fp32 operands
+    assert not fuses_epilogue_into_cublas(prefill, torch.bfloat16, 1e-3, bf16_bias.float())
+    assert activation_operand_dtype(prefill, torch.bfloat16, 1e-3, None) == torch.bfloat16
+    assert activation_operand_dtype(decode, torch.bfloat16, 1e-3, None) == torch.float16
+
+
+def test_gemm_bucket_is_the_first_table_entry_that_serves_m():
+    for m in [1, 2, 4, 5, 16, 17, 33, 64, 65, 4096]:
+        index = gemm_bucket(m)
+        max_m = GEMM_CONFIGS[index][0]
+        assert max_m is None or m <= max_m
+        assert index == 0 or m > GEMM_CONFIGS[index - 1][0]
 
 
 @requires_cuda
@@ -219,7 +230,7 @@ def test_gpu_cublas_fused_epilogue_matches_fp64_reference_and_the_triton_epilogu
     operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias = gemm_operands(M, N, K, seed=M, device="cuda")
     bias = bias.to(dtype) if with_bias else None
     output_scale = float(act_scale * weight_scale)
-    assert fuses_epilogue_into_cublas(M, dtype, output_scale, bias)
+    assert fuses_epilogue_into_cublas(gemm_config(M), dtype, output_scale, bias)
     operand_in_dtype = operand.to(dtype)  # exact: q * s_b has at most 5 significant bits
     fused = nvfp4_gemm(operand_in_dtype, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, dtype, output_scale)
     unfused = nvfp4_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, dtype)

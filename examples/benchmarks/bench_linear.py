@@ -100,7 +100,8 @@ def main():
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
     args = parser.parse_args()
     torch.manual_seed(0)
-    # One graph per (shape, M bucket) and function: more than dynamo's default of 8 recompiles.
+    # One graph per weight shape and function, and M = 1 on its own: more than dynamo's default
+    # of 8 recompiles.
     torch._dynamo.config.recompile_limit = 64
     copy_gbs = copy_bandwidth_gbs()
     print(f"device: {torch.cuda.get_device_name()}, device-to-device copy {copy_gbs:.0f} GB/s")

@@ -48,10 +48,10 @@ def static_nvfp4_linear(
 ) -> torch.Tensor:
     """Same arguments and result as ``backends.cpu.static_nvfp4_linear`` (``output_scale``
     unused: the scales are applied to the fp32 result on the device)."""
-    act_qdata, act_block_scales = quantize_activation_nvfp4(x, act_per_tensor_scale)
+    act_qdata, act_block_scales = quantize_activation_nvfp4(x.reshape(-1, x.shape[-1]), act_per_tensor_scale)
     a, b, scale_a, scale_b = scaled_mm_operands(act_qdata, act_block_scales, weight_qdata, weight_block_scales)
     out = torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
     out = out * (act_per_tensor_scale * weight_per_tensor_scale).to(torch.float32)
     if bias is not None:
         out = out + bias.to(torch.float32)
-    return out.to(x.dtype)
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight_qdata.shape[0])

@@ -21,10 +21,10 @@ def static_nvfp4_linear(
     bias: Optional[torch.Tensor],
     output_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ W^T + bias`` with ``x`` quantized to NVFP4 under its static global scale.
+    """``x [..., K] @ W^T + bias`` with ``x`` quantized to NVFP4 under its static global scale.
 
     Args:
-        x: ``[M, K]`` activation (fp32 / bf16 / fp16), K a multiple of 16.
+        x: ``[..., K]`` activation (fp32 / bf16 / fp16), K a multiple of 16.
         weight_qdata: ``[N, K // 2]`` packed E2M1 codes; weight_block_scales: ``[N, K // 16]`` FP8.
         weight_per_tensor_scale, act_per_tensor_scale: float32 scalars (torchao convention).
         bias: optional ``[N]``.
@@ -33,12 +33,12 @@ def static_nvfp4_linear(
             (``backends.triton``). This route scales on the device and ignores it.
 
     Returns:
-        ``[M, N]`` in ``x.dtype``.
+        ``[..., N]`` in ``x.dtype``.
     """
     # q * s_b of the activation, the same values its packed codes would decode to.
     act = times_block_scales(*quantize_nvfp4_unpacked(x, act_per_tensor_scale))
     weight = dequantize_nvfp4(weight_qdata, weight_block_scales)
-    out = torch.mm(act, weight.t()) * (act_per_tensor_scale * weight_per_tensor_scale)
+    out = torch.matmul(act, weight.t()) * (act_per_tensor_scale * weight_per_tensor_scale)
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype)

@@ -7,20 +7,29 @@ at large M cuBLAS does the product, with the epilogue fused where ``output_scale
 At the smallest decode sizes the GEMM quantizes the activation itself: one launch.
 Numerically this is ``backends.cpu`` up to the order of fp32 sums.
 Non-CUDA tensors take the ``cpu`` route.
+
+The token count M picks the GEMM's tiles (``kernels.gemm.GEMM_CONFIGS``). Eagerly that is a
+Python branch; under ``torch.compile`` it is a ``torch.cond`` per table boundary, so a graph
+compiled for a dynamic M holds every bucket's kernels and serves any M without recompiling.
 """
 
+import warnings
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from nvfp4_static.backends import cpu
 from nvfp4_static.kernels.act_quantize import gemm_activation_operand
 from nvfp4_static.kernels.gemm import (
+    GEMM_CONFIGS,
     activation_operand_dtype,
+    gemm_bucket,
     nvfp4_gemm,
     quantizes_activation_in_gemm,
     quantizing_nvfp4_gemm,
 )
+from nvfp4_static.kernels.launch import runs_eagerly
 
 
 def static_nvfp4_linear(
@@ -32,25 +41,102 @@ def static_nvfp4_linear(
     bias: Optional[torch.Tensor],
     output_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ W^T + bias`` with ``x`` quantized to NVFP4 under its static global scale;
+    """``x [..., K] @ W^T + bias`` with ``x`` quantized to NVFP4 under its static global scale;
     same arguments and result as ``backends.cpu.static_nvfp4_linear``."""
+    weights = (weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale)
     if x.device.type != "cuda":
-        return cpu.static_nvfp4_linear(
-            x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias
+        return cpu.static_nvfp4_linear(x, *weights, bias)
+    if runs_eagerly(x):
+        return _linear_in_bucket(gemm_bucket(_rows(x)), output_scale, x, *weights, bias)
+    return _linear_branching_on_m(output_scale, x, *weights, bias)
+
+
+def _rows(x: torch.Tensor):
+    """M: the rows of ``x`` flattened to ``[M, K]``."""
+    return x.numel() // x.shape[-1]
+
+
+def _linear_in_bucket(
+    bucket: int,
+    output_scale: Optional[float],
+    x: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The linear with the tiles of ``GEMM_CONFIGS[bucket]``, whatever M is; ``x [..., K]``."""
+    leading_shape = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    config = GEMM_CONFIGS[bucket][1]
+    if quantizes_activation_in_gemm(config):
+        out = quantizing_nvfp4_gemm(
+            x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, bucket
         )
-    if quantizes_activation_in_gemm(x.shape[0]):
-        return quantizing_nvfp4_gemm(
-            x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias
+    else:
+        operand = gemm_activation_operand(
+            x, act_per_tensor_scale, activation_operand_dtype(config, x.dtype, output_scale, bias)
         )
-    operand_dtype = activation_operand_dtype(x.shape[0], x.dtype, output_scale, bias)
-    operand = gemm_activation_operand(x, act_per_tensor_scale, operand_dtype)
-    return nvfp4_gemm(
-        operand,
-        weight_qdata,
-        weight_block_scales,
-        act_per_tensor_scale,
-        weight_per_tensor_scale,
-        bias,
-        x.dtype,
-        output_scale,
-    )
+        out = nvfp4_gemm(
+            operand,
+            weight_qdata,
+            weight_block_scales,
+            act_per_tensor_scale,
+            weight_per_tensor_scale,
+            bias,
+            x.dtype,
+            output_scale,
+            bucket,
+        )
+    return out.reshape(*leading_shape, out.shape[-1])
+
+
+def _linear_branching_on_m(output_scale: Optional[float], x: torch.Tensor, *weights_and_bias) -> torch.Tensor:
+    """Under tracing: a tree of ``cond`` on M over the table's buckets, each leaf one bucket's
+    ``_linear_in_bucket``. With a symbolic M the graph keeps every branch and picks one per call,
+    with no guard on M; with a static M the branch is taken while tracing. ``cond`` takes
+    tensors only, so a missing bias leaves the operands rather than passing None; each branch
+    returns a 1-tuple, the form torch 2.11's Inductor lowers (a bare tensor it misreads). ``x``
+    enters the branches unflattened: a branch can then name each of its leading sizes, where the
+    flattened M (their product) would leave torch 2.11's Inductor unable to define them."""
+    *weights, bias = weights_and_bias
+    operands = (x, *weights) + (() if bias is None else (bias,))
+
+    def leaf(bucket: int):
+        def linear(x, *weights_and_maybe_bias):
+            bias = weights_and_maybe_bias[4] if len(weights_and_maybe_bias) > 4 else None
+            return (_linear_in_bucket(bucket, output_scale, x, *weights_and_maybe_bias[:4], bias),)
+
+        return linear
+
+    def tree(buckets: range):
+        if len(buckets) == 1:
+            return leaf(buckets[0])
+        half = len(buckets) // 2
+        lower, upper = tree(buckets[:half]), tree(buckets[half:])
+        largest_lower_m = GEMM_CONFIGS[buckets[half] - 1][0]
+
+        def branch(*operands):
+            lower_holds_m = _rows(operands[0]) <= largest_lower_m
+            if not torch.compiler.is_dynamo_compiling():
+                # Outside dynamo (a tensor subclass's linear runs while AOTAutograd traces) a
+                # static M, or a symbolic one whose range decides, takes its branch now rather
+                # than tracing one that cannot run (dynamo makes every symbolic size >= 2, so a
+                # symbolic M never takes the M = 1 bucket).
+                if statically_known_true(lower_holds_m):
+                    return lower(*operands)
+                if statically_known_true(torch.sym_not(lower_holds_m)):
+                    return upper(*operands)
+            # The operator rather than torch.cond: outside dynamo, torch.cond would compile its
+            # branches with dynamo, which turns the closures' ints into graph inputs that torch
+            # 2.11's Inductor refuses.
+            return torch.ops.higher_order.cond(lower_holds_m, lower, upper, operands)
+
+        return branch
+
+    # Under dynamo a static M makes each predicate a constant, for which dynamo warns that the
+    # cond takes one branch: expected here.
+    with warnings.catch_warnings(record=True):
+        (out,) = tree(range(len(GEMM_CONFIGS)))(*operands)
+    return out

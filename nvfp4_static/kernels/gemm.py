@@ -356,8 +356,8 @@ class CublasAfterDequantize:
 # time for the whole linear than the M <= 4 entry after the activation kernel; at M = 4 and 16,
 # where every tile quantizes 4 or 16 rows, they were 0-16% slower, so only M = 1 does this
 # (RESULTS.md, "M = 1: the GEMM quantizes its activation row").
-# Few buckets on purpose: under torch.compile each bucket is one graph (the choice is a guard on
-# M), and M varies freely inside a bucket.
+# Few buckets on purpose: a graph compiled for a dynamic M holds every bucket's kernels behind a
+# cond (backends.triton), so each bucket adds compile time and host work per call.
 GEMM_CONFIGS = (
     (1, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2, activation_rows=1)),
     (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1)),
@@ -369,11 +369,27 @@ GEMM_CONFIGS = (
 EPILOGUE_BLOCK = 1024
 
 
-def gemm_config(M: int) -> Union[GemmConfig, CublasAfterDequantize]:
-    for max_m, config in GEMM_CONFIGS:
+def gemm_bucket(M: int) -> int:
+    """The index in ``GEMM_CONFIGS`` of the entry serving ``M`` rows. Under tracing with a
+    symbolic ``M`` this would be a guard on it; ``backends.triton`` branches with a cond instead
+    and hands the ops each branch's index."""
+    for index, (max_m, _) in enumerate(GEMM_CONFIGS):
         if max_m is None or M <= max_m:
-            return config
+            return index
     raise AssertionError("GEMM_CONFIGS ends with a catch-all entry")
+
+
+def gemm_config(M: int) -> Union[GemmConfig, CublasAfterDequantize]:
+    return GEMM_CONFIGS[gemm_bucket(M)][1]
+
+
+def _table_config(M, bucket: Optional[int]) -> Union[GemmConfig, CublasAfterDequantize]:
+    return GEMM_CONFIGS[gemm_bucket(M) if bucket is None else bucket][1]
+
+
+def _taking_operand(config: Union[GemmConfig, CublasAfterDequantize]) -> Union[GemmConfig, CublasAfterDequantize]:
+    """``config`` for an activation already quantized into the GEMM operand."""
+    return replace(config, activation_rows=0) if isinstance(config, GemmConfig) else config
 
 
 @lru_cache(maxsize=None)
@@ -397,13 +413,17 @@ def _use_ptx_dequant(device: torch.device) -> bool:
 
 
 def fuses_epilogue_into_cublas(
-    M: int, out_dtype: torch.dtype, output_scale: Optional[float], bias: Optional[torch.Tensor]
+    config: Union[GemmConfig, CublasAfterDequantize],
+    out_dtype: torch.dtype,
+    output_scale: Optional[float],
+    bias: Optional[torch.Tensor],
 ) -> bool:
-    """Whether the GEMM for ``M`` rows runs as one cuBLAS call with ``alpha = output_scale`` and
-    the bias: the large-M route, a host copy of the scale, a bf16/fp16 output and a bias of that
-    dtype (cuBLAS adds the bias in the output's dtype; another dtype would be rounded first)."""
+    """Whether a GEMM with the table entry ``config`` runs as one cuBLAS call with ``alpha =
+    output_scale`` and the bias: the large-M route, a host copy of the scale, a bf16/fp16 output
+    and a bias of that dtype (cuBLAS adds the bias in the output's dtype; another dtype would be
+    rounded first)."""
     return (
-        isinstance(gemm_config(M), CublasAfterDequantize)
+        isinstance(config, CublasAfterDequantize)
         and output_scale is not None
         and out_dtype in (torch.float16, torch.bfloat16)
         and (bias is None or bias.dtype == out_dtype)
@@ -411,11 +431,15 @@ def fuses_epilogue_into_cublas(
 
 
 def activation_operand_dtype(
-    M: int, out_dtype: torch.dtype, output_scale: Optional[float], bias: Optional[torch.Tensor]
+    config: Union[GemmConfig, CublasAfterDequantize],
+    out_dtype: torch.dtype,
+    output_scale: Optional[float],
+    bias: Optional[torch.Tensor],
 ) -> torch.dtype:
-    """The dtype ``gemm_activation_operand`` should write for this GEMM: the output's where cuBLAS
-    takes the whole epilogue, else fp16 (the Triton kernel's tensor-core operand)."""
-    return out_dtype if fuses_epilogue_into_cublas(M, out_dtype, output_scale, bias) else torch.float16
+    """The dtype ``gemm_activation_operand`` should write for a GEMM with the table entry
+    ``config``: the output's where cuBLAS takes the whole epilogue, else fp16 (the Triton
+    kernel's tensor-core operand)."""
+    return out_dtype if fuses_epilogue_into_cublas(config, out_dtype, output_scale, bias) else torch.float16
 
 
 def _check_operands(
@@ -507,8 +531,7 @@ def launch_nvfp4_gemm(
     defaults to the table's tiles for M (an operand taken as given where that entry quantizes)."""
     if config is None:
         config = gemm_config(a.shape[0])
-        if isinstance(config, GemmConfig) and not raw_activation:
-            config = replace(config, activation_rows=0)
+        config = config if raw_activation else _taking_operand(config)
     quantize_rows = config.activation_rows if isinstance(config, GemmConfig) else 0
     if bool(quantize_rows) != raw_activation:
         raise ValueError(
@@ -594,26 +617,37 @@ def nvfp4_gemm(
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
     output_scale: Optional[float] = None,
+    bucket: Optional[int] = None,
 ) -> torch.Tensor:
     """``(a @ dequant(W)^T) * act_scale * weight_scale + bias`` as ``[M, N]`` in ``out_dtype``.
 
-    ``a`` is ``q * s_b`` (no global scale) in ``activation_operand_dtype(M, out_dtype,
+    ``a`` is ``q * s_b`` (no global scale) in ``activation_operand_dtype(config, out_dtype,
     output_scale, bias)``; ``output_scale``, when given, is ``act_scale * weight_scale`` (fp32) as
-    a Python float. CUDA only: the torch route of the same product is ``backends.cpu``.
+    a Python float. ``bucket`` is the index of the ``GEMM_CONFIGS`` entry to run, by default the
+    one serving M. CUDA only: the torch route of the same product is ``backends.cpu``.
     """
     _require_cuda(a, "nvfp4_gemm")
-    if fuses_epilogue_into_cublas(a.shape[0], out_dtype, output_scale, bias):
+    config = _table_config(a.shape[0], bucket)
+    if fuses_epilogue_into_cublas(config, out_dtype, output_scale, bias):
         _check_operands(a, weight_qdata, weight_block_scales, out_dtype)
         return cublas_with_fused_epilogue(a, weight_qdata, weight_block_scales, output_scale, bias)
     out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
-    launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out)
+    launch_nvfp4_gemm(
+        a,
+        weight_qdata,
+        weight_block_scales,
+        act_per_tensor_scale,
+        weight_per_tensor_scale,
+        bias,
+        out,
+        _taking_operand(config),
+    )
     return out
 
 
-def quantizes_activation_in_gemm(M: int) -> bool:
-    """Whether the table's GEMM for ``M`` rows takes the raw activation and quantizes it itself
+def quantizes_activation_in_gemm(config: Union[GemmConfig, CublasAfterDequantize]) -> bool:
+    """Whether the table entry ``config`` takes the raw activation and quantizes it itself
     (``GemmConfig.activation_rows``): then the linear is ``quantizing_nvfp4_gemm``, one launch."""
-    config = gemm_config(M)
     return isinstance(config, GemmConfig) and config.activation_rows > 0
 
 
@@ -625,15 +659,25 @@ def quantizing_nvfp4_gemm(
     act_per_tensor_scale: torch.Tensor,
     weight_per_tensor_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
+    bucket: Optional[int] = None,
 ) -> torch.Tensor:
     """The static NVFP4 linear of a raw activation ``x [M, K]`` (bf16, fp16 or fp32) in the GEMM
     itself: quantized under ``act_per_tensor_scale`` in the kernel's K loop (the same values as
     ``gemm_activation_operand``), then as ``nvfp4_gemm``; ``[M, N]`` in ``x``'s dtype. CUDA only,
-    and only for M where ``quantizes_activation_in_gemm`` (the launcher refuses other M)."""
+    and only with a table entry (``bucket``, by default the one serving M) that
+    ``quantizes_activation_in_gemm`` (the launcher refuses others)."""
     _require_cuda(x, "quantizing_nvfp4_gemm")
     out = torch.empty((x.shape[0], weight_qdata.shape[0]), dtype=x.dtype, device=x.device)
     launch_nvfp4_gemm(
-        x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out, raw_activation=True
+        x,
+        weight_qdata,
+        weight_block_scales,
+        act_per_tensor_scale,
+        weight_per_tensor_scale,
+        bias,
+        out,
+        _table_config(x.shape[0], bucket),
+        raw_activation=True,
     )
     return out
 
