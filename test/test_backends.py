@@ -122,14 +122,14 @@ def test_traced_linear_picks_the_tables_bucket_for_every_m_from_one_graph(monkey
     index (CPU, no kernels): compiled for a dynamic M by dynamo, and traced symbolically as
     AOTAutograd traces a weight subclass's linear, every M runs ``gemm_bucket(M)``'s branch."""
 
-    def bucket_marker(bucket, output_scale, x, *weights_and_bias):
+    def bucket_marker(bucket, output_scale, x, weights, bias):
         return x.new_full((*x.shape[:-1], 1), float(bucket))
 
     monkeypatch.setattr(triton_backend, "_linear_in_bucket", bucket_marker)
     weights = (torch.zeros(8, 8, dtype=torch.uint8), torch.zeros(8, 1), torch.ones(()), torch.ones(()))
 
     def linear(x, *weights):
-        return triton_backend._linear_branching_on_m(None, x, *weights, None)
+        return triton_backend._linear_branching_on_m(None, x, weights, None)
 
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters

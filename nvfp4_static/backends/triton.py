@@ -47,8 +47,8 @@ def static_nvfp4_linear(
     if x.device.type != "cuda":
         return cpu.static_nvfp4_linear(x, *weights, bias)
     if runs_eagerly(x):
-        return _linear_in_bucket(gemm_bucket(_rows(x)), output_scale, x, *weights, bias)
-    return _linear_branching_on_m(output_scale, x, *weights, bias)
+        return _linear_in_bucket(gemm_bucket(_rows(x)), output_scale, x, weights, bias)
+    return _linear_branching_on_m(output_scale, x, weights, bias)
 
 
 def _rows(x: torch.Tensor):
@@ -60,13 +60,13 @@ def _linear_in_bucket(
     bucket: int,
     output_scale: Optional[float],
     x: torch.Tensor,
-    weight_qdata: torch.Tensor,
-    weight_block_scales: torch.Tensor,
-    weight_per_tensor_scale: torch.Tensor,
-    act_per_tensor_scale: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
     bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """The linear with the tiles of ``GEMM_CONFIGS[bucket]``, whatever M is; ``x [..., K]``."""
+    """The linear with the tiles of ``GEMM_CONFIGS[bucket]``, whatever M is; ``x [..., K]``,
+    ``weights`` as ``static_nvfp4_linear`` takes them (qdata, block scales, weight and
+    activation global scales)."""
+    weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale = weights
     leading_shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     config = GEMM_CONFIGS[bucket][1]
@@ -92,7 +92,9 @@ def _linear_in_bucket(
     return out.reshape(*leading_shape, out.shape[-1])
 
 
-def _linear_branching_on_m(output_scale: Optional[float], x: torch.Tensor, *weights_and_bias) -> torch.Tensor:
+def _linear_branching_on_m(
+    output_scale: Optional[float], x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     """Under tracing: a tree of ``cond`` on M over the table's buckets, each leaf one bucket's
     ``_linear_in_bucket``. With a symbolic M the graph keeps every branch and picks one per call,
     with no guard on M; with a static M the branch is taken while tracing. ``cond`` takes
@@ -100,13 +102,12 @@ def _linear_branching_on_m(output_scale: Optional[float], x: torch.Tensor, *weig
     returns a 1-tuple, the form torch 2.11's Inductor lowers (a bare tensor it misreads). ``x``
     enters the branches unflattened: a branch can then name each of its leading sizes, where the
     flattened M (their product) would leave torch 2.11's Inductor unable to define them."""
-    *weights, bias = weights_and_bias
     operands = (x, *weights) + (() if bias is None else (bias,))
 
     def leaf(bucket: int):
         def linear(x, *weights_and_maybe_bias):
             bias = weights_and_maybe_bias[4] if len(weights_and_maybe_bias) > 4 else None
-            return (_linear_in_bucket(bucket, output_scale, x, *weights_and_maybe_bias[:4], bias),)
+            return (_linear_in_bucket(bucket, output_scale, x, weights_and_maybe_bias[:4], bias),)
 
         return linear
 
