@@ -102,11 +102,21 @@ def test_gpu_triton_backend_matches_cpu_backend(dtype, with_bias, M, N, K):
     assert relative_error(out, cpu.static_nvfp4_linear(*inputs)) <= gpu_tolerance(K, dtype)
 
 
+@pytest.mark.parametrize("route", ["cpu", "blackwell"])
+def test_routes_take_leading_dims(monkeypatch, route):
+    """``x [..., K]`` gives the ``[M, K]`` result with the leading dims restored, exactly."""
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_scaled_mm)
+    linear = {"cpu": cpu, "blackwell": blackwell}[route].static_nvfp4_linear
+    x, *rest = linear_inputs(2 * 9, 48, 96, torch.bfloat16, seed=4)
+    assert torch.equal(linear(x.reshape(2, 9, 96), *rest), linear(x, *rest).reshape(2, 9, 48))
+    assert linear(x[0], *rest).shape == (48,)
+
+
 @requires_cuda
-def test_gpu_3d_activation_flattened_by_the_caller():
+def test_gpu_3d_activation():
     x, *rest = linear_inputs(2 * 9, 512, 1024, torch.bfloat16, seed=3, device="cuda")
     x3d = x.reshape(2, 9, 1024)
-    out = triton_backend.static_nvfp4_linear(x3d.reshape(-1, 1024), *rest).reshape(2, 9, 512)
+    out = triton_backend.static_nvfp4_linear(x3d, *rest)
     assert torch.equal(out, triton_backend.static_nvfp4_linear(x, *rest).reshape(2, 9, 512))
     assert relative_error(out.reshape(-1, 512), cpu.static_nvfp4_linear(x, *rest)) <= gpu_tolerance(1024, torch.bfloat16)
 
