@@ -59,6 +59,19 @@ def decode_or_prefill_input(tokens: int, dim: int) -> torch.Tensor:
     return torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
 
+def bf16_and_converted_blocks(dim: int, heads: int, hidden: int) -> tuple[SwiGLUBlock, SwiGLUBlock]:
+    """A seeded bf16 block on the GPU, and a copy converted to NVFP4 static (max-calibrated
+    weights: the timing does not depend on the scales) after one 256-token calibration batch."""
+    torch.manual_seed(0)
+    block = SwiGLUBlock(dim, heads, hidden).cuda().to(torch.bfloat16)
+    quantized = copy.deepcopy(block)
+    quantize_(quantized, NVFP4StaticActivationConfig(step="prepare", weight_scale="max"))
+    with torch.no_grad():
+        quantized(decode_or_prefill_input(256, dim))
+    quantize_(quantized, NVFP4StaticActivationConfig(step="convert", weight_scale="max"))
+    return block, quantized
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 4096])
@@ -67,13 +80,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=14336)
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    block = SwiGLUBlock(args.dim, args.heads, args.hidden).cuda().to(torch.bfloat16)
-    quantized = copy.deepcopy(block)
-    quantize_(quantized, NVFP4StaticActivationConfig(step="prepare", weight_scale="max"))
-    with torch.no_grad():
-        quantized(decode_or_prefill_input(256, args.dim))
-    quantize_(quantized, NVFP4StaticActivationConfig(step="convert", weight_scale="max"))
+    block, quantized = bf16_and_converted_blocks(args.dim, args.heads, args.hidden)
     backend = quantized.qkv.weight.linear_backend
     unwrapped = unwrap_tensor_subclass(copy.deepcopy(quantized))
 

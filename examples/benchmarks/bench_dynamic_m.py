@@ -15,29 +15,20 @@ graphs after the first call at each of eight token counts from 1 to 300 (each ou
 against the eager block's); ``first calls`` is their wall time, compiles included.
 """
 
-import copy
 import time
 
 import torch
-from torchao.quantization import quantize_
 
 import nvfp4_static
-from bench_block import SwiGLUBlock, _host_cpu_ms, _python_ms, decode_or_prefill_input
+from bench_block import _host_cpu_ms, _python_ms, bf16_and_converted_blocks, decode_or_prefill_input
 from bench_linear import graph_ms
-from nvfp4_static import NVFP4StaticActivationConfig
 
 WARM_UP_TOKENS = (1, 2, 5, 16, 17, 33, 64, 300)
 TIMED_TOKENS = (1, 16, 64)
 
 
 def main():
-    torch.manual_seed(0)
-    block = SwiGLUBlock(4096, 32, 14336).cuda().to(torch.bfloat16)
-    quantized = copy.deepcopy(block)
-    quantize_(quantized, NVFP4StaticActivationConfig(step="prepare", weight_scale="max"))
-    with torch.no_grad():
-        quantized(decode_or_prefill_input(256, 4096))
-    quantize_(quantized, NVFP4StaticActivationConfig(step="convert", weight_scale="max"))
+    _, quantized = bf16_and_converted_blocks(4096, 32, 14336)
     print(f"device: {torch.cuda.get_device_name()}, package: {nvfp4_static.__file__}")
     print(f"{'mode':>8} {'tokens':>7} {'python ms':>10} {'host cpu ms':>12} {'graph ms':>9}")
     with torch.no_grad():

@@ -384,7 +384,8 @@ def gemm_config(M: int) -> Union[GemmConfig, CublasAfterDequantize]:
 
 
 def _table_config(M, bucket: Optional[int]) -> Union[GemmConfig, CublasAfterDequantize]:
-    return GEMM_CONFIGS[gemm_bucket(M) if bucket is None else bucket][1]
+    """The entry ``bucket`` names, else the one serving ``M``."""
+    return gemm_config(M) if bucket is None else GEMM_CONFIGS[bucket][1]
 
 
 def _taking_operand(config: Union[GemmConfig, CublasAfterDequantize]) -> Union[GemmConfig, CublasAfterDequantize]:
