@@ -35,6 +35,7 @@ from nvfp4_static.observers import (
     PercentileCalibrator,
 )
 from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
+from nvfp4_static.observers.nvfp4_act_max import DEFAULT_B_MAX_PERCENTILE
 from nvfp4_static.tensor import NVFP4StaticTensor
 
 __all__ = ["NVFP4StaticActivationConfig"]
@@ -76,7 +77,7 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
     act_calibration: str = "b_min"
     rho: float = 16384.0
     b_min_percentile: float = 1.0
-    b_max_percentile: float = 99.99
+    b_max_percentile: float = DEFAULT_B_MAX_PERCENTILE
     margin: float = 1.0
     num_bins: int = 512
     log2_min: float = -40.0

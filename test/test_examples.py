@@ -68,6 +68,37 @@ def test_llm_example_calibration_window_moves_and_never_overlaps_the_held_out_te
 
 
 @pytest.mark.skipif(
+    bool(missing_llm_deps),
+    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
+)
+def test_perplexity_over_draws_matches_the_llm_example_draw_by_draw():
+    """The study builds its converted layers by hand (one weight sweep for every draw); each draw
+    must score what ``quantize_llm.py`` scores when calibrated on that draw through quantize_."""
+    tiny = ["--num-layers", "1", "--n-calib", "1", "--n-eval", "2", "--seq-len", "32", "--batch-size", "2"]
+    stdout = run_script(
+        "examples/perplexity_over_draws.py", *tiny, "--draws", "2", "--b-max-percentiles", "99.99,100",
+        timeout=600,
+    )
+    draw_lines = [line for line in stdout.splitlines() if line.startswith("draw ")]
+    per_draw = [
+        dict(item.rsplit(" ", 1) for item in line.split(": ", 1)[1].split(", ")) for line in draw_lines
+    ]
+    names = ["torchao", "b_min+mse (B_max p99.99)", "b_min+mse (B_max p100)"]
+    assert len(per_draw) == 2 and all(list(draw) == names for draw in per_draw)
+    table = stdout.split("held-out", 1)[1].splitlines()[3:]
+    assert [line[:28].strip() for line in table if line.strip()] == names
+    mean_torchao = float(table[0].split()[1])
+    assert mean_torchao == pytest.approx(sum(float(d["torchao"]) for d in per_draw) / 2, abs=1.5e-3)
+
+    example = results_table(run_script(
+        "examples/quantize_llm.py", *tiny, "--calib-start", "1", "--recipes", "torchao,b_min+mse",
+        "--b-max-percentile", "99.99", "--diagnostics-rows", "0", timeout=600,
+    ))
+    assert float(per_draw[1]["torchao"]) == example["torchao"]
+    assert float(per_draw[1]["b_min+mse (B_max p99.99)"]) == example["b_min+mse"]
+
+
+@pytest.mark.skipif(
     bool(missing_encoder_deps),
     reason=f"the encoder example needs pip install -e '.[examples]' (missing: {', '.join(missing_encoder_deps)})",
 )

@@ -114,6 +114,24 @@ def test_g_amax_is_the_larger_of_rho_b_min_and_margin_b_max(rho, margin, b_max_p
     assert stats["g_amax"] == pytest.approx(max(rho * b_min, margin * b_max), rel=1e-12)
 
 
+def test_default_b_max_keeps_a_massive_activation_block_from_clipping():
+    """One block in 24,576 far above the rest, like the first-token "massive activation" of
+    SmolLM2's ``layers.11.mlp.down_proj`` (about 2,800 against a bulk below 8). With B_max at
+    the 99.99th percentile ``rho * B_min`` sets g_amax well below that block (it clips to ~60%);
+    the default reads B_max at the block itself, so g_amax covers it up to half a bin."""
+    bulk = torch.logspace(math.log10(0.1), math.log10(8.0), 24_575).tolist()
+    outlier = 2_800.0
+    x = blocks_with_amaxes(bulk + [outlier])
+    default, first_choice = NVFP4ActMaxCalibrator(), NVFP4ActMaxCalibrator(b_max_percentile=99.99)
+    for calibrator in (default, first_choice):
+        calibrator.collect(x)
+    half_bin = 2.0 ** (BIN_WIDTH / 2)
+    assert default.compute_amax().item() >= outlier / half_bin
+    assert default.stats["set_by"] == "margin*B_max"
+    assert first_choice.compute_amax().item() < 0.7 * outlier
+    assert first_choice.stats["set_by"] == "rho*B_min"
+
+
 def test_b_min_ignores_blocks_below_a_millionth_of_b_max():
     """500 blocks at 2^-30 (2^32 below B_max) would be the 1st percentile; the floor skips them,
     and the raw reading still reports them."""
