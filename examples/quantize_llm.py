@@ -190,12 +190,17 @@ def diagnostics_summary(model, float_model, batch, max_rows: int) -> str:
 
 
 def format_results(rows, float_ppl: float) -> str:
-    header = f"{'recipe':<20} {'perplexity':>10} {'vs float':>9} {'tokens/s':>9} {'size (bytes)':>13}"
+    """The results table; with a ``torchao`` row, each recipe's difference to it as well (the
+    comparison the recipes are judged by, measured in this run)."""
+    torchao_ppl = next((ppl for name, ppl, *_ in rows if name == "torchao"), None)
+    header = f"{'recipe':<20} {'perplexity':>10} {'vs float':>9}"
+    header += f" {'vs torchao':>10}" if torchao_ppl is not None else ""
+    header += f" {'tokens/s':>9} {'size (bytes)':>13}"
     lines = [header, "-" * len(header)]
     for name, ppl, tokens_per_s, size in rows:
-        lines.append(
-            f"{name:<20} {ppl:>10.3f} {ppl - float_ppl:>+9.3f} {tokens_per_s:>9.0f} {size:>13,}"
-        )
+        line = f"{name:<20} {ppl:>10.3f} {ppl - float_ppl:>+9.3f}"
+        line += f" {ppl - torchao_ppl:>+10.3f}" if torchao_ppl is not None else ""
+        lines.append(line + f" {tokens_per_s:>9.0f} {size:>13,}")
     return "\n".join(lines)
 
 

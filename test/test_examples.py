@@ -28,10 +28,10 @@ def run_script(*args: str, timeout: float) -> str:
     return result.stdout
 
 
-def results_table(stdout: str) -> dict[str, float]:
-    """``{recipe: perplexity}`` from the table the LLM example prints last."""
+def results_table(stdout: str, column: int = 1) -> dict[str, float]:
+    """``{recipe: value}`` from the table the LLM example prints last; column 1 is perplexity."""
     lines = stdout.split("Results:\n", 1)[1].splitlines()
-    return {line.split()[0]: float(line.split()[1]) for line in lines[2:] if line.strip()}
+    return {line.split()[0]: float(line.split()[column]) for line in lines[2:] if line.strip()}
 
 
 @pytest.mark.skipif(
@@ -49,6 +49,11 @@ def test_llm_example_reports_every_recipe_with_finite_perplexity():
     table = results_table(stdout)
     assert list(table) == ["float", *recipes]
     assert all(math.isfinite(ppl) and ppl > 1 for ppl in table.values())
+    # Ours against torchao's recipe is reported (on a slice this small its sign is noise).
+    assert "vs torchao" in stdout.split("Results:\n", 1)[1].splitlines()[0]
+    vs_torchao = results_table(stdout, column=3)
+    assert vs_torchao["torchao"] == 0.0
+    assert vs_torchao["b_min+mse"] == pytest.approx(table["b_min+mse"] - table["torchao"], abs=1.5e-3)
     assert "g_amax set by: rho*B_min" in stdout  # the diagnostics summary of the B_min recipes
 
 
