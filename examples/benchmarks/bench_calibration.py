@@ -209,14 +209,12 @@ def calibration_overhead(x):
             quantize_(prepared, NVFP4StaticActivationConfig(step="prepare", weight_scale=weight_scale))
             prepared_ms = bench(lambda: prepared(x))
             rows.append((f"quantize_ prepare, weight_scale={weight_scale!r}", prepared_ms))
-            del prepared
         for weighted in (False, True):
             hooked = mlp()
             hooked.load_state_dict(model.state_dict())
             observe_with_ops(hooked, weighted)
             what = "histogram + Hessian ops" if weighted else "histogram op"
             rows.append((f"pre-hooks calling our {what} only", bench(lambda: hooked(x))))
-            del hooked
     return plain, rows
 
 
