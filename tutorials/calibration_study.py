@@ -58,7 +58,7 @@ ROW_WIDTH = 256  # elements per row of synthetic data: 16 blocks
 PERCENTILES = (99.0, 99.9, 99.99, 99.999)
 RHOS = (16.0, 256.0, 16384.0, 28000.0)
 DEFAULT_RHO = 16384.0
-B_MIN = f"B_min rho={DEFAULT_RHO:g}"  # the package's default recipe (B_max = p99.999)
+B_MIN = f"B_min rho={DEFAULT_RHO:g}"  # the package's default recipe (B_max at DEFAULT_B_MAX_PERCENTILE)
 B_MIN_VARIANTS = {"B_min, B_max=p99.99": 99.99, "B_min, B_max=max": 100.0}  # other b_max_percentile
 OUTLIER_FACTORS = (1, 2, 4, 8, 16)
 OUTLIER_BLOCK_FRACTION = 1e-3
@@ -661,7 +661,7 @@ fixes that global scale before inference. Two things can go wrong: a block whose
 `g_amax` saturates (FP8's largest scale is 448), and a block whose amax is below
 `g_amax / 28672` gets a subnormal block scale, which torchao clamps to FP8's smallest normal, so
 its small values round to zero. Between the two lies a window 28672 wide (FP8's normal range).
-The B_min recipe (`g_amax = max(rho * B_min, margin * B_max)`, B_min / B_max the 1st / 99.999th
+The B_min recipe (`g_amax = max(rho * B_min, margin * B_max)`, B_min / B_max the 1st / {DEFAULT_B_MAX_PERCENTILE:g}th
 percentiles of block amaxes) places the smallest typical blocks just above the subnormal edge
 and spends the rest of the window as headroom above what calibration saw.
 
