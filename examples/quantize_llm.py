@@ -33,7 +33,7 @@ from torchao.quantization import quantize_
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nvfp4_static import NVFP4StaticActivationConfig
+from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable
 from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics
 
 DEFAULT_RECIPES = "torchao,b_min+mse,b_min+hessian_mse,w4a16"
@@ -111,7 +111,7 @@ def parse_recipe(name: str, b_min_options: dict):
 
 
 def all_but_lm_head(module: torch.nn.Module, name: str) -> bool:
-    return isinstance(module, torch.nn.Linear) and name != "lm_head"
+    return is_quantizable(module, name) and name != "lm_head"
 
 
 def model_size_bytes(model: torch.nn.Module) -> int:
@@ -278,9 +278,8 @@ def main(argv=None) -> None:
     print(format_results(rows, float_ppl))
     if args.save:
         print(
-            f"\nSaved to {args.save}. To load one: build the float model, quantize_ it with "
-            "NVFP4StaticActivationConfig(step='prepare_for_loading', <same recipe>) and "
-            "load_state_dict(torch.load(path, weights_only=True))."
+            f"\nSaved to {args.save}. To load one: build the float model, then "
+            "nvfp4_static.load_quantized(model, path)."
         )
 
 

@@ -14,7 +14,7 @@ import copy
 import torch
 from torchao.quantization import quantize_
 
-from nvfp4_static import NVFP4StaticActivationConfig
+from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable
 from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics, snr_db
 
 
@@ -29,11 +29,11 @@ def main(argv=None) -> None:
     )
     float_model = copy.deepcopy(model)
 
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare"))
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
     with torch.no_grad():
         for _ in range(8):
             model(torch.randn(32, 256))
-    quantize_(model, NVFP4StaticActivationConfig(step="convert"))
+    quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
     print(model)
 
     x = torch.randn(16, 256)

@@ -1,33 +1,39 @@
 """Static-activation NVFP4 quantization for PyTorch, as a torchao ``quantize_`` config.
 
     from torchao.quantization import quantize_
-    from nvfp4_static import NVFP4StaticActivationConfig
+    from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable
 
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare"))
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
     for batch in calibration_batches:
         model(batch)
-    quantize_(model, NVFP4StaticActivationConfig(step="convert"))
+    quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
 """
 
+from nvfp4_static.checkpoint import load_quantized
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.diagnostics import LayerDiagnostics, format_diagnostics, layer_diagnostics
 from nvfp4_static.linear import NVFP4StaticLinear
-from nvfp4_static.observed import NVFP4ObservedLinear
+from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers import (
     BlockHessianAccumulator,
     MaxCalibrator,
     MseCalibrator,
     NVFP4ActMaxCalibrator,
+    NVFP4BMinCalibrator,
     NVFP4MSECalibrator,
     PercentileCalibrator,
 )
 from nvfp4_static.tensor import NVFP4StaticTensor
+from nvfp4_static.workflow import is_quantizable
 
 __all__ = [
     "NVFP4StaticActivationConfig",
+    "is_quantizable",
+    "load_quantized",
     "NVFP4StaticLinear",
-    "NVFP4ObservedLinear",
+    "NVFP4StaticObservedLinear",
     "NVFP4StaticTensor",
+    "NVFP4BMinCalibrator",
     "NVFP4ActMaxCalibrator",
     "MaxCalibrator",
     "PercentileCalibrator",

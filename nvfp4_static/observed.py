@@ -3,10 +3,10 @@
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NVFP4ObservedLinear"]
+__all__ = ["NVFP4StaticObservedLinear"]
 
 
-class NVFP4ObservedLinear(torch.nn.Linear):
+class NVFP4StaticObservedLinear(torch.nn.Linear):
     """An ``nn.Linear`` that feeds its inputs to calibrators, then computes the float linear.
 
     It shares the original module's parameters (no copy), so calibration memory is only the
@@ -42,7 +42,7 @@ class NVFP4ObservedLinear(torch.nn.Linear):
         act_calibrator,
         hessian_accumulator=None,
         layer_name: str = "",
-    ) -> "NVFP4ObservedLinear":
+    ) -> "NVFP4StaticObservedLinear":
         with torch.device("meta"):
             observed = cls(
                 linear.in_features,

@@ -1,4 +1,4 @@
-"""backends/triton.py and backends/blackwell.py against the torch route, backends/cpu.py.
+"""backends/triton_route.py and backends/blackwell.py against the torch route, backends/cpu.py.
 
 The Blackwell route cannot run here (no sm100 GPU): its operands are checked against the layout
 torchao's NVFP4Tensor produces, and the whole route runs on CPU with ``torch._scaled_mm``
@@ -7,18 +7,16 @@ replaced by an emulation of cuBLAS's block-scaled FP4 product.
 
 import pytest
 import torch
-from tolerances import UNIT_ROUNDOFF, gpu_tolerance
+from conftest import UNIT_ROUNDOFF, gpu_tolerance, relative_error, requires_cuda
 from torch.fx.experimental.proxy_tensor import make_fx
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 from torchao.prototype.mx_formats.utils import from_blocked
 
 from nvfp4_static.backends import blackwell, cpu
-from nvfp4_static.backends import triton as triton_backend
+from nvfp4_static.backends import triton_route as triton_backend
 from nvfp4_static.kernels.gemm import GEMM_CONFIGS, gemm_bucket
 from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, quantize_nvfp4
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def float_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
@@ -35,11 +33,6 @@ def linear_inputs(M, N, K, dtype, seed, device="cpu", with_bias=True):
     weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
     bias = torch.randn(N, device=device) if with_bias else None
     return x.to(dtype), weight_qdata, weight_block_scales, weight_scale, act_scale, bias
-
-
-def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
-    assert out.dtype == reference.dtype and out.shape == reference.shape
-    return ((out.double() - reference.double()).norm() / reference.double().norm()).item()
 
 
 def test_triton_backend_sends_cpu_tensors_to_the_cpu_backend():

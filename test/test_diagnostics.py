@@ -5,40 +5,24 @@ import math
 
 import pytest
 import torch
-from torchao.quantization import quantize_
 
+from conftest import DIM, calibration_batches, quantized
 from models import MLP, TransformerBlock
-from nvfp4_static import NVFP4StaticActivationConfig, NVFP4StaticLinear
+from nvfp4_static import NVFP4StaticLinear
 from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics, snr_db
 from nvfp4_static.numerics import fake_quantize_nvfp4, per_tensor_amax_to_scale
-
-DIM = 64
-
-
-def batches(n, seed, scale=1.0):
-    generator = torch.Generator().manual_seed(seed)
-    return [scale * torch.randn(2, 16, DIM, generator=generator) for _ in range(n)]
-
-
-def converted(model, calibration, **config):
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config))
-    with torch.no_grad():
-        for batch in calibration:
-            model(batch)
-    quantize_(model, NVFP4StaticActivationConfig(step="convert", **config))
-    return model
 
 
 def float_and_converted(model_cls, **config):
     torch.manual_seed(0)
     float_model = model_cls()
-    return float_model, converted(copy.deepcopy(float_model), batches(4, seed=0), **config)
+    return float_model, quantized(copy.deepcopy(float_model), **config)
 
 
 @pytest.mark.parametrize("model_cls", [MLP, TransformerBlock], ids=["mlp", "block"])
 def test_one_report_per_converted_layer_carrying_its_calibration(model_cls):
     float_model, model = float_and_converted(model_cls)
-    report = layer_diagnostics(model, batches(1, seed=1)[0], reference_model=float_model)
+    report = layer_diagnostics(model, calibration_batches(1, seed=1)[0], reference_model=float_model)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4StaticLinear)}
     assert [d.name for d in report] == list(layers)
     for d in report:
@@ -55,7 +39,7 @@ def test_one_report_per_converted_layer_carrying_its_calibration(model_cls):
 
 def test_first_layer_numbers_match_an_independent_computation():
     _, model = float_and_converted(MLP, act_calibration="max", weight_scale="max")
-    x = batches(1, seed=2, scale=4.0)[0]  # 4x the calibration scale: some elements clip
+    x = calibration_batches(1, seed=2, scale=4.0)[0]  # 4x the calibration scale: some elements clip
     up = layer_diagnostics(model, x)[0]
     g_amax = model.up.act_global_amax
     static = fake_quantize_nvfp4(x, per_tensor_amax_to_scale(torch.tensor(g_amax)))
@@ -70,7 +54,7 @@ def test_first_layer_numbers_match_an_independent_computation():
 
 def test_in_range_batch_does_not_clip_and_small_blocks_count_as_subnormal():
     _, model = float_and_converted(MLP, act_calibration="max")
-    x = batches(1, seed=3, scale=0.5)[0]
+    x = calibration_batches(1, seed=3, scale=0.5)[0]
     x[0, 0, :16] = model.up.act_global_amax / 1e5  # one block far below g_amax / 28672
     up = layer_diagnostics(model, x)[0]
     assert up.clipped_fraction == 0
@@ -87,17 +71,17 @@ def test_a_layer_called_twice_is_summed_over_both_calls():
             return self.linear(torch.tanh(self.linear(x)))
 
     float_model, model = float_and_converted(Twice)
-    (d,) = layer_diagnostics(model, batches(1, seed=4)[0], reference_model=float_model)
+    (d,) = layer_diagnostics(model, calibration_batches(1, seed=4)[0], reference_model=float_model)
     assert d.calls == 2 and math.isfinite(d.output_snr_db)
 
 
 def test_wide_block_amax_range_is_flagged():
     torch.manual_seed(0)
-    calibration = batches(2, seed=5, scale=1e-2)
+    calibration = calibration_batches(2, seed=5, scale=1e-2)
     for batch in calibration:
         batch[:, :4, :16] *= 1e5  # a few blocks ~1e5x larger than the rest: beyond 28672
     with pytest.warns(UserWarning, match="B_max / B_min"):
-        model = converted(MLP(), calibration)
+        model = quantized(MLP(), batches=calibration)
     report = {d.name: d for d in layer_diagnostics(model, calibration[0])}
     assert report["up"].warned
     assert "!" in format_diagnostics(report.values()).splitlines()[2]
@@ -108,12 +92,12 @@ def test_wide_block_amax_range_is_flagged():
 )
 def test_batch_may_be_a_tensor_a_tuple_or_a_mapping(wrap):
     _, model = float_and_converted(MLP)
-    assert len(layer_diagnostics(model, wrap(batches(1, seed=6)[0]))) == 2
+    assert len(layer_diagnostics(model, wrap(calibration_batches(1, seed=6)[0]))) == 2
 
 
 def test_format_lists_every_layer_or_only_the_worst():
     float_model, model = float_and_converted(TransformerBlock)
-    report = layer_diagnostics(model, batches(1, seed=7)[0], reference_model=float_model)
+    report = layer_diagnostics(model, calibration_batches(1, seed=7)[0], reference_model=float_model)
     table = format_diagnostics(report)
     assert all(d.name in table for d in report)
     worst = min(report, key=lambda d: d.act_snr_db)
@@ -123,7 +107,7 @@ def test_format_lists_every_layer_or_only_the_worst():
 
 def test_errors_name_what_is_missing():
     with pytest.raises(ValueError, match="no NVFP4StaticLinear"):
-        layer_diagnostics(MLP(), batches(1, seed=8)[0])
+        layer_diagnostics(MLP(), calibration_batches(1, seed=8)[0])
     _, model = float_and_converted(MLP)
     with pytest.raises(ValueError, match="no module 'up'"):
-        layer_diagnostics(model, batches(1, seed=8)[0], reference_model=torch.nn.Sequential())
+        layer_diagnostics(model, calibration_batches(1, seed=8)[0], reference_model=torch.nn.Sequential())

@@ -6,7 +6,7 @@ on a CUDA machine the same checks run compiled, at real sizes.
 
 import pytest
 import torch
-from edges import smallest_accepted_per_tensor_scale
+from conftest import requires_cuda, smallest_accepted_per_tensor_scale
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.kernels.act_quantize import (
@@ -27,7 +27,6 @@ from nvfp4_static.numerics import (
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
 LAUNCHER = "nvfp4_static.kernels.act_quantize:launch_activation_quantize"
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def wide_range_activation(M: int, K: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

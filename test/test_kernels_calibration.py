@@ -18,7 +18,7 @@ import torch
 
 from triton_interpreter import skip_if_interpreter_unusable
 
-from nvfp4_static import kernels, statistics
+from nvfp4_static import kernels, references
 from nvfp4_static.kernels.block_hessian import launch_block_hessian
 from nvfp4_static.kernels.histogram import launch_block_amax_histogram
 from nvfp4_static.kernels.scale_sweep import launch_fp8_scale_sweep
@@ -33,7 +33,7 @@ cuda = pytest.mark.skipif(
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
-BIN_EDGES = statistics.histogram_bin_edges(num_bins=512, log2_min=-40.0, log2_max=40.0)
+BIN_EDGES = references.histogram_bin_edges(num_bins=512, log2_min=-40.0, log2_max=40.0)
 
 
 def test_calibration_kernels_under_the_triton_interpreter():
@@ -75,7 +75,7 @@ def histogram_of(launch, x, counts=None, amax=None):
 def reference_histogram(x, counts=None, amax=None):
     counts = torch.zeros(BIN_EDGES.numel() + 1, dtype=torch.int64) if counts is None else counts
     amax = torch.zeros(()) if amax is None else amax
-    batch_counts, batch_amax = statistics.block_amax_histogram(x, BIN_EDGES.to(x.device))
+    batch_counts, batch_amax = references.block_amax_histogram(x, BIN_EDGES.to(x.device))
     return counts + batch_counts.to(counts.device), torch.maximum(amax, batch_amax.to(amax.device))
 
 
@@ -153,7 +153,7 @@ def sweep_weight(rows, cols, dtype, seed, device="cpu"):
 def block_hessian_for(cols, seed, device="cpu"):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(64, cols, generator=generator) * torch.rand(cols, generator=generator) * 4
-    return statistics.block_hessian(x.to(device))
+    return references.block_hessian(x.to(device))
 
 
 def assert_same_scales(got, expected):
@@ -176,7 +176,7 @@ def test_histogram_kernel_poisons_the_max_with_non_finite_input_interpreted(bad)
 def test_plain_sweep_kernel_matches_reference_interpreted(dtype):
     weight = sweep_weight(40, 32, dtype, seed=5)  # 40 rows: the second row tile is ragged
     global_amax = weight.abs().max().float()
-    expected = statistics.fp8_scale_sweep(weight, global_amax)
+    expected = references.fp8_scale_sweep(weight, global_amax)
     assert_same_scales(launch_fp8_scale_sweep(weight, global_amax), expected)
 
 
@@ -186,7 +186,7 @@ def test_hessian_sweep_kernel_matches_reference_interpreted(dtype):
     weight = sweep_weight(32, 32, dtype, seed=6)
     global_amax = weight.abs().max().float()
     hessian = block_hessian_for(32, seed=7)
-    expected = statistics.fp8_scale_sweep(weight, global_amax, hessian)
+    expected = references.fp8_scale_sweep(weight, global_amax, hessian)
     assert_same_scales(launch_fp8_scale_sweep(weight, global_amax, hessian), expected)
 
 
@@ -198,7 +198,7 @@ def test_sweep_kernel_extreme_magnitudes_interpreted(weighting, magnitude):
     weight = torch.randn(32, 16, generator=torch.Generator().manual_seed(8)) * magnitude
     global_amax = weight.abs().max()
     hessian = block_hessian_for(16, seed=9) if weighting == "hessian" else None
-    expected = statistics.fp8_scale_sweep(weight, global_amax, hessian)
+    expected = references.fp8_scale_sweep(weight, global_amax, hessian)
     assert_same_scales(launch_fp8_scale_sweep(weight, global_amax, hessian), expected)
 
 
@@ -228,7 +228,7 @@ def test_block_hessian_kernel_matches_reference_interpreted(dtype):
     hessian = initial.clone()
     launch_block_hessian(x, hessian)
     assert_hessian_within_fp32_rounding(hessian, x, initial)
-    assert_hessian_within_fp32_rounding(initial + statistics.block_hessian(x), x, initial)
+    assert_hessian_within_fp32_rounding(initial + references.block_hessian(x), x, initial)
 
 
 @cuda
@@ -261,7 +261,7 @@ def test_sweep_op_matches_reference_on_cuda(shape, dtype, weighting):
     weight = sweep_weight(*shape, dtype, seed=12, device="cuda")
     global_amax = weight.abs().max().float()
     hessian = block_hessian_for(shape[1], seed=13, device="cuda") if weighting == "hessian" else None
-    expected = statistics.fp8_scale_sweep(weight, global_amax, hessian)
+    expected = references.fp8_scale_sweep(weight, global_amax, hessian)
     assert_same_scales(kernels.fp8_scale_sweep(weight, global_amax, hessian), expected)
 
 
@@ -271,7 +271,7 @@ def test_sweep_op_extreme_magnitudes_on_cuda(magnitude):
     weight = torch.randn(128, 256, device="cuda") * magnitude
     global_amax = weight.abs().max()
     assert_same_scales(
-        kernels.fp8_scale_sweep(weight, global_amax), statistics.fp8_scale_sweep(weight, global_amax)
+        kernels.fp8_scale_sweep(weight, global_amax), references.fp8_scale_sweep(weight, global_amax)
     )
 
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tolerances import UNIT_ROUNDOFF, gpu_tolerance
+from conftest import UNIT_ROUNDOFF, gpu_tolerance, relative_error, requires_cuda
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.kernels.act_quantize import deinterleave_blocks, gemm_activation_operand
@@ -31,7 +31,6 @@ from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, dequantize_nvfp4, quantize
 
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
 DEQUANTIZE_LAUNCHER = "nvfp4_static.kernels.gemm:launch_weight_dequantize"
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def raw_gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
@@ -65,11 +64,6 @@ def reference_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight
     weight = dequantize_nvfp4(weight_qdata, weight_block_scales).double()
     out = (activation @ weight.t()) * (act_scale.double() * weight_scale.double())
     return out if bias is None else out + bias.double()
-
-
-def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN in the output (an element left unwritten?)"
-    return ((out.double() - reference).norm() / reference.norm()).item()
 
 
 def test_interleave_undoes_deinterleave():

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
-from edges import smallest_accepted_per_tensor_scale
+from conftest import smallest_accepted_per_tensor_scale
 from nvfp4_static import numerics
 
 DTYPES = [torch.bfloat16, torch.float32]

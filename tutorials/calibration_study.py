@@ -43,7 +43,7 @@ from nvfp4_static.observers import (
     nvfp4_fake_quantize_with_amax,
 )
 from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
-from nvfp4_static.observers.nvfp4_act_max import DEFAULT_B_MAX_PERCENTILE
+from nvfp4_static.observers.b_min import DEFAULT_B_MAX_PERCENTILE
 
 try:  # plots need matplotlib (the "examples" extra); without it the page has tables only
     import matplotlib

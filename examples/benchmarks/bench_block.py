@@ -26,7 +26,7 @@ from torchao.utils import unwrap_tensor_subclass
 from triton.testing import do_bench
 
 from bench_linear import graph_ms
-from nvfp4_static import NVFP4StaticActivationConfig
+from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable
 
 
 class SwiGLUBlock(torch.nn.Module):
@@ -65,10 +65,14 @@ def bf16_and_converted_blocks(dim: int, heads: int, hidden: int) -> tuple[SwiGLU
     torch.manual_seed(0)
     block = SwiGLUBlock(dim, heads, hidden).cuda().to(torch.bfloat16)
     quantized = copy.deepcopy(block)
-    quantize_(quantized, NVFP4StaticActivationConfig(step="prepare", weight_scale="max"))
+    quantize_(
+        quantized, NVFP4StaticActivationConfig(step="prepare", weight_scale="max"), filter_fn=is_quantizable
+    )
     with torch.no_grad():
         quantized(decode_or_prefill_input(256, dim))
-    quantize_(quantized, NVFP4StaticActivationConfig(step="convert", weight_scale="max"))
+    quantize_(
+        quantized, NVFP4StaticActivationConfig(step="convert", weight_scale="max"), filter_fn=is_quantizable
+    )
     return block, quantized
 
 

@@ -19,7 +19,7 @@ import triton
 from bench_linear import bare_read_ms, graph_ms
 from torchao.quantization import quantize_
 
-from nvfp4_static import NVFP4StaticActivationConfig, kernels, statistics
+from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable, kernels, references
 
 TOKENS, HIDDEN, INTERMEDIATE = 4096, 8192, 28672
 WEIGHT_ROWS = WEIGHT_COLS = 8192
@@ -96,7 +96,7 @@ def copy_bandwidth() -> float:
 
 
 def bench_histogram(x, modelopt_collect, bandwidth):
-    edges = statistics.histogram_bin_edges(512, -40.0, 40.0).cuda()
+    edges = references.histogram_bin_edges(512, -40.0, 40.0).cuda()
     counts = torch.zeros(512, dtype=torch.int64, device="cuda")
     amax = torch.zeros((), device="cuda")
     ours = bench(lambda: kernels.collect_block_amax_histogram(x, counts, amax, edges))
@@ -107,7 +107,7 @@ def bench_histogram(x, modelopt_collect, bandwidth):
     read, read_gpu = bare_read_ms(bench, x), bare_read_ms(graph_ms, x)
 
     def reference():
-        batch_counts, batch_amax = statistics.block_amax_histogram(x, edges)
+        batch_counts, batch_amax = references.block_amax_histogram(x, edges)
         counts.add_(batch_counts)
         torch.maximum(amax, batch_amax, out=amax)
 
@@ -117,7 +117,7 @@ def bench_histogram(x, modelopt_collect, bandwidth):
     counts.zero_()
     amax.zero_()
     kernels.collect_block_amax_histogram(x, counts, amax, edges)
-    expected_counts, expected_amax = statistics.block_amax_histogram(x, edges)
+    expected_counts, expected_amax = references.block_amax_histogram(x, edges)
     same = torch.equal(counts, expected_counts) and torch.equal(amax, expected_amax)
     achieved = x.numel() * x.element_size() / ours / 1e9
     note = (
@@ -131,17 +131,17 @@ def bench_histogram(x, modelopt_collect, bandwidth):
 def bench_sweeps(weight, hessian, modelopt_sweeps, name):
     global_amax = weight.abs().amax().float()
     ours = kernels.fp8_scale_sweep(weight, global_amax)
-    reference = statistics.fp8_scale_sweep(weight, global_amax)
+    reference = references.fp8_scale_sweep(weight, global_amax)
     same = torch.equal(ours.view(torch.uint8), reference.view(torch.uint8))
     plain_ours = bench(lambda: kernels.fp8_scale_sweep(weight, global_amax))
-    plain_reference = time_once(lambda: statistics.fp8_scale_sweep(weight, global_amax))
+    plain_reference = time_once(lambda: references.fp8_scale_sweep(weight, global_amax))
 
     rows = weight[:HESSIAN_REFERENCE_ROWS]
     weighted_ours = kernels.fp8_scale_sweep(rows, global_amax, hessian)
-    weighted_reference = statistics.fp8_scale_sweep(rows, global_amax, hessian)
+    weighted_reference = references.fp8_scale_sweep(rows, global_amax, hessian)
     weighted_same = torch.equal(weighted_ours.view(torch.uint8), weighted_reference.view(torch.uint8))
     hessian_ours = bench(lambda: kernels.fp8_scale_sweep(weight, global_amax, hessian))
-    hessian_reference = time_once(lambda: statistics.fp8_scale_sweep(rows, global_amax, hessian))
+    hessian_reference = time_once(lambda: references.fp8_scale_sweep(rows, global_amax, hessian))
     hessian_reference *= weight.shape[0] / HESSIAN_REFERENCE_ROWS
 
     plain_modelopt = hessian_modelopt = modelopt_sweeps
@@ -161,7 +161,7 @@ def bench_sweeps(weight, hessian, modelopt_sweeps, name):
 def bench_block_hessian(x, bandwidth):
     hessian = torch.zeros(x.shape[-1] // 16, 16, 16, device="cuda")
     ours = bench(lambda: kernels.accumulate_block_hessian(x, hessian))
-    reference = bench(lambda: hessian.add_(statistics.block_hessian(x)))
+    reference = bench(lambda: hessian.add_(references.block_hessian(x)))
     achieved = x.numel() * x.element_size() / ours / 1e9
     note = f"{achieved:.2f} TB/s read = {achieved / bandwidth:.0%} of copy"
     return Row(f"block Hessian {tuple(x.shape)} bf16", ours, reference, "n/a", note)
@@ -177,7 +177,7 @@ def mlp():
 
 def observe_with_ops(model, weighted):
     """Forward pre-hooks that feed each linear's input to our ops alone: the kernels' own cost."""
-    edges = statistics.histogram_bin_edges(512, -40.0, 40.0).cuda()
+    edges = references.histogram_bin_edges(512, -40.0, 40.0).cuda()
 
     def hook(state):
         def feed(module, args):
@@ -206,7 +206,9 @@ def calibration_overhead(x):
         for weight_scale in ("mse", "hessian_mse"):
             prepared = mlp()
             prepared.load_state_dict(model.state_dict())
-            quantize_(prepared, NVFP4StaticActivationConfig(step="prepare", weight_scale=weight_scale))
+            quantize_(
+                prepared, NVFP4StaticActivationConfig(step="prepare", weight_scale=weight_scale), filter_fn=is_quantizable
+            )
             prepared_ms = bench(lambda: prepared(x))
             rows.append((f"quantize_ prepare, weight_scale={weight_scale!r}", prepared_ms))
         for weighted in (False, True):
@@ -228,7 +230,7 @@ def main():
     amax_ms = bench(lambda: x.abs().amax())
 
     rows = [bench_histogram(x, modelopt_or_reason(load_modelopt_collect), bandwidth)]
-    hessian = statistics.block_hessian(x)
+    hessian = references.block_hessian(x)
     modelopt_sweeps = modelopt_or_reason(load_modelopt_sweeps)
     gaussian = torch.randn(WEIGHT_ROWS, WEIGHT_COLS, device="cuda", dtype=torch.bfloat16)
     rows += bench_sweeps(gaussian, hessian, modelopt_sweeps, "gaussian")

@@ -3,7 +3,7 @@
 For each weight shape (K, N) and token count M, in one run on one GPU:
 
 - ``bf16``: ``F.linear`` with the bf16 weight (cuBLAS), the baseline;
-- ``ours``: ``backends.triton.static_nvfp4_linear`` eagerly, given the host copy of the scale
+- ``ours``: ``backends.triton_route.static_nvfp4_linear`` eagerly, given the host copy of the scale
   product that an ``NVFP4StaticTensor`` carries (at M > 64 cuBLAS then applies scale and bias);
   ``no alpha`` the same call without it (fp32 product + Triton epilogue), as the baseline of that
   change;
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from nvfp4_static.backends.triton import static_nvfp4_linear
+from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.numerics import dequantize_nvfp4, fake_quantize_nvfp4, per_tensor_amax_to_scale, quantize_nvfp4
 from nvfp4_static.tensor import NVFP4StaticTensor
 

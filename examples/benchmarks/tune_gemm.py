@@ -1,7 +1,7 @@
 """Sweep tile configs of the Triton NVFP4 GEMM per M, to (re)fill ``kernels.gemm.GEMM_CONFIGS``.
 
 For each weight shape and M, every candidate runs as the whole Triton linear
-(``backends.triton.static_nvfp4_linear`` with the table replaced by that one config: the
+(``backends.triton_route.static_nvfp4_linear`` with the table replaced by that one config: the
 activation kernel and the GEMM, or one GEMM that quantizes the activation itself), is checked
 against a float32 product of the same dequantized operands, and is timed as a CUDA graph replay
 (GPU time without Python launch overhead; do_bench median, L2 flushed between replays). Prints
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from bench_linear import graph_ms
 
-from nvfp4_static.backends.triton import static_nvfp4_linear
+from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm
 from nvfp4_static.kernels.act_quantize import gemm_activation_operand
 from nvfp4_static.kernels.gemm import CublasAfterDequantize, GemmConfig

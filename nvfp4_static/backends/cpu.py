@@ -30,7 +30,7 @@ def static_nvfp4_linear(
         bias: optional ``[N]``.
         output_scale: ``act_per_tensor_scale * weight_per_tensor_scale`` as a Python float, when
             the caller has it; a route that hands the epilogue to cuBLAS needs it on the host
-            (``backends.triton``). This route scales on the device and ignores it.
+            (``backends.triton_route``). This route scales on the device and ignores it.
 
     Returns:
         ``[..., N]`` in ``x.dtype``.

@@ -1,7 +1,7 @@
 """Calibration and inference ops, dispatched by device.
 
 Each op runs a Triton kernel on CUDA tensors and the plain-torch reference in
-``nvfp4_static.statistics`` / ``nvfp4_static.numerics`` otherwise; both give identical results.
+``nvfp4_static.references`` / ``nvfp4_static.numerics`` otherwise; both give identical results.
 The calibration ops are ``torch.library`` custom ops, so a calibration forward compiles with
 ``torch.compile(fullgraph=True)``; run eagerly on CUDA, the collect ops call their launchers
 directly, because the custom op's dispatch costs as much host time as the launch itself and
@@ -32,7 +32,7 @@ def collect_block_amax_histogram(
 def fp8_scale_sweep(
     weight: torch.Tensor, global_amax: torch.Tensor, hessian: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Best FP8 block scale per 16-element block of ``weight``; see ``statistics.fp8_scale_sweep``."""
+    """Best FP8 block scale per 16-element block of ``weight``; see ``references.fp8_scale_sweep``."""
     return scale_sweep.fp8_scale_sweep(weight, global_amax, hessian)
 
 

@@ -4,7 +4,7 @@ Each program owns 128 bytes of every token row (4 blocks of bf16 / fp16, 2 of fp
 all tokens through ``tl.dot`` into one fp32 Gram matrix of those columns, and adds its diagonal
 16 x 16 blocks into the Hessian. The off-diagonal blocks are computed and dropped: the
 multiplies are free next to the bytes read. bf16 / fp16 products are exact in fp32 and fp32
-inputs use IEEE products, so the result equals ``statistics.block_hessian`` up to fp32
+inputs use IEEE products, so the result equals ``references.block_hessian`` up to fp32
 summation order. No atomics: every Hessian block has one owner, so the sums are deterministic.
 
 Registered as the custom op ``nvfp4_static::accumulate_block_hessian`` (the torch reference on
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static import statistics
+from nvfp4_static import references
 from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
@@ -90,7 +90,7 @@ def launch_block_hessian(x: torch.Tensor, hessian: torch.Tensor) -> None:
 
 @torch.library.custom_op("nvfp4_static::accumulate_block_hessian", mutates_args=("hessian",))
 def accumulate_block_hessian(x: torch.Tensor, hessian: torch.Tensor) -> None:
-    hessian.add_(statistics.block_hessian(x).to(hessian.device))
+    hessian.add_(references.block_hessian(x).to(hessian.device))
 
 
 @accumulate_block_hessian.register_kernel("cuda")

@@ -357,7 +357,7 @@ class CublasAfterDequantize:
 # where every tile quantizes 4 or 16 rows, they were 0-16% slower, so only M = 1 does this
 # (RESULTS.md, "M = 1: the GEMM quantizes its activation row").
 # Few buckets on purpose: a graph compiled for a dynamic M holds every bucket's kernels behind a
-# cond (backends.triton), so each bucket adds compile time and host work per call.
+# cond (backends.triton_route), so each bucket adds compile time and host work per call.
 GEMM_CONFIGS = (
     (1, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2, activation_rows=1)),
     (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1)),
@@ -371,7 +371,7 @@ EPILOGUE_BLOCK = 1024
 
 def gemm_bucket(M: int) -> int:
     """The index in ``GEMM_CONFIGS`` of the entry serving ``M`` rows. Under tracing with a
-    symbolic ``M`` this would be a guard on it; ``backends.triton`` branches with a cond instead
+    symbolic ``M`` this would be a guard on it; ``backends.triton_route`` branches with a cond instead
     and hands the ops each branch's index."""
     for index, (max_m, _) in enumerate(GEMM_CONFIGS):
         if max_m is None or M <= max_m:

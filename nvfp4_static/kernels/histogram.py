@@ -1,6 +1,6 @@
 """Per-block-amax histogram collection as one Triton pass over the activation.
 
-Counts exactly what ``statistics.block_amax_histogram`` counts: a block amax ``v > 0`` lands in
+Counts exactly what ``references.block_amax_histogram`` counts: a block amax ``v > 0`` lands in
 bin ``#(edges <= v)`` against the same float32 edges, zero blocks are not counted, and the
 literal max is the max block amax. Each program reads a tile of blocks once, keeps their amaxes
 in registers, bins them (a log2 guess, then one comparison against the edge on each side, which
@@ -9,7 +9,7 @@ lowest, and adds the nonzero bins to the int64 counts (bins past the window one 
 tile's max goes in with one float atomic max. The atomics are relaxed (no fences: only the sums
 matter). Nothing per block reaches memory.
 
-The bin guess assumes log-spaced edges (``statistics.histogram_bin_edges``): it is then off by
+The bin guess assumes log-spaced edges (``references.histogram_bin_edges``): it is then off by
 at most one bin, next to an edge, which the comparisons fix.
 
 Registered as the custom op ``nvfp4_static::collect_block_amax_histogram`` (the torch reference
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static import statistics
+from nvfp4_static import references
 from nvfp4_static.kernels.launch import ceil_div, next_power_of_2
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
@@ -177,7 +177,7 @@ def launch_block_amax_histogram(
 def collect_block_amax_histogram(
     x: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor, bin_edges: torch.Tensor
 ) -> None:
-    batch_counts, batch_amax = statistics.block_amax_histogram(x, bin_edges)
+    batch_counts, batch_amax = references.block_amax_histogram(x, bin_edges)
     counts.add_(batch_counts.to(counts.device))
     torch.maximum(amax, batch_amax.to(amax.device), out=amax)
 

@@ -1,7 +1,7 @@
 """The FP8 block-scale sweep (plain and Hessian-weighted) as one Triton kernel.
 
-It chooses exactly what ``statistics.fp8_scale_sweep`` chooses: the same per-candidate factors
-(``statistics.sweep_candidate_factors``), the same quantize arithmetic, the same pairwise sums,
+It chooses exactly what ``references.fp8_scale_sweep`` chooses: the same per-candidate factors
+(``references.sweep_candidate_factors``), the same quantize arithmetic, the same pairwise sums,
 and ties to the lowest candidate. FP contraction is off for this kernel: an FMA would round
 ``w - q * d`` or ``err + dw * dw`` once where torch rounds twice.
 
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static import statistics
+from nvfp4_static import references
 from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype, e4m3_positive_values
 
@@ -62,7 +62,7 @@ def _quantization_steps(w_abs, reciprocal, dequant_scale):
 
 @triton.jit
 def _pairwise_sum(terms, FIRST: tl.constexpr):
-    """``statistics._pairwise_sum`` of a 16-tuple whose terms before ``FIRST`` are zero there.
+    """``references._pairwise_sum`` of a 16-tuple whose terms before ``FIRST`` are zero there.
 
     Those terms are skipped: a tree node whose left half is all zeros is its right half (equal
     up to the sign of a zero, which no comparison sees).
@@ -190,9 +190,9 @@ def launch_fp8_scale_sweep(
         )
     n_rows, k = weight.shape
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    reciprocals, dequant_scales = statistics.sweep_candidate_factors(global_amax, weight.device)
+    reciprocals, dequant_scales = references.sweep_candidate_factors(global_amax, weight.device)
     if hessian is not None:
-        upper_hessian = statistics.upper_triangular_hessian(hessian.to(weight.device)).contiguous()
+        upper_hessian = references.upper_triangular_hessian(hessian.to(weight.device)).contiguous()
         rows, num_warps = HESSIAN_ROWS, HESSIAN_NUM_WARPS
     else:
         upper_hessian = reciprocals  # not read
@@ -220,7 +220,7 @@ def launch_fp8_scale_sweep(
 def fp8_scale_sweep(
     weight: torch.Tensor, global_amax: torch.Tensor, hessian: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    return statistics.fp8_scale_sweep(weight, global_amax, hessian)
+    return references.fp8_scale_sweep(weight, global_amax, hessian)
 
 
 @fp8_scale_sweep.register_kernel("cuda")

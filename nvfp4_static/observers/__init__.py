@@ -1,6 +1,7 @@
 """Calibration observers: plain objects with ``collect(x)`` / ``compute_amax()`` / ``reset()``.
 
-Activation global amax: ``NVFP4ActMaxCalibrator`` (the B_min-anchored default),
+Activation global amax: ``NVFP4BMinCalibrator`` (the B_min-anchored default;
+``NVFP4ActMaxCalibrator`` is the same under ModelOpt's signature),
 ``MaxCalibrator``, ``PercentileCalibrator``, ``MseCalibrator``. Weight block scales:
 ``NVFP4MSECalibrator``, optionally weighted by a ``BlockHessianAccumulator``. The mergeable ones
 combine across batches and processes through ``merge`` / ``state_dict`` (see ``base``).
@@ -14,7 +15,7 @@ from nvfp4_static.observers.block_amax_histogram import (
 from nvfp4_static.observers.block_hessian import BlockHessianAccumulator
 from nvfp4_static.observers.max import MaxCalibrator
 from nvfp4_static.observers.mse import MseCalibrator, nvfp4_fake_quantize_with_amax, squared_error
-from nvfp4_static.observers.nvfp4_act_max import NVFP4ActMaxCalibrator
+from nvfp4_static.observers.b_min import NVFP4ActMaxCalibrator, NVFP4BMinCalibrator
 from nvfp4_static.observers.nvfp4_mse import NVFP4MSECalibrator
 from nvfp4_static.observers.percentile import PercentileCalibrator
 
@@ -26,6 +27,7 @@ __all__ = [
     "MergeableObserver",
     "MseCalibrator",
     "NVFP4ActMaxCalibrator",
+    "NVFP4BMinCalibrator",
     "NVFP4MSECalibrator",
     "Observer",
     "PercentileCalibrator",

@@ -12,7 +12,7 @@ import torch
 
 from nvfp4_static import kernels
 from nvfp4_static.observers.base import MergeableObserver
-from nvfp4_static.statistics import histogram_bin_centres, histogram_bin_edges
+from nvfp4_static.references import histogram_bin_centres, histogram_bin_edges
 
 __all__ = ["BlockAmaxHistogramObserver", "ALL_ZERO_FALLBACK_AMAX"]
 

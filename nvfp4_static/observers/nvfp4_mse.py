@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static import kernels
+from nvfp4_static import kernels, references
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     E4M3_MAX,
@@ -13,7 +13,12 @@ from nvfp4_static.numerics import (
 )
 from nvfp4_static.observers.base import Observer
 
-__all__ = ["NVFP4MSECalibrator"]
+__all__ = ["GlobalAmaxTooSmallError", "NVFP4MSECalibrator"]
+
+
+class GlobalAmaxTooSmallError(ValueError):
+    """The weight's global amax is so small that the sweep's candidate reciprocals overflow
+    float32 (below about 4e-33): no candidate can be evaluated faithfully."""
 
 
 class NVFP4MSECalibrator(Observer):
@@ -27,8 +32,13 @@ class NVFP4MSECalibrator(Observer):
     per-candidate buffer the size of the weight is ever allocated.
 
     One weight per calibrator: a second ``collect`` without ``reset()`` raises. An all-zero
-    weight (``global_amax == 0``) gets FP8's smallest normal, 2^-6, in every block.
-    ``compute_amax()`` / ``block_scales_e4m3`` before ``collect`` raise ``RuntimeError``.
+    weight (``global_amax == 0``) gets FP8's smallest normal, 2^-6, in every block; a global
+    amax below about 4e-33 raises ``GlobalAmaxTooSmallError``. ``compute_amax()`` /
+    ``block_scales_e4m3`` before ``collect`` raise ``RuntimeError``.
+
+    The signature is ModelOpt's (``amax, global_amax, axis, quant_func, error_func``), so code
+    written against ModelOpt's calibrator runs unchanged; ``axis``, ``quant_func`` and
+    ``error_func`` are accepted only to refuse values this calibrator cannot honour.
 
     Args:
         amax: the weight's current per-block amax, ``[N, K/16]`` (any shape with that many
@@ -109,11 +119,14 @@ class NVFP4MSECalibrator(Observer):
             shape = (weight.shape[0], weight.shape[1] // BLOCK_SIZE)
             scales = torch.full(shape, E4M3_MIN_NORMAL, device=weight.device)
             self._block_scales_e4m3 = scales.to(torch.float8_e4m3fn)
+        elif references.sweep_reciprocals_overflow(global_amax):
+            raise GlobalAmaxTooSmallError(
+                f"{self.describe()}: weight global amax {float(global_amax):.3g} is too small for "
+                f"the FP8 scale sweep: the smallest candidate's scale reciprocal overflows float32 "
+                f"(below about 4e-33)"
+            )
         else:
-            try:
-                self._block_scales_e4m3 = kernels.fp8_scale_sweep(weight, global_amax, self.hessian)
-            except ValueError as error:  # e.g. a global amax whose scale reciprocals overflow
-                raise ValueError(f"{self.describe()}: {error}") from error
+            self._block_scales_e4m3 = kernels.fp8_scale_sweep(weight, global_amax, self.hessian)
 
     @property
     def block_scales_e4m3(self) -> torch.Tensor:

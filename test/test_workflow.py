@@ -15,43 +15,18 @@ from torchao.quantization import quantize_
 from torchao.quantization.quantize_.common.quantization_step import QuantizationStep
 from torchao.utils import unwrap_tensor_subclass
 
+from conftest import DIM, requires_cuda, calibration_batches, make, quantized, sqnr_db
 from models import MLP, TransformerBlock
 from nvfp4_static import (
-    NVFP4ObservedLinear,
     NVFP4StaticActivationConfig,
     NVFP4StaticLinear,
+    NVFP4StaticObservedLinear,
     NVFP4StaticTensor,
+    is_quantizable,
 )
 from nvfp4_static.numerics import dequantize_nvfp4
 
 os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
-
-DIM = 64
-
-
-def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    reference, approximation = reference.double(), approximation.double()
-    return float(10 * torch.log10(reference.pow(2).sum() / (reference - approximation).pow(2).sum()))
-
-
-def calibration_batches(n=4, seed=0, dtype=torch.float32):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, 16, DIM, generator=generator).to(dtype) for _ in range(n)]
-
-
-def quantized(model, dtype=torch.float32, **config):
-    """Prepare, calibrate on four batches and convert ``model`` in place; return it."""
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config))
-    with torch.no_grad():
-        for batch in calibration_batches(dtype=dtype):
-            model(batch)
-    quantize_(model, NVFP4StaticActivationConfig(step="convert", **config))
-    return model
-
-
-def make(model_cls, dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    return model_cls().to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -60,8 +35,8 @@ def test_prepare_observes_without_changing_outputs(model_cls, dtype):
     model = make(model_cls, dtype)
     x = calibration_batches(1, seed=5, dtype=dtype)[0]
     expected = model(x)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare"))
-    observed = [m for m in model.modules() if isinstance(m, NVFP4ObservedLinear)]
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
+    observed = [m for m in model.modules() if isinstance(m, NVFP4StaticObservedLinear)]
     assert len(observed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert torch.equal(model(x), expected)
 
@@ -101,11 +76,15 @@ def test_max_recipe_weight_is_torchaos_nvfp4_bit_for_bit():
 
 def test_convert_refuses_an_activation_amax_too_small_for_nvfp4():
     model = make(MLP)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare", act_calibration="max"))
+    quantize_(
+        model, NVFP4StaticActivationConfig(step="prepare", act_calibration="max"), filter_fn=is_quantizable
+    )
     with torch.no_grad():
         model(calibration_batches(1)[0] * 1e-36)
     with pytest.raises(ValueError, match="layer 'up': calibrated activation amax is .*at least about 5e-34"):
-        quantize_(model, NVFP4StaticActivationConfig(step="convert", act_calibration="max"))
+        quantize_(
+            model, NVFP4StaticActivationConfig(step="convert", act_calibration="max"), filter_fn=is_quantizable
+        )
 
 
 @pytest.mark.parametrize("weight_scale", ["mse", "hessian_mse"])
@@ -160,7 +139,7 @@ def test_filter_fn_selects_layers():
     model = make(MLP)
     only_up = lambda module, name: isinstance(module, torch.nn.Linear) and name == "up"  # noqa: E731
     quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=only_up)
-    assert isinstance(model.up, NVFP4ObservedLinear)
+    assert isinstance(model.up, NVFP4StaticObservedLinear)
     assert type(model.down) is torch.nn.Linear
     model(calibration_batches(1)[0])
     quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=only_up)
@@ -241,7 +220,7 @@ def test_compiled_model_matches_eager_without_recompiling():
     assert frames[0] == frames[-1] == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 def test_gpu_compiled_model_serves_every_token_count_from_one_graph():
     """On the Triton backend the token count picks the GEMM's tiles at run time (a cond per
     tile bucket), so one dynamic graph covers decode and prefill sizes alike, with the outputs
@@ -269,20 +248,20 @@ def test_gpu_compiled_model_serves_every_token_count_from_one_graph():
 
 def test_convert_without_calibration_names_the_layer():
     model = make(MLP)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare"))
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
     with pytest.raises(RuntimeError, match="'up'"):
-        quantize_(model, NVFP4StaticActivationConfig(step="convert"))
+        quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
 
 
 def test_convert_without_prepare_is_an_error():
     with pytest.raises(RuntimeError, match="has no observer"):
-        quantize_(make(MLP), NVFP4StaticActivationConfig(step="convert"))
+        quantize_(make(MLP), NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_non_finite_calibration_data_names_the_layer(bad):
     model = make(MLP)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare"))
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
     x = calibration_batches(1)[0]
     x[0, 3, 5] = bad
     with pytest.raises(ValueError, match="'up'"):
@@ -293,7 +272,9 @@ def test_activations_whose_squares_overflow_are_refused_by_both_observers_of_the
     """Finite, but the Hessian's sum of squares overflows float32: a clear error, and neither the
     Hessian nor the activation statistics take the batch (they stay as after the good one)."""
     model = make(MLP)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare", weight_scale="hessian_mse"))
+    quantize_(
+        model, NVFP4StaticActivationConfig(step="prepare", weight_scale="hessian_mse"), filter_fn=is_quantizable
+    )
     good, huge = calibration_batches(2)
     model(good)
     before = {key: value.clone() for key, value in model.up.act_calibrator.state_dict().items()}
@@ -318,45 +299,44 @@ class Odd(torch.nn.Module):
 def test_non_multiple_of_16_layers_are_skipped_with_a_warning():
     model = Odd()
     with pytest.warns(UserWarning, match="'narrow'"):
-        quantize_(model, NVFP4StaticActivationConfig(step="prepare"))
+        quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
     assert type(model.narrow) is torch.nn.Linear and type(model.wide) is torch.nn.Linear
 
 
 def test_strict_mode_raises_on_a_100_wide_linear():
     with pytest.raises(ValueError, match="'narrow'.*100"):
-        quantize_(Odd(), NVFP4StaticActivationConfig(step="prepare", strict=True))
+        quantize_(
+            Odd(), NVFP4StaticActivationConfig(step="prepare", strict=True), filter_fn=is_quantizable
+        )
 
 
 def test_unsupported_weight_dtype_is_an_error():
     model = make(MLP).to(torch.float64)
     with pytest.raises(TypeError, match="float64"):
-        quantize_(model, NVFP4StaticActivationConfig(step="prepare"))
+        quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
 
 
 SAVE_LOAD_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, {test_dir!r})
-    from torchao.quantization import quantize_
     from models import TransformerBlock
-    from nvfp4_static import NVFP4StaticActivationConfig
+    from nvfp4_static import load_quantized
     model = TransformerBlock()
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading", **{config!r}))
-    model.load_state_dict(torch.load({path!r}, weights_only=True))
+    load_quantized(model, {path!r})
     torch.save(model(torch.load({x_path!r}, weights_only=True)), {out_path!r})
     """
 )
 
 
 def test_save_load_round_trip_in_a_fresh_process(tmp_path):
-    config = {"weight_scale": "hessian_mse"}
-    model = quantized(make(TransformerBlock), **config)
+    """The documented route: the loading process names no recipe and no filter."""
+    model = quantized(make(TransformerBlock), weight_scale="hessian_mse")
     torch.save(model.state_dict(), tmp_path / "model.pt")
     x = torch.randn(2, 8, DIM)
     torch.save(x, tmp_path / "x.pt")
     script = SAVE_LOAD_SCRIPT.format(
         test_dir=os.path.dirname(__file__),
-        config=config,
         path=str(tmp_path / "model.pt"),
         x_path=str(tmp_path / "x.pt"),
         out_path=str(tmp_path / "out.pt"),
@@ -369,7 +349,9 @@ def test_save_load_round_trip_in_a_fresh_process(tmp_path):
 def test_loading_refreshes_each_weights_host_copy_of_its_output_scale():
     source = quantized(make(MLP))
     model = make(MLP)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading"))
+    quantize_(
+        model, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable
+    )
     model.load_state_dict(source.state_dict())
     for name in ("up", "down"):
         loaded, original = getattr(model, name).weight, getattr(source, name).weight
@@ -379,7 +361,9 @@ def test_loading_refreshes_each_weights_host_copy_of_its_output_scale():
 def test_loading_a_checkpoint_of_another_recipe_is_an_error():
     state = quantized(make(MLP), weight_scale="max").state_dict()
     model = make(MLP)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading"))
+    quantize_(
+        model, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable
+    )
     with pytest.raises(ValueError, match="recipe"):
         model.load_state_dict(state)
 
@@ -387,7 +371,9 @@ def test_loading_a_checkpoint_of_another_recipe_is_an_error():
 def test_loading_a_checkpoint_of_other_shapes_is_an_error():
     state = quantized(make(MLP)).state_dict()
     model = MLP(dim=DIM, hidden=256)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading"))
+    quantize_(
+        model, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable
+    )
     with pytest.raises(RuntimeError, match="size mismatch"):
         model.load_state_dict(state)
 
@@ -395,7 +381,9 @@ def test_loading_a_checkpoint_of_other_shapes_is_an_error():
 def test_loading_a_float_checkpoint_into_a_quantized_model_is_an_error():
     state = make(MLP).state_dict()
     model = make(MLP)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading"))
+    quantize_(
+        model, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable
+    )
     with pytest.raises(RuntimeError, match="prepare_for_loading"):
         model.load_state_dict(state)
 
@@ -404,7 +392,9 @@ def test_loading_a_float_checkpoint_into_a_quantized_model_is_an_error():
 def test_compiled_calibration_collects_what_eager_collects(weight_scale):
     eager, compiled_model = make(MLP), make(MLP)
     for model in (eager, compiled_model):
-        quantize_(model, NVFP4StaticActivationConfig(step="prepare", weight_scale=weight_scale))
+        quantize_(
+            model, NVFP4StaticActivationConfig(step="prepare", weight_scale=weight_scale), filter_fn=is_quantizable
+        )
     compiled = torch.compile(compiled_model, fullgraph=True)
     with torch.no_grad():
         for batch in calibration_batches():
@@ -423,11 +413,11 @@ def test_compiled_calibration_collects_what_eager_collects(weight_scale):
 
 def test_non_finite_data_in_compiled_calibration_fails_at_convert():
     model = make(MLP)
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare"))
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
     compiled = torch.compile(model, fullgraph=True)
     x = calibration_batches(1)[0]
     x[1, 2, 3] = float("nan")
     with torch.no_grad():
         compiled(x)
     with pytest.raises(ValueError, match="'up'.*NaN or Inf"):
-        quantize_(model, NVFP4StaticActivationConfig(step="convert"))
+        quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)

@@ -1,0 +1,97 @@
+"""Loading a converted model's ``state_dict`` into a freshly built float model.
+
+A converted layer saves its recipe as extra state (``NVFP4StaticLinear.get_extra_state``), so a
+checkpoint says by itself which layers are converted and how: ``load_quantized`` reads that
+instead of asking the user to repeat the ``filter_fn`` and the config they converted with.
+"""
+
+import os
+from typing import Optional, Union
+
+import torch
+
+from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear
+
+__all__ = ["load_quantized"]
+
+_EXTRA_STATE = "_extra_state"
+
+
+def load_quantized(
+    model: torch.nn.Module,
+    checkpoint: Union[dict, str, os.PathLike],
+    *,
+    backend: Optional[str] = None,
+) -> torch.nn.Module:
+    """Load ``checkpoint`` (a converted model's ``state_dict``, or a file ``torch.save`` wrote)
+    into ``model``, built as the float model it was converted from.
+
+    Each ``nn.Linear`` the checkpoint records as converted becomes an ``NVFP4StaticLinear`` with
+    the recorded recipe, then the whole ``state_dict`` is loaded strictly. If anything is refused
+    (a missing layer, a shape mismatch), ``model`` is left as it was.
+
+    Args:
+        model: the float model (e.g. ``AutoModelForCausalLM.from_config(config)``).
+        checkpoint: the state dict, or a path to load it from with ``weights_only=True`` onto
+            the device of ``model``'s first parameter.
+        backend: force the inference route of the loaded layers (see the config's ``backend``).
+
+    Returns:
+        ``model``, loaded in place.
+    """
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = torch.load(checkpoint, weights_only=True, map_location=_device_of(model))
+    swapped = []
+    try:
+        for name, recipe in _converted_layers(checkpoint).items():
+            module = _submodule(model, name)
+            if isinstance(module, NVFP4StaticLinear):
+                continue
+            if not isinstance(module, torch.nn.Linear):
+                raise ValueError(
+                    f"nvfp4_static: the checkpoint holds a converted linear '{name}', but the "
+                    f"model has a {type(module).__name__} there"
+                )
+            converted = NVFP4StaticLinear.placeholder(module, recipe, name, backend)
+            _replace(model, name, converted)
+            swapped.append((name, module))
+        model.load_state_dict(checkpoint)
+    except BaseException:
+        for name, original in reversed(swapped):
+            _replace(model, name, original)
+        raise
+    return model
+
+
+def _converted_layers(state_dict: dict) -> dict:
+    """``{layer name: recipe}`` for every layer whose extra state says it is ours."""
+    layers = {}
+    for key, value in state_dict.items():
+        if key.rpartition(".")[2] != _EXTRA_STATE:
+            continue
+        if isinstance(value, dict) and value.get("format") == CHECKPOINT_FORMAT:
+            recipe = {k: v for k, v in value.items() if k not in ("format", "version")}
+            layers[key[: -len(_EXTRA_STATE)].rstrip(".")] = recipe
+    return layers
+
+
+def _submodule(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError as error:
+        raise ValueError(
+            f"nvfp4_static: the checkpoint holds a converted linear '{name}', which the model "
+            f"does not have; build the same architecture the checkpoint was saved from"
+        ) from error
+
+
+def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    if not child:
+        raise ValueError("nvfp4_static: load_quantized cannot replace the root module itself")
+    setattr(model.get_submodule(parent_name), child, module)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return torch.device("cpu") if first is None else first.device

@@ -1,0 +1,231 @@
+"""What ``quantize_(model, NVFP4StaticActivationConfig(...))`` does to each layer, step by step.
+
+1. ``step="prepare"``: an eligible ``nn.Linear`` becomes an ``NVFP4StaticObservedLinear`` that
+   feeds its inputs to an activation calibrator (and, for ``weight_scale="hessian_mse"``, a
+   Hessian accumulator) while the user runs calibration data through the model.
+2. ``step="convert"``: the activation calibrator gives the activation global amax, the public
+   weight calibrator ``NVFP4MSECalibrator`` gives the FP8 block scales, and both are baked into
+   an ``NVFP4StaticTensor`` held by an ``NVFP4StaticLinear``.
+3. ``step="prepare_for_loading"``: empty ``NVFP4StaticLinear`` layers for ``load_state_dict``
+   (``nvfp4_static.load_quantized`` does this from what a checkpoint records instead).
+
+torchao hands a handler the module alone. Layer names make messages actionable, so the
+``filter_fn`` ``is_quantizable`` records each module's name as ``quantize_`` walks the model;
+with torchao's default filter a layer is described by its shape.
+"""
+
+import weakref
+
+import torch
+from torchao.quantization.transform_module import register_quantize_module_handler
+
+from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.linear import NVFP4StaticLinear
+from nvfp4_static.messages import warn
+from nvfp4_static.numerics import (
+    BLOCK_SIZE,
+    check_dtype,
+    per_tensor_amax_to_scale,
+    scale_reciprocal_overflows,
+)
+from nvfp4_static.observed import NVFP4StaticObservedLinear
+from nvfp4_static.observers import (
+    BlockHessianAccumulator,
+    MaxCalibrator,
+    NVFP4BMinCalibrator,
+    NVFP4MSECalibrator,
+    PercentileCalibrator,
+)
+from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
+from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
+from nvfp4_static.tensor import NVFP4StaticTensor
+
+__all__ = ["is_quantizable", "layer_name"]
+
+_LAYER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
+    """``quantize_``'s ``filter_fn`` for this config: selects ``nn.Linear`` layers, as torchao's
+    default does, and records ``fqn`` so that every message names the layer.
+
+    Combine it with your own rule, e.g. to keep ``lm_head`` in float::
+
+        quantize_(model, config, filter_fn=lambda m, fqn: is_quantizable(m, fqn) and fqn != "lm_head")
+    """
+    _LAYER_NAMES[module] = fqn
+    return isinstance(module, torch.nn.Linear)
+
+
+def layer_name(module: torch.nn.Module) -> str:
+    """The name ``is_quantizable`` recorded for ``module``, else a description of its shape."""
+    if module in _LAYER_NAMES:
+        return _LAYER_NAMES[module]
+    return f"{type(module).__name__}({module.in_features} -> {module.out_features})"
+
+
+@register_quantize_module_handler(NVFP4StaticActivationConfig)
+def _nvfp4_static_transform(
+    module: torch.nn.Module, config: NVFP4StaticActivationConfig
+) -> torch.nn.Module:
+    if config.step == "prepare":
+        return _prepare(module, config)
+    if config.step == "convert":
+        return _convert(module, config)
+    return _prepare_for_loading(module, config)
+
+
+# --- step 1: prepare ----------------------------------------------------------------------------
+
+
+def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
+    name = layer_name(module)
+    if isinstance(module, (NVFP4StaticObservedLinear, NVFP4StaticLinear)):
+        raise ValueError(f"nvfp4_static: layer '{name}' is already {type(module).__name__}")
+    check_dtype(module.weight, f"weight of layer '{name}'")
+    if not _has_block_dims_or_says_why(module, name, config.strict):
+        return module
+    hessian = (
+        BlockHessianAccumulator(module.in_features, name=name)
+        if config.weight_scale == "hessian_mse" else None
+    )
+    return NVFP4StaticObservedLinear.from_float(
+        module, _activation_calibrator(config, name), hessian, layer_name=name
+    )
+
+
+def _has_block_dims(module: torch.nn.Linear) -> bool:
+    return module.in_features % BLOCK_SIZE == 0 and module.out_features % BLOCK_SIZE == 0
+
+
+def _has_block_dims_or_says_why(module: torch.nn.Linear, name: str, strict: bool) -> bool:
+    if _has_block_dims(module):
+        return True
+    message = (
+        f"nvfp4_static: layer '{name}' ({module.in_features} -> {module.out_features}) is left "
+        f"unquantized: NVFP4 needs in_features and out_features divisible by {BLOCK_SIZE}"
+    )
+    if strict:
+        raise ValueError(message)
+    warn(message)
+    return False
+
+
+def _activation_calibrator(config: NVFP4StaticActivationConfig, name: str):
+    """The calibrator of ``config.act_calibration``, built with the config's knobs."""
+    if config.act_calibration == "b_min":
+        return NVFP4BMinCalibrator(
+            rho=config.rho,
+            b_min_percentile=config.b_min_percentile,
+            b_max_percentile=config.b_max_percentile,
+            margin=config.margin,
+            num_bins=config.num_bins,
+            log2_min=config.log2_min,
+            log2_max=config.log2_max,
+            name=name,
+        )
+    if config.act_calibration == "max":
+        return MaxCalibrator(name=name)
+    if config.act_calibration == "percentile":
+        return PercentileCalibrator(
+            percentile=config.percentile,
+            num_bins=config.num_bins,
+            log2_min=config.log2_min,
+            log2_max=config.log2_max,
+            name=name,
+        )
+    return FirstBatchMseCalibrator(
+        step_size=config.mse_step_size,
+        start_multiplier=config.mse_start_multiplier,
+        stop_multiplier=config.mse_stop_multiplier,
+        name=name,
+    )
+
+
+# --- step 2: convert ----------------------------------------------------------------------------
+
+
+def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
+    if isinstance(module, NVFP4StaticLinear):
+        return module
+    if not isinstance(module, NVFP4StaticObservedLinear):
+        if isinstance(module, torch.nn.Linear) and _has_block_dims(module):
+            raise RuntimeError(
+                f"nvfp4_static: layer '{layer_name(module)}' has no observer: run "
+                f"quantize_(model, NVFP4StaticActivationConfig(step='prepare')) and calibration "
+                f"before step='convert', with the same filter_fn"
+            )
+        return module
+    act_amax = _activation_global_amax(module)
+    weight = NVFP4StaticTensor.from_float(
+        module.weight,
+        act_amax,
+        _weight_block_scales(module, config),
+        backend_override=config.backend,
+    )
+    stats = dict(getattr(module.act_calibrator, "stats", None) or {"g_amax": float(act_amax)})
+    return NVFP4StaticLinear(weight, module.bias, config.recipe(), module.layer_name, stats)
+
+
+def _activation_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
+    """The layer's calibrated activation global amax, refused where NVFP4 cannot use it."""
+    name = module.layer_name
+    try:
+        act_amax = module.act_calibrator.compute_amax()
+    except RuntimeError as error:
+        raise RuntimeError(f"nvfp4_static: cannot convert layer '{name}': {error}") from error
+    if act_amax is None:
+        raise RuntimeError(
+            f"nvfp4_static: cannot convert layer '{name}': it saw no calibration data; run "
+            f"calibration batches through the prepared model before step='convert'"
+        )
+    act_amax = torch.as_tensor(act_amax, dtype=torch.float32)
+    too_small = act_amax <= 0 or scale_reciprocal_overflows(per_tensor_amax_to_scale(act_amax))
+    if not torch.isfinite(act_amax) or too_small:
+        raise ValueError(
+            f"nvfp4_static: layer '{name}': calibrated activation amax is {float(act_amax)}; it "
+            f"must be finite and at least about 5e-34, below which NVFP4's block-scale "
+            f"reciprocals overflow float32 (did calibration feed only zeros?)"
+        )
+    return act_amax
+
+
+def _weight_block_scales(module: NVFP4StaticObservedLinear, config: NVFP4StaticActivationConfig):
+    """FP8 block scales of the weight from ``NVFP4MSECalibrator``; None (block max, as torchao
+    computes them) for ``weight_scale="max"`` and for a weight too small for the sweep."""
+    if config.weight_scale == "max":
+        return None
+    hessian = None
+    if config.weight_scale == "hessian_mse":
+        if module.hessian_accumulator is None:
+            raise ValueError(
+                f"nvfp4_static: layer '{module.layer_name}' was prepared without a Hessian; "
+                f"prepare with weight_scale='hessian_mse' to convert with it"
+            )
+        hessian = module.hessian_accumulator.hessian
+    weight = module.weight.detach()
+    global_amax = weight.abs().amax().to(torch.float32)
+    blocks = torch.empty(weight.shape[0], weight.shape[1] // BLOCK_SIZE, device="meta")
+    calibrator = NVFP4MSECalibrator(blocks, global_amax, hessian=hessian, name=module.layer_name)
+    try:
+        calibrator.collect(weight)
+    except GlobalAmaxTooSmallError:
+        warn(
+            f"nvfp4_static: layer '{module.layer_name}': weight amax {float(global_amax):.3g} is too "
+            f"small for the FP8 scale sweep (float32 reciprocals overflow); its block scales are "
+            f"block max, as torchao computes them"
+        )
+        return None
+    return calibrator.block_scales_e4m3
+
+
+# --- loading: empty converted layers ------------------------------------------------------------
+
+
+def _prepare_for_loading(
+    module: torch.nn.Linear, config: NVFP4StaticActivationConfig
+) -> torch.nn.Module:
+    name = layer_name(module)
+    if not _has_block_dims_or_says_why(module, name, config.strict):
+        return module
+    return NVFP4StaticLinear.placeholder(module, config.recipe(), name, config.backend)

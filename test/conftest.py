@@ -1,0 +1,72 @@
+"""What several test files share: the GPU mark, error measures and bounds, numeric edges, and the
+calibrate-then-convert flow on the small models of ``models.py``."""
+
+import pytest
+import torch
+from torchao.quantization import quantize_
+
+from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable
+from nvfp4_static.numerics import E4M3_MIN_NORMAL, scale_reciprocal_overflows
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+# Width of the models in models.py and of the activations the flow tests calibrate them on.
+DIM = 64
+
+
+def gpu_tolerance(K: int, dtype: torch.dtype) -> float:
+    """Products of dequantized operands are exact; summing K of them in fp32 in any order errs by
+    at most about K * 2^-24 relative; add one rounding of the output to ``dtype``, and allow 2x."""
+    return 2 * (K * 2.0**-24 + UNIT_ROUNDOFF[dtype])
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """``|out - reference| / |reference|`` (Frobenius, float64). A float64 reference is exact;
+    any other must have ``out``'s dtype. A NaN in ``out`` (an element left unwritten) fails."""
+    assert out.shape == reference.shape
+    assert reference.dtype in (torch.float64, out.dtype)
+    assert not out.isnan().any(), "NaN in the output (an element left unwritten?)"
+    return ((out.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    reference, approximation = reference.double(), approximation.double()
+    return float(10 * torch.log10(reference.pow(2).sum() / (reference - approximation).pow(2).sum()))
+
+
+def smallest_accepted_per_tensor_scale() -> torch.Tensor:
+    """The smallest float32 per-tensor scale whose reciprocal divided by FP8's smallest normal
+    (2^-6, the clamped scale of a zero block) is still finite: the edge below which the tensor
+    refuses a global scale. Found by stepping up from the real-number bound."""
+    scale = torch.tensor(1 / E4M3_MIN_NORMAL / torch.finfo(torch.float32).max)
+    while scale_reciprocal_overflows(scale):
+        scale = torch.nextafter(scale, torch.tensor(1.0))
+    return scale
+
+
+def calibration_batches(n=4, seed=0, dtype=torch.float32, scale=1.0):
+    """``n`` seeded ``[2, 16, DIM]`` Gaussian batches times ``scale``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(scale * torch.randn(2, 16, DIM, generator=generator)).to(dtype) for _ in range(n)]
+
+
+def make(model_cls, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return model_cls().to(dtype)
+
+
+def quantized(model, dtype=torch.float32, batches=None, **config):
+    """Prepare ``model`` with ``config``, calibrate it on ``batches`` (default: four
+    ``calibration_batches`` of ``dtype``) and convert it, in place; return it."""
+    quantize_(
+        model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=is_quantizable
+    )
+    with torch.no_grad():
+        for batch in calibration_batches(dtype=dtype) if batches is None else batches:
+            model(batch)
+    quantize_(
+        model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=is_quantizable
+    )
+    return model
