@@ -12,6 +12,8 @@ setup(
         "triton; platform_system == 'Linux'",
         # torchao's mx_formats kernels import numpy without declaring it.
         "numpy",
+        # convert's per-layer progress bar
+        "tqdm",
     ],
     extras_require={
         "test": ["pytest", "expecttest", "hypothesis"],

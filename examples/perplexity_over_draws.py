@@ -105,7 +105,7 @@ def summary_table(perplexities: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--n-calib", type=int, default=1, help="calibration sequences per draw")
     parser.add_argument("--draws", type=int, default=8, help="calibration draws")

@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 
 from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear
+from nvfp4_static.tensor import NVFP4StaticTensor
 
 __all__ = ["load_quantized"]
 
@@ -55,6 +56,7 @@ def load_quantized(
             converted = NVFP4StaticLinear.placeholder(module, recipe, name, backend)
             _replace(model, name, converted)
             swapped.append((name, module))
+        _check_loadable(model, checkpoint)
         model.load_state_dict(checkpoint)
     except BaseException:
         for name, original in reversed(swapped):
@@ -73,6 +75,34 @@ def _converted_layers(state_dict: dict) -> dict:
             recipe = {k: v for k, v in value.items() if k not in ("format", "version")}
             layers[key[: -len(_EXTRA_STATE)].rstrip(".")] = recipe
     return layers
+
+
+def _check_loadable(model: torch.nn.Module, checkpoint: dict) -> None:
+    """Raise, before any tensor is copied, for what ``load_state_dict`` would refuse halfway:
+    it copies every tensor it can before reporting the rest, which would leave the model
+    partly loaded."""
+    expected = model.state_dict()
+    problems = [f"missing key {key!r}" for key in expected if key not in checkpoint]
+    problems += [f"unexpected key {key!r}" for key in checkpoint if key not in expected]
+    for key, value in checkpoint.items():
+        ours = expected.get(key)
+        if not (torch.is_tensor(value) and torch.is_tensor(ours)):
+            continue
+        if isinstance(value, NVFP4StaticTensor) != isinstance(ours, NVFP4StaticTensor):
+            problems.append(
+                f"{key!r} is a {type(value).__name__} in the checkpoint and a "
+                f"{type(ours).__name__} in the model"
+            )
+        elif value.shape != ours.shape:
+            problems.append(
+                f"size mismatch for {key!r}: {tuple(value.shape)} in the checkpoint, "
+                f"{tuple(ours.shape)} in the model"
+            )
+    if problems:
+        raise RuntimeError(
+            "nvfp4_static: the checkpoint does not fit the model (nothing was loaded): "
+            + "; ".join(problems)
+        )
 
 
 def _submodule(model: torch.nn.Module, name: str) -> torch.nn.Module:

@@ -20,6 +20,7 @@ import torch
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.convert_progress import ConvertProgress
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.messages import warn
 from nvfp4_static.numerics import (
@@ -43,6 +44,7 @@ from nvfp4_static.tensor import NVFP4StaticTensor
 __all__ = ["is_quantizable", "layer_name"]
 
 _LAYER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+_CONVERT_PROGRESS = ConvertProgress()
 
 
 def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
@@ -89,9 +91,11 @@ def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> to
         BlockHessianAccumulator(module.in_features, name=name)
         if config.weight_scale == "hessian_mse" else None
     )
-    return NVFP4StaticObservedLinear.from_float(
+    observed = NVFP4StaticObservedLinear.from_float(
         module, _activation_calibrator(config, name), hessian, layer_name=name
     )
+    _CONVERT_PROGRESS.prepared(observed)
+    return observed
 
 
 def _has_block_dims(module: torch.nn.Linear) -> bool:
@@ -156,6 +160,7 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
                 f"before step='convert', with the same filter_fn"
             )
         return module
+    _CONVERT_PROGRESS.converting(module, module.layer_name)
     act_amax = _activation_global_amax(module)
     weight = NVFP4StaticTensor.from_float(
         module.weight,
@@ -164,6 +169,7 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
         backend_override=config.backend,
     )
     stats = dict(getattr(module.act_calibrator, "stats", None) or {"g_amax": float(act_amax)})
+    _CONVERT_PROGRESS.converted(module)
     return NVFP4StaticLinear(weight, module.bias, config.recipe(), module.layer_name, stats)
 
 

@@ -18,6 +18,7 @@ from torchao.utils import unwrap_tensor_subclass
 from conftest import DIM, requires_cuda, calibration_batches, make, quantized, sqnr_db
 from models import MLP, TransformerBlock
 from nvfp4_static import (
+    NVFP4MSECalibrator,
     NVFP4StaticActivationConfig,
     NVFP4StaticLinear,
     NVFP4StaticObservedLinear,
@@ -421,3 +422,28 @@ def test_non_finite_data_in_compiled_calibration_fails_at_convert():
         compiled(x)
     with pytest.raises(ValueError, match="'up'.*NaN or Inf"):
         quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
+
+
+def test_convert_chooses_weight_scales_through_the_public_calibrator(monkeypatch):
+    """Convert asks NVFP4MSECalibrator for each layer's block scales and stores what it answers."""
+    asked = []
+    chosen = torch.tensor(0.5).to(torch.float8_e4m3fn)
+
+    def answer(self, weight):
+        asked.append((self.name, tuple(weight.shape), self.hessian is not None))
+        self._block_scales_e4m3 = chosen.expand(weight.shape[0], weight.shape[1] // 16)
+
+    monkeypatch.setattr(NVFP4MSECalibrator, "collect", answer)
+    model = quantized(make(MLP), weight_scale="hessian_mse")
+    assert asked == [("up", (128, DIM), True), ("down", (DIM, 128), True)]
+    for layer in (model.up, model.down):
+        assert bool((layer.weight.scale.float() == 0.5).all())
+
+
+def test_convert_shows_a_progress_bar_only_for_models_with_many_layers(capsys):
+    quantized(make(MLP))
+    assert "nvfp4_static convert" not in capsys.readouterr().err
+    many = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM) for _ in range(9)])
+    quantized(many)
+    err = capsys.readouterr().err
+    assert "nvfp4_static convert" in err and "9/9" in err

@@ -6,11 +6,11 @@ representative blocks (B_min) at ``448 / rho`` above the subnormal edge spends t
 window as headroom above what calibration saw.
 """
 
-import warnings
 from typing import Optional
 
 import torch
 
+from nvfp4_static.messages import warn
 from nvfp4_static.numerics import BLOCK_SIZE, E4M3_DYNAMIC_RANGE
 from nvfp4_static.observers.block_amax_histogram import BlockAmaxHistogramObserver
 
@@ -112,13 +112,12 @@ class NVFP4BMinCalibrator(BlockAmaxHistogramObserver):
         }
         if b_max / b_min > E4M3_DYNAMIC_RANGE and not self._warned_dynamic_range:
             self._warned_dynamic_range = True
-            warnings.warn(
+            warn(
                 f"{self.describe()}: block amaxes span B_max / B_min = {b_max / b_min:.0f}, more "
                 f"than FP8 E4M3's normal range ({E4M3_DYNAMIC_RANGE:.0f}); no global scale keeps "
                 f"the largest blocks from clipping and the smallest out of FP8 subnormals. Using "
                 f"g_amax = {g_amax:.4g} ({self.stats['set_by']}). Consider outlier mitigation "
                 "(e.g. SmoothQuant) or leaving this layer unquantized.",
-                stacklevel=2,
             )
         return torch.tensor(g_amax, dtype=torch.float32, device=device)
 

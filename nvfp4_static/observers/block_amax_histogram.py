@@ -5,12 +5,12 @@ global scale), so that is the distribution worth keeping. A base-2 log-spaced hi
 in bounded memory (``num_bins`` int64 counts) and merges by addition, across batches and processes.
 """
 
-import warnings
 from typing import Optional
 
 import torch
 
 from nvfp4_static import kernels
+from nvfp4_static.messages import warn
 from nvfp4_static.observers.base import MergeableObserver
 from nvfp4_static.references import histogram_bin_centres, histogram_bin_edges
 
@@ -125,9 +125,8 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         return float(self._bin_centres[index])
 
     def _all_zero_fallback(self) -> float:
-        warnings.warn(
+        warn(
             f"{self.describe()}: every collected block was all-zero, so the block-amax "
             f"distribution is empty; using the fallback global amax {ALL_ZERO_FALLBACK_AMAX}",
-            stacklevel=3,
         )
         return ALL_ZERO_FALLBACK_AMAX
