@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 import torch
 
-from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear
+from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear, check_checkpoint_scales
 from nvfp4_static.tensor import NVFP4StaticTensor
 
 __all__ = ["load_quantized"]
@@ -45,6 +45,7 @@ def load_quantized(
     swapped = []
     try:
         for name, recipe in _converted_layers(checkpoint).items():
+            check_checkpoint_scales(checkpoint.get(f"{name}.weight"), name)
             module = _submodule(model, name)
             if isinstance(module, NVFP4StaticLinear):
                 continue

@@ -12,11 +12,22 @@ from torchao.quantization.quantize_.common.quantization_step import Quantization
 
 from nvfp4_static.backends import BACKENDS
 from nvfp4_static.numerics import E4M3_DYNAMIC_RANGE
+from nvfp4_static.observers import MaxCalibrator, NVFP4BMinCalibrator, PercentileCalibrator
+from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
 from nvfp4_static.observers.b_min import DEFAULT_B_MAX_PERCENTILE
 
 __all__ = ["NVFP4StaticActivationConfig"]
 
 STEPS = ("prepare", "convert", "prepare_for_loading")
+# The knobs each activation recipe reads: what prepare fixes and convert must agree with.
+ACT_CALIBRATION_KNOBS = {
+    "b_min": (
+        "rho", "b_min_percentile", "b_max_percentile", "margin", "num_bins", "log2_min", "log2_max"
+    ),
+    "max": (),
+    "percentile": ("percentile", "num_bins", "log2_min", "log2_max"),
+    "mse": ("mse_start_multiplier", "mse_stop_multiplier", "mse_step_size"),
+}
 ACT_CALIBRATIONS = ("b_min", "max", "percentile", "mse")
 WEIGHT_SCALES = ("mse", "max", "hessian_mse")
 
@@ -78,6 +89,45 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
             raise ValueError(
                 f"NVFP4StaticActivationConfig: rho={self.rho} must lie in (0, {E4M3_DYNAMIC_RANGE:g})"
             )
+        try:  # the calibrator checks its own knobs; a config that cannot build one is refused now
+            self.activation_calibrator()
+        except ValueError as error:
+            raise ValueError(f"NVFP4StaticActivationConfig: {error}") from error
+
+    def activation_calibrator(self, name: Optional[str] = None):
+        """A fresh calibrator for ``act_calibration``, built with this config's knobs."""
+        if self.act_calibration == "b_min":
+            return NVFP4BMinCalibrator(
+                rho=self.rho,
+                b_min_percentile=self.b_min_percentile,
+                b_max_percentile=self.b_max_percentile,
+                margin=self.margin,
+                num_bins=self.num_bins,
+                log2_min=self.log2_min,
+                log2_max=self.log2_max,
+                name=name,
+            )
+        if self.act_calibration == "max":
+            return MaxCalibrator(name=name)
+        if self.act_calibration == "percentile":
+            return PercentileCalibrator(
+                percentile=self.percentile,
+                num_bins=self.num_bins,
+                log2_min=self.log2_min,
+                log2_max=self.log2_max,
+                name=name,
+            )
+        return FirstBatchMseCalibrator(
+            step_size=self.mse_step_size,
+            start_multiplier=self.mse_start_multiplier,
+            stop_multiplier=self.mse_stop_multiplier,
+            name=name,
+        )
+
+    def activation_recipe(self) -> dict:
+        """``act_calibration`` and the knobs it reads, as prepare builds its calibrator."""
+        knobs = ACT_CALIBRATION_KNOBS[self.act_calibration]
+        return {"act_calibration": self.act_calibration, **{k: getattr(self, k) for k in knobs}}
 
     def recipe(self) -> dict:
         """What a converted checkpoint records and checks on load."""

@@ -3,20 +3,60 @@
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from nvfp4_static.numerics import BLOCK_SIZE
+from nvfp4_static.numerics import BLOCK_SIZE, scale_reciprocal_overflows
 from nvfp4_static.tensor import NVFP4StaticTensor
 
-__all__ = ["NVFP4StaticLinear"]
+__all__ = ["NVFP4StaticLinear", "check_checkpoint_scales"]
 
 CHECKPOINT_FORMAT = "nvfp4_static"
 CHECKPOINT_VERSION = 1
 
 
+def check_checkpoint_scales(weight: torch.Tensor, layer_name: str) -> None:
+    """Refuse global scales convert never produces (NaN, Inf, an activation scale <= 0 or too
+    small for NVFP4): loaded, they would give garbage outputs without an error."""
+    if not isinstance(weight, NVFP4StaticTensor) or weight.act_per_tensor_scale.is_meta:
+        return
+    act_scale, weight_scale = weight.act_per_tensor_scale, weight.per_tensor_scale
+    act_ok = bool(torch.isfinite(act_scale)) and float(act_scale) > 0
+    if not act_ok or scale_reciprocal_overflows(act_scale):
+        raise ValueError(
+            f"nvfp4_static: checkpoint for layer '{layer_name}' has activation scale "
+            f"{float(act_scale)}; convert only produces finite scales above about 2e-37 (the "
+            f"checkpoint is damaged or was edited)"
+        )
+    if not bool(torch.isfinite(weight_scale)) or float(weight_scale) < 0:
+        raise ValueError(
+            f"nvfp4_static: checkpoint for layer '{layer_name}' has weight scale "
+            f"{float(weight_scale)}; convert only produces finite scales >= 0 (the checkpoint is "
+            f"damaged or was edited)"
+        )
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """Passes the output through; its backward names the problem instead of failing deep in
+    the FP8 and FP4 ops, which have no gradients."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "nvfp4_static: converted NVFP4 layers are inference-only and have no gradients; run "
+            "them under torch.no_grad() or torch.inference_mode(), and train the float model"
+        )
+
+
 class NVFP4StaticLinear(torch.nn.Linear):
     """A linear layer quantized to NVFP4 with a static activation global scale.
 
-    ``forward`` is ``nn.Linear``'s: the weight subclass does the quantized GEMM. The module adds
+    ``forward`` is ``nn.Linear``'s (the weight subclass does the quantized GEMM), with two
+    guards: an empty placeholder from ``prepare_for_loading`` refuses to run before a checkpoint
+    is loaded into it, and a backward through the layer raises a clear error. The module adds
     what a user inspects (``extra_repr``, ``calibration_stats``) and a checkpoint guard: the
     recipe is saved as extra state, and loading a checkpoint made with another recipe raises.
 
@@ -24,6 +64,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
         layer_name: fully qualified name of the module.
         recipe: ``{"act_calibration": ..., "weight_scale": ...}`` this layer was converted with.
         calibration_stats: the activation calibrator's diagnostics (not saved).
+        loaded: False for a placeholder until a checkpoint is loaded into it.
     """
 
     def __init__(
@@ -42,6 +83,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
         self.recipe = dict(recipe)
         self.layer_name = layer_name
         self.calibration_stats = calibration_stats or {}
+        self.loaded = True
 
     @classmethod
     def placeholder(
@@ -61,7 +103,21 @@ class NVFP4StaticLinear(torch.nn.Linear):
             torch.ones((), dtype=torch.float32, device=device),
             backend_override=backend_override,
         )
-        return cls(weight, linear.bias, recipe, layer_name)
+        placeholder = cls(weight, linear.bias, recipe, layer_name)
+        placeholder.loaded = False
+        return placeholder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.loaded:
+            raise RuntimeError(
+                f"nvfp4_static: layer '{self.layer_name}' is an empty placeholder; load a "
+                f"checkpoint into it (nvfp4_static.load_quantized or model.load_state_dict) "
+                f"before running the model"
+            )
+        out = F.linear(x, self.weight, self.bias)
+        if out.requires_grad and not torch.compiler.is_compiling():
+            return _InferenceOnly.apply(out)
+        return out
 
     @property
     def act_global_amax(self) -> float:
@@ -69,6 +125,10 @@ class NVFP4StaticLinear(torch.nn.Linear):
 
     def get_extra_state(self) -> dict:
         return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **self.recipe}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        check_checkpoint_scales(state_dict.get(prefix + "weight"), self.layer_name or prefix[:-1])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def set_extra_state(self, state: dict) -> None:
         saved = {k: v for k, v in state.items() if k not in ("format", "version")}
@@ -78,11 +138,15 @@ class NVFP4StaticLinear(torch.nn.Linear):
                 f"{saved} (format {state.get('format')!r}), but the model was prepared with "
                 f"{self.recipe}; prepare the model with the config the checkpoint was converted with"
             )
+        self.loaded = True
 
     def extra_repr(self) -> str:
         recipe = ", ".join(f"{k}={v}" for k, v in self.recipe.items())
+        on_meta = self.weight.act_per_tensor_scale.is_meta
+        amax = "? (meta)" if on_meta else f"{self.act_global_amax:.4g}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, {recipe}, act_global_amax={self.act_global_amax:.4g}, "
+            f"bias={self.bias is not None}, {recipe}, act_global_amax={amax}, "
             f"backend={self.weight.linear_backend}"
+            + ("" if self.loaded else ", empty placeholder")
         )

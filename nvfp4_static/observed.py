@@ -1,5 +1,7 @@
 """The observed linear that ``step="prepare"`` puts in place of each eligible ``nn.Linear``."""
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,8 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
         layer_name: fully qualified name of the module, used in every error and warning.
         act_calibrator: collects the activation global amax (``collect`` / ``compute_amax``).
         hessian_accumulator: optional per-input-block Hessian for ``weight_scale="hessian_mse"``.
+        activation_recipe: the config's ``activation_recipe()`` the calibrator was built from
+            (None when built by hand), which convert checks its own config against.
     """
 
     def __init__(
@@ -29,11 +33,13 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
         layer_name: str = "",
         device=None,
         dtype=None,
+        activation_recipe: Optional[dict] = None,
     ):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.act_calibrator = act_calibrator
         self.hessian_accumulator = hessian_accumulator
         self.layer_name = layer_name
+        self.activation_recipe = activation_recipe
 
     @classmethod
     def from_float(
@@ -42,6 +48,7 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
         act_calibrator,
         hessian_accumulator=None,
         layer_name: str = "",
+        activation_recipe: Optional[dict] = None,
     ) -> "NVFP4StaticObservedLinear":
         with torch.device("meta"):
             observed = cls(
@@ -51,12 +58,15 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
                 act_calibrator,
                 hessian_accumulator,
                 layer_name,
+                activation_recipe=activation_recipe,
             )
         observed.weight = linear.weight
         observed.bias = linear.bias
         return observed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # no tokens: nothing to observe
+            return F.linear(x, self.weight, self.bias)
         with torch.no_grad():
             observed = x.detach()
             self._settle_observers()

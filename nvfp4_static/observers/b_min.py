@@ -6,6 +6,7 @@ representative blocks (B_min) at ``448 / rho`` above the subnormal edge spends t
 window as headroom above what calibration saw.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -74,6 +75,17 @@ class NVFP4BMinCalibrator(BlockAmaxHistogramObserver):
         for what, value in percentiles.items():
             if not 0.0 < value <= 100.0:
                 raise ValueError(f"{self.describe()}: {what} must be in (0, 100], got {value}")
+        if b_min_percentile > b_max_percentile:
+            raise ValueError(
+                f"{self.describe()}: b_min_percentile ({b_min_percentile}) must not exceed "
+                f"b_max_percentile ({b_max_percentile})"
+            )
+        if log2_max - log2_min < math.log2(E4M3_DYNAMIC_RANGE):
+            raise ValueError(
+                f"{self.describe()}: the histogram's range 2^{log2_min:g}..2^{log2_max:g} is "
+                f"narrower than FP8's dynamic range ({E4M3_DYNAMIC_RANGE:.0f}, 2^14.8), which the "
+                f"recipe places B_min and B_max in; widen log2_min / log2_max"
+            )
         if not margin > 0.0:
             raise ValueError(f"{self.describe()}: margin must be > 0, got {margin}")
         self.rho = float(rho)

@@ -5,6 +5,7 @@ global scale), so that is the distribution worth keeping. A base-2 log-spaced hi
 in bounded memory (``num_bins`` int64 counts) and merges by addition, across batches and processes.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -48,10 +49,12 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         name: Optional[str] = None,
     ):
         super().__init__(name)
-        if num_bins < 1 or not log2_min < log2_max:
+        if isinstance(num_bins, bool) or int(num_bins) != num_bins or num_bins < 2:
+            raise ValueError(f"{self.describe()}: num_bins must be an integer >= 2, got {num_bins!r}")
+        if not (math.isfinite(log2_min) and math.isfinite(log2_max) and log2_min < log2_max):
             raise ValueError(
-                f"{self.describe()}: need num_bins >= 1 and log2_min < log2_max; got "
-                f"num_bins={num_bins}, log2_min={log2_min}, log2_max={log2_max}"
+                f"{self.describe()}: need finite log2_min < log2_max; got log2_min={log2_min}, "
+                f"log2_max={log2_max}"
             )
         self.num_bins = int(num_bins)
         self.log2_min = float(log2_min)
@@ -122,7 +125,29 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         # number (1% of 10000 blocks) is not pushed into the next bin by rounding.
         rank = max(percentile * total / 100.0, 1.0)
         index = int(torch.searchsorted(cdf, cdf.new_tensor([rank]))[0])
-        return float(self._bin_centres[index])
+        return self._reading_of_bin(index, float(state["literal_max"]))
+
+    def _reading_of_bin(self, index: int, literal_max: float) -> float:
+        """The bin's centre, except in the two edge bins, which also hold every value beyond
+        the histogram's range: there the centre can be far from the data. A reading from the
+        top bin when the literal max lies above the range is the literal max (the only value
+        known there, and one that clips nothing); one from the bottom bin is at most the
+        literal max. Both warn, naming the range to widen."""
+        centre = float(self._bin_centres[index])
+        if index == self.num_bins - 1 and literal_max > 2.0**self.log2_max:
+            self._warn_out_of_range("above", 2.0**self.log2_max, literal_max, "log2_max")
+            return literal_max
+        if index == 0 and literal_max < centre:
+            self._warn_out_of_range("below", 2.0**self.log2_min, literal_max, "log2_min")
+            return literal_max
+        return centre
+
+    def _warn_out_of_range(self, side: str, edge: float, literal_max: float, knob: str) -> None:
+        warn(
+            f"{self.describe()}: block amaxes lie {side} the histogram's range (edge {edge:.3g}, "
+            f"literal max {literal_max:.3g}), where its bins cannot place them; the percentile "
+            f"is read as the literal max. Widen the range ({knob}) for a percentile reading"
+        )
 
     def _all_zero_fallback(self) -> float:
         warn(
