@@ -10,6 +10,7 @@
 """
 
 from nvfp4_static.checkpoint import load_quantized
+from nvfp4_static.clip_monitor import ClipCounts, clip_counts, disable_clip_monitor, enable_clip_monitor
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.diagnostics import LayerDiagnostics, format_diagnostics, layer_diagnostics
 from nvfp4_static.linear import NVFP4StaticLinear
@@ -40,6 +41,10 @@ __all__ = [
     "MseCalibrator",
     "NVFP4MSECalibrator",
     "BlockHessianAccumulator",
+    "enable_clip_monitor",
+    "disable_clip_monitor",
+    "clip_counts",
+    "ClipCounts",
     "layer_diagnostics",
     "format_diagnostics",
     "LayerDiagnostics",

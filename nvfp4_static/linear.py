@@ -84,6 +84,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
         self.layer_name = layer_name
         self.calibration_stats = calibration_stats or {}
         self.loaded = True
+        self.clip_counters: Optional[dict[str, torch.Tensor]] = None
 
     @classmethod
     def placeholder(
@@ -114,10 +115,35 @@ class NVFP4StaticLinear(torch.nn.Linear):
                 f"checkpoint into it (nvfp4_static.load_quantized or model.load_state_dict) "
                 f"before running the model"
             )
+        if self.clip_counters is not None:
+            self._count_clipped(x)
         out = F.linear(x, self.weight, self.bias)
         if out.requires_grad and not torch.compiler.is_compiling():
             return _InferenceOnly.apply(out)
         return out
+
+    def start_clip_monitor(self) -> None:
+        """Count, from now on, the inputs above ``act_global_amax`` (see ``clip_monitor``)."""
+        device = self.weight.act_per_tensor_scale.device
+        self.clip_counters = {
+            "elements": torch.zeros(2, dtype=torch.int64, device=device),  # clipped, seen
+            "max_abs": torch.zeros((), dtype=torch.float32, device=device),
+        }
+
+    def stop_clip_monitor(self) -> None:
+        self.clip_counters = None
+
+    @torch.no_grad()
+    def _count_clipped(self, x: torch.Tensor) -> None:
+        magnitude = x.detach().abs()
+        limit = (self.weight.act_per_tensor_scale * 448 * 6).to(magnitude.dtype)
+        clipped = (magnitude > limit).sum()
+        seen = torch.full_like(clipped, magnitude.numel())
+        self.clip_counters["elements"].add_(torch.stack([clipped, seen]))
+        if magnitude.numel():
+            torch.maximum(
+                self.clip_counters["max_abs"], magnitude.max().float(), out=self.clip_counters["max_abs"]
+            )
 
     @property
     def act_global_amax(self) -> float:
