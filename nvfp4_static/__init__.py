@@ -13,6 +13,8 @@ from nvfp4_static.checkpoint import load_quantized
 from nvfp4_static.clip_monitor import ClipCounts, clip_counts, disable_clip_monitor, enable_clip_monitor
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.diagnostics import LayerDiagnostics, format_diagnostics, layer_diagnostics
+from nvfp4_static.export import export_checkpoint
+from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups, tie_fused_layers
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers import (
@@ -24,6 +26,7 @@ from nvfp4_static.observers import (
     NVFP4MSECalibrator,
     PercentileCalibrator,
 )
+from nvfp4_static.serving_import import import_checkpoint
 from nvfp4_static.tensor import NVFP4StaticTensor
 from nvfp4_static.workflow import is_quantizable
 
@@ -31,6 +34,11 @@ __all__ = [
     "NVFP4StaticActivationConfig",
     "is_quantizable",
     "load_quantized",
+    "tie_fused_layers",
+    "find_fusion_groups",
+    "STANDARD_FUSION_GROUPS",
+    "export_checkpoint",
+    "import_checkpoint",
     "NVFP4StaticLinear",
     "NVFP4StaticObservedLinear",
     "NVFP4StaticTensor",

@@ -5,7 +5,8 @@
    Hessian accumulator) while the user runs calibration data through the model.
 2. ``step="convert"``: the activation calibrator gives the activation global amax, the public
    weight calibrator ``NVFP4MSECalibrator`` gives the FP8 block scales, and both are baked into
-   an ``NVFP4StaticTensor`` held by an ``NVFP4StaticLinear``.
+   an ``NVFP4StaticTensor`` held by an ``NVFP4StaticLinear``. Layers that
+   ``nvfp4_static.tie_fused_layers`` tied read their fusion group's shared amaxes instead.
 3. ``step="prepare_for_loading"``: empty ``NVFP4StaticLinear`` layers for ``load_state_dict``
    (``nvfp4_static.load_quantized`` does this from what a checkpoint records instead).
 
@@ -15,18 +16,21 @@ with torchao's default filter a layer is described by its shape.
 """
 
 import weakref
+from typing import Optional
 
 import torch
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.convert_progress import ConvertProgress
+from nvfp4_static.fused_layers import TIED_WEIGHT_GLOBAL_AMAX
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.messages import warn
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     check_dtype,
     per_tensor_amax_to_scale,
+    quantize_nvfp4,
     scale_reciprocal_overflows,
 )
 from nvfp4_static.observed import NVFP4StaticObservedLinear
@@ -162,11 +166,13 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
         return module
     _CONVERT_PROGRESS.converting(module, module.layer_name)
     act_amax = _activation_global_amax(module)
-    weight = NVFP4StaticTensor.from_float(
-        module.weight,
+    weight_global_amax = _weight_global_amax(module)
+    weight = _quantized_weight(
+        module,
         act_amax,
-        _weight_block_scales(module, config),
-        backend_override=config.backend,
+        weight_global_amax,
+        _weight_block_scales(module, config, weight_global_amax),
+        config.backend,
     )
     stats = dict(getattr(module.act_calibrator, "stats", None) or {"g_amax": float(act_amax)})
     _CONVERT_PROGRESS.converted(module)
@@ -196,9 +202,46 @@ def _activation_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
     return act_amax
 
 
-def _weight_block_scales(module: NVFP4StaticObservedLinear, config: NVFP4StaticActivationConfig):
-    """FP8 block scales of the weight from ``NVFP4MSECalibrator``; None (block max, as torchao
-    computes them) for ``weight_scale="max"`` and for a weight too small for the sweep."""
+def _weight_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
+    """The weight's own ``max |w|``, or its fusion group's shared amax where
+    ``tie_fused_layers`` recorded one (``nvfp4_static.fused_layers``)."""
+    tied = getattr(module, TIED_WEIGHT_GLOBAL_AMAX, None)
+    if tied is not None:
+        return tied.to(module.weight.device)
+    return module.weight.detach().abs().amax().to(torch.float32)
+
+
+def _quantized_weight(
+    module: NVFP4StaticObservedLinear,
+    act_amax: torch.Tensor,
+    weight_global_amax: torch.Tensor,
+    block_scales_e4m3,
+    backend: Optional[str],
+) -> NVFP4StaticTensor:
+    """``NVFP4StaticTensor.from_float`` with a given weight global amax instead of the weight's
+    own max (a tied fusion group's); the activation amax was checked by the caller."""
+    weight = module.weight.detach()
+    weight_per_tensor_scale = per_tensor_amax_to_scale(weight_global_amax)
+    qdata, scale = quantize_nvfp4(weight, weight_per_tensor_scale, block_scales_e4m3)
+    return NVFP4StaticTensor(
+        qdata,
+        scale,
+        BLOCK_SIZE,
+        weight.dtype,
+        weight_per_tensor_scale,
+        per_tensor_amax_to_scale(act_amax).to(weight.device),
+        backend_override=backend,
+    )
+
+
+def _weight_block_scales(
+    module: NVFP4StaticObservedLinear,
+    config: NVFP4StaticActivationConfig,
+    global_amax: torch.Tensor,
+):
+    """FP8 block scales of the weight from ``NVFP4MSECalibrator``, swept against the weight
+    global amax the tensor will store; None (block max, as torchao computes them) for
+    ``weight_scale="max"`` and for a weight too small for the sweep."""
     if config.weight_scale == "max":
         return None
     hessian = None
@@ -210,7 +253,6 @@ def _weight_block_scales(module: NVFP4StaticObservedLinear, config: NVFP4StaticA
             )
         hessian = module.hessian_accumulator.hessian
     weight = module.weight.detach()
-    global_amax = weight.abs().amax().to(torch.float32)
     blocks = torch.empty(weight.shape[0], weight.shape[1] // BLOCK_SIZE, device="meta")
     calibrator = NVFP4MSECalibrator(blocks, global_amax, hessian=hessian, name=module.layer_name)
     try:

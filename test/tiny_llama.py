@@ -1,0 +1,58 @@
+"""A random-weight two-layer Llama, quantized the way a user would: what the export, import and
+fused-layer tests share."""
+
+import torch
+from torchao.quantization import quantize_
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable, tie_fused_layers
+
+VOCAB = 128
+
+
+def llama_config() -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
+
+
+def tiny_llama(dtype=torch.float32, seed=0) -> LlamaForCausalLM:
+    """Built in ``dtype`` as transformers builds it from a config (``.to(dtype)`` would also cast
+    the rotary buffers, which a model loaded from a folder keeps in float32)."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM._from_config(llama_config(), dtype=dtype).eval()
+
+
+def token_ids(seed=0, batch=4, length=16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def all_but_lm_head(module, fqn):
+    return is_quantizable(module, fqn) and fqn != "lm_head"
+
+
+def prepared_and_calibrated(model, filter_fn=all_but_lm_head, **config):
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=filter_fn)
+    with torch.no_grad():
+        for seed in range(2):
+            model(token_ids(seed))
+    return model
+
+
+def convert(model, filter_fn=all_but_lm_head, **config):
+    quantize_(model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=filter_fn)
+    return model
+
+
+def converted_llama(dtype=torch.float32, tie=True, weight_scale="max", **config):
+    """The tiny Llama prepared, calibrated, tied (unless ``tie=False``) and converted, every
+    linear but ``lm_head`` quantized. ``weight_scale="max"`` by default keeps it fast."""
+    model = prepared_and_calibrated(tiny_llama(dtype), weight_scale=weight_scale, **config)
+    if tie:
+        tie_fused_layers(model)
+    return convert(model, weight_scale=weight_scale, **config)
