@@ -206,26 +206,26 @@ def _static_linear(
 
 
 @implements_torch_function([torch.nn.functional.linear])
-def _(func, types, args, kwargs):
+def _functional_linear(func, types, args, kwargs):
     x, weight, bias = fill_defaults(list(args), 3, [None])
     bias = kwargs.get("bias", bias)
     return _static_linear(x, weight, bias)
 
 
 @implements([aten.linear.default])
-def _(func, types, args, kwargs):
+def _linear(func, types, args, kwargs):
     x, weight, bias = fill_defaults(list(args), 3, [None])
     return _static_linear(x, weight, bias)
 
 
 @implements([aten.mm.default, aten.matmul.default])
-def _(func, types, args, kwargs):
+def _mm_and_matmul(func, types, args, kwargs):
     x, weight_t = args[0], args[1]
     return _static_linear(x, weight_t, None)
 
 
 @implements([aten.addmm.default])
-def _(func, types, args, kwargs):
+def _addmm(func, types, args, kwargs):
     bias, x, weight_t = args[0], args[1], args[2]
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     if beta != 1 or alpha != 1:
@@ -234,13 +234,13 @@ def _(func, types, args, kwargs):
 
 
 @implements([aten.t.default])
-def _(func, types, args, kwargs):
+def _t(func, types, args, kwargs):
     old = args[0]
     return old._rewrap(old.qdata.t(), old.scale.t())
 
 
 @implements([aten.transpose.int])
-def _(func, types, args, kwargs):
+def _transpose(func, types, args, kwargs):
     old, dim0, dim1 = args
     if {dim0 % old.dim(), dim1 % old.dim()} != {old.dim() - 2, old.dim() - 1}:
         raise NotImplementedError(
@@ -251,7 +251,7 @@ def _(func, types, args, kwargs):
 
 
 @implements([aten.view.default])
-def _(func, types, args, kwargs):
+def _view(func, types, args, kwargs):
     old, size = args[0], list(args[1])
     if len(size) < 2 or size[-1] != old.shape[-1]:
         raise NotImplementedError(
@@ -264,7 +264,7 @@ def _(func, types, args, kwargs):
 
 
 @implements([aten.slice.Tensor])
-def _(func, types, args, kwargs):
+def _slice(func, types, args, kwargs):
     old, dim, start, end, step = fill_defaults(list(args), 5, [0, None, None, 1])
     if old.dim() != 2 or step != 1 or old.qdata.stride(-2) < old.qdata.stride(-1):
         raise NotImplementedError(
@@ -290,7 +290,7 @@ def _(func, types, args, kwargs):
 
 
 @implements([aten._to_copy.default])
-def _(func, types, args, kwargs):
+def _to_copy(func, types, args, kwargs):
     old = args[0]
     dtype = kwargs.pop("dtype", None)
     device = kwargs.pop("device", None)
@@ -313,7 +313,7 @@ def _(func, types, args, kwargs):
 
 
 @implements([aten._pin_memory.default])
-def _(func, types, args, kwargs):
+def _pin_memory(func, types, args, kwargs):
     old = args[0]
     return old._rewrap(
         old.qdata.pin_memory(),
@@ -324,7 +324,7 @@ def _(func, types, args, kwargs):
 
 
 @implements([aten.copy_.default])
-def _(func, types, args, kwargs):
+def _copy_(func, types, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, NVFP4StaticTensor) or not isinstance(src, NVFP4StaticTensor):
         plain = src if isinstance(dst, NVFP4StaticTensor) else dst

@@ -1,14 +1,26 @@
-"""What several test files share: the GPU mark, error measures and bounds, numeric edges, and the
-calibrate-then-convert flow on the small models of ``models.py``."""
+"""What several test files share: the GPU mark, the activation dtypes, error measures and bounds,
+numeric edges, the operands of a quantized linear, and the calibrate-then-convert flow on the
+small models of ``models.py``."""
+
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
 from torchao.quantization import quantize_
 
 from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable
-from nvfp4_static.numerics import E4M3_MIN_NORMAL, scale_reciprocal_overflows
+from nvfp4_static.numerics import (
+    E4M3_MIN_NORMAL,
+    per_tensor_amax_to_scale,
+    quantize_nvfp4,
+    scale_reciprocal_overflows,
+)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# The activation dtypes the kernels take, and their test ids.
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -44,6 +56,35 @@ def smallest_accepted_per_tensor_scale() -> torch.Tensor:
     while scale_reciprocal_overflows(scale):
         scale = torch.nextafter(scale, torch.tensor(1.0))
     return scale
+
+
+class LinearOperands(NamedTuple):
+    x: torch.Tensor
+    weight: torch.Tensor
+    weight_qdata: torch.Tensor
+    weight_block_scales: torch.Tensor
+    act_scale: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+
+def linear_operands(M: int, N: int, K: int, seed: int, device: str = "cpu", block_gains: bool = False):
+    """A float32 activation ``[M, K]``, a weight ``[N, K]`` (Gaussian rows of different
+    magnitudes) packed to NVFP4, both global scales (each tensor's amax) and a bias ``[N]``, all
+    from one generator seeded with ``seed``. ``block_gains`` multiplies each 16-block of the
+    activation by its own power of two in 2^-8 .. 2^4, so that its block scales differ."""
+    generator = torch.Generator(device).manual_seed(seed)
+    if block_gains:
+        gains = torch.exp2(torch.randint(-8, 5, (M, K // 16, 1), generator=generator, device=device).float())
+        x = (torch.randn(M, K // 16, 16, generator=generator, device=device) * gains).reshape(M, K)
+    else:
+        x = torch.randn(M, K, generator=generator, device=device)
+    weight = torch.randn(N, K, generator=generator, device=device) * torch.rand(N, 1, generator=generator, device=device)
+    act_scale = per_tensor_amax_to_scale(x.abs().max())
+    weight_scale = per_tensor_amax_to_scale(weight.abs().max())
+    weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
+    bias = torch.randn(N, generator=generator, device=device)
+    return LinearOperands(x, weight, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
 
 
 def calibration_batches(n=4, seed=0, dtype=torch.float32, scale=1.0):

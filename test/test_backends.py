@@ -7,32 +7,36 @@ replaced by an emulation of cuBLAS's block-scaled FP4 product.
 
 import pytest
 import torch
-from conftest import UNIT_ROUNDOFF, gpu_tolerance, relative_error, requires_cuda
+from conftest import UNIT_ROUNDOFF, gpu_tolerance, linear_operands, relative_error, requires_cuda
 from torch.fx.experimental.proxy_tensor import make_fx
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 from torchao.prototype.mx_formats.utils import from_blocked
 
-from nvfp4_static.backends import blackwell, cpu
+from nvfp4_static.backends import BACKENDS, blackwell, cpu, linear_function
 from nvfp4_static.backends import triton_route as triton_backend
 from nvfp4_static.kernels.gemm import GEMM_CONFIGS, gemm_bucket
-from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, quantize_nvfp4
-
-
-def float_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
-    """An activation, a weight (rows of different magnitudes) and their global scales."""
-    generator = torch.Generator(device).manual_seed(seed)
-    x = torch.randn(M, K, generator=generator, device=device)
-    weight = torch.randn(N, K, generator=generator, device=device) * torch.rand(N, 1, generator=generator, device=device)
-    return x, weight, x.abs().max() / (E4M3_MAX * E2M1_MAX), weight.abs().max() / (E4M3_MAX * E2M1_MAX)
+from nvfp4_static.numerics import quantize_nvfp4
 
 
 def linear_inputs(M, N, K, dtype, seed, device="cpu", with_bias=True):
     """``static_nvfp4_linear``'s arguments, in its order."""
-    x, weight, act_scale, weight_scale = float_operands(M, N, K, seed, device)
-    weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
-    bias = torch.randn(N, device=device) if with_bias else None
-    return x.to(dtype), weight_qdata, weight_block_scales, weight_scale, act_scale, bias
+    operands = linear_operands(M, N, K, seed, device)
+    return (
+        operands.x.to(dtype),
+        operands.weight_qdata,
+        operands.weight_block_scales,
+        operands.weight_scale,
+        operands.act_scale,
+        operands.bias if with_bias else None,
+    )
+
+
+def test_each_backend_name_gives_its_modules_linear():
+    modules = {"cpu": cpu, "triton": triton_backend, "blackwell": blackwell}
+    assert set(modules) == set(BACKENDS)
+    for name, module in modules.items():
+        assert linear_function(name) is module.static_nvfp4_linear, name
 
 
 def test_triton_backend_sends_cpu_tensors_to_the_cpu_backend():
@@ -42,7 +46,8 @@ def test_triton_backend_sends_cpu_tensors_to_the_cpu_backend():
 
 @pytest.mark.parametrize("M,N,K", [(5, 256, 128), (130, 64, 320)], ids=str)
 def test_blackwell_operands_match_torchao_swizzled_layout(M, N, K):
-    x, weight, act_scale, weight_scale = float_operands(M, N, K, seed=1)
+    inputs = linear_operands(M, N, K, seed=1)
+    x, weight, act_scale, weight_scale = inputs.x, inputs.weight, inputs.act_scale, inputs.weight_scale
     operands = blackwell.scaled_mm_operands(*quantize_nvfp4(x, act_scale), *quantize_nvfp4(weight, weight_scale))
     a, b, scale_a, scale_b = operands
     torchao_act = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=act_scale, is_swizzled_scales=True)

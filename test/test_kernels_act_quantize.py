@@ -1,4 +1,5 @@
-"""kernels/act_quantize.py: the Triton activation quantizer is bit-identical to numerics.quantize_nvfp4.
+"""kernels/act_quantize.py and its ops: the Triton activation quantizer is bit-identical to
+numerics.quantize_nvfp4.
 
 On CPU the kernel runs under the Triton interpreter (in a child process, see triton_interpreter);
 on a CUDA machine the same checks run compiled, at real sizes.
@@ -6,14 +7,15 @@ on a CUDA machine the same checks run compiled, at real sizes.
 
 import pytest
 import torch
-from conftest import requires_cuda, smallest_accepted_per_tensor_scale
+from conftest import DTYPE_IDS, DTYPES, requires_cuda, smallest_accepted_per_tensor_scale
 from triton_interpreter import run_interpreted
 
-from nvfp4_static.kernels.act_quantize import (
+from nvfp4_static.kernels.act_quantize import launch_activation_quantize
+from nvfp4_static.kernels.ops import (
     deinterleave_blocks,
     gemm_activation_operand,
-    launch_activation_quantize,
     quantize_activation_nvfp4,
+    runs_eagerly,
 )
 from nvfp4_static.numerics import (
     E2M1_MAX,
@@ -24,8 +26,6 @@ from nvfp4_static.numerics import (
     scale_reciprocal_overflows,
 )
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
 LAUNCHER = "nvfp4_static.kernels.act_quantize:launch_activation_quantize"
 
 
@@ -101,16 +101,17 @@ def interpreted_results():
     inputs = {name: wide_range_activation(M, K, dtype, seed) for seed, (name, (M, K, dtype)) in enumerate(CASES.items())}
     inputs["ties"] = rounding_ties()
     inputs["smallest_accepted_scale"] = smallest_accepted_scale()
-    calls = []
-    for x, per_tensor_scale in inputs.values():
+    launches = {}
+    for name, (x, per_tensor_scale) in inputs.items():
         qdata, block_scales, operands = empty_outputs(x)
-        calls.append((LAUNCHER, (x, per_tensor_scale, qdata, block_scales, None)))
-        calls.extend((LAUNCHER, (x, per_tensor_scale, None, None, operand)) for operand in operands)
-    results = iter(run_interpreted(calls))
+        launches[f"{name}-packed"] = (LAUNCHER, (x, per_tensor_scale, qdata, block_scales, None))
+        for operand in operands:
+            launches[f"{name}-{operand.dtype}"] = (LAUNCHER, (x, per_tensor_scale, None, None, operand))
+    results = run_interpreted(launches)
     outputs = {}
     for name, (x, per_tensor_scale) in inputs.items():
-        _, _, qdata, block_scales, _ = next(results)
-        operands = [next(results)[4] for _ in OPERAND_DTYPES]
+        _, _, qdata, block_scales, _ = results[f"{name}-packed"].args
+        operands = [results[f"{name}-{dtype}"].args[4] for dtype in OPERAND_DTYPES]
         outputs[name] = (x, per_tensor_scale, qdata, block_scales, operands)
     return outputs
 
@@ -168,7 +169,7 @@ def test_gpu_corner_cases_match_reference_bit_for_bit(case):
 
 
 def test_traced_ops_are_graph_nodes_under_compile_and_equal_in_eager():
-    """``launch.traced_op``: dynamo records the custom op (what Inductor needs to see the
+    """``ops.traced_op``: dynamo records the custom op (what Inductor needs to see the
     kernels); the eager call, which skips the op's dispatch, returns the same values."""
     targets = []
 
@@ -200,8 +201,6 @@ def test_only_real_tensors_outside_of_tracing_skip_the_ops():
     """Fake tensors (how dynamo runs a tensor subclass's ops) and make_fx must take the op."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
-
-    from nvfp4_static.kernels.launch import runs_eagerly
 
     x = torch.ones(2, 16)
     assert runs_eagerly(x, 3, torch.float16)

@@ -10,10 +10,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import UNIT_ROUNDOFF, gpu_tolerance, relative_error, requires_cuda
+from conftest import UNIT_ROUNDOFF, gpu_tolerance, linear_operands, relative_error, requires_cuda
 from triton_interpreter import run_interpreted
 
-from nvfp4_static.kernels.act_quantize import deinterleave_blocks, gemm_activation_operand
 from nvfp4_static.kernels.gemm import (
     GEMM_CONFIGS,
     CublasAfterDequantize,
@@ -24,10 +23,9 @@ from nvfp4_static.kernels.gemm import (
     gemm_config,
     launch_nvfp4_gemm,
     launch_weight_dequantize,
-    nvfp4_gemm,
-    quantizing_nvfp4_gemm,
 )
-from nvfp4_static.numerics import E2M1_MAX, E4M3_MAX, dequantize_nvfp4, quantize_nvfp4
+from nvfp4_static.kernels.ops import deinterleave_blocks, gemm_activation_operand, nvfp4_gemm, quantizing_nvfp4_gemm
+from nvfp4_static.numerics import dequantize_nvfp4
 
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
 DEQUANTIZE_LAUNCHER = "nvfp4_static.kernels.gemm:launch_weight_dequantize"
@@ -35,16 +33,16 @@ DEQUANTIZE_LAUNCHER = "nvfp4_static.kernels.gemm:launch_weight_dequantize"
 
 def raw_gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
     """Raw activation (with a block gain spread of 2^12, so block scales differ), packed weight,
-    both global scales and a bias."""
-    generator = torch.Generator(device).manual_seed(seed)
-    gains = torch.exp2(torch.randint(-8, 5, (M, K // 16, 1), generator=generator, device=device).float())
-    x = (torch.randn(M, K // 16, 16, generator=generator, device=device) * gains).reshape(M, K)
-    weight = torch.randn(N, K, generator=generator, device=device) * torch.rand(N, 1, generator=generator, device=device)
-    act_scale = x.abs().max() / (E4M3_MAX * E2M1_MAX)
-    weight_scale = weight.abs().max() / (E4M3_MAX * E2M1_MAX)
-    weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
-    bias = torch.randn(N, generator=generator, device=device)
-    return x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias
+    both global scales and a bias, in ``launch_nvfp4_gemm``'s order."""
+    operands = linear_operands(M, N, K, seed, device, block_gains=True)
+    return (
+        operands.x,
+        operands.weight_qdata,
+        operands.weight_block_scales,
+        operands.act_scale,
+        operands.weight_scale,
+        operands.bias,
+    )
 
 
 def gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
@@ -91,7 +89,7 @@ OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    cases, calls = [], []
+    cases, launches = [], {}
     for config_name, config in INTERPRETER_CONFIGS.items():
         for shape_index, (M, N, K) in enumerate(INTERPRETER_SHAPES):
             for dtype_name, (dtype, _) in OUT_DTYPES.items():
@@ -103,17 +101,20 @@ def interpreted_results():
                     cases.append((name, dtype_name, operands))
                     if config.activation_rows:  # the raw activation the operand was made from
                         x = raw_gemm_operands(M, N, K, seed=shape_index)[0]
-                        calls.append((LAUNCHER, (x, *operands[1:], out, config, True)))
+                        launches[name] = (LAUNCHER, (x, *operands[1:], out, config, True))
                     else:
-                        calls.append((LAUNCHER, (*operands, out, config)))
+                        launches[name] = (LAUNCHER, (*operands, out, config))
     weight_qdata, weight_block_scales = gemm_operands(*DEQUANTIZE_SHAPE, seed=5)[1:3]
     for dtype in DEQUANTIZE_DTYPES:
         dequantized = torch.full(DEQUANTIZE_SHAPE[1:], float("nan"), dtype=dtype)
-        calls.append((DEQUANTIZE_LAUNCHER, (weight_qdata, weight_block_scales, dequantized, CublasAfterDequantize(16, 32))))
-    results = run_interpreted(calls)
-    outputs = {name: (dtype_name, operands, args[6]) for (name, dtype_name, operands), args in zip(cases, results)}
-    for dtype, args in zip(DEQUANTIZE_DTYPES, results[len(cases) :]):
-        outputs[f"dequantize-{dtype}"] = args[:3]
+        launches[f"dequantize-{dtype}"] = (
+            DEQUANTIZE_LAUNCHER,
+            (weight_qdata, weight_block_scales, dequantized, CublasAfterDequantize(16, 32)),
+        )
+    results = run_interpreted(launches)
+    outputs = {name: (dtype_name, operands, results[name].args[6]) for name, dtype_name, operands in cases}
+    for dtype in DEQUANTIZE_DTYPES:
+        outputs[f"dequantize-{dtype}"] = results[f"dequantize-{dtype}"].args[:3]
     return outputs
 
 

@@ -2,7 +2,9 @@
 
 Triton chooses between compiling and interpreting a kernel when ``@triton.jit`` runs, i.e. when
 its module is imported, so interpreted kernels need a process that had the variable set from the
-start; setting it in the test process instead would flip every other test's kernels too.
+start; setting it in the test process instead would flip every other test's kernels too. A test
+file gathers its launches, runs them all in one child with ``run_interpreted`` (from a
+module-scoped fixture), and asserts on what comes back.
 """
 
 import importlib
@@ -10,11 +12,20 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Any, NamedTuple
 
 import numpy
 import pytest
 import torch
 import triton
+
+
+class Launched(NamedTuple):
+    """One launch, after it ran: its arguments as the launcher left them (outputs written in
+    place) and what it returned."""
+
+    args: tuple
+    returned: Any
 
 
 def skip_if_interpreter_unusable() -> None:
@@ -30,36 +41,37 @@ def skip_if_interpreter_unusable() -> None:
         )
 
 
-def run_interpreted(calls: list[tuple[str, tuple]]) -> list[tuple]:
-    """Run each ``("package.module:launcher", args)`` in one interpreted child process.
+def run_interpreted(launches: dict[str, tuple[str, tuple]]) -> dict[str, Launched]:
+    """Run each ``name: ("package.module:launcher", args)``, in order, in one interpreted child
+    process; return each name's ``Launched``.
 
-    Launchers write into preallocated output tensors, so each call's ``args`` come back as they
-    are after the call.
+    The launches travel in one ``torch.save``, so a tensor passed to several of them is one
+    tensor in the child too: a later launch sees what an earlier one wrote into it.
     """
     skip_if_interpreter_unusable()
     with tempfile.TemporaryDirectory() as tmp:
-        calls_path = os.path.join(tmp, "calls.pt")
+        launches_path = os.path.join(tmp, "launches.pt")
         results_path = os.path.join(tmp, "results.pt")
-        torch.save(calls, calls_path)
+        torch.save(launches, launches_path)
         child = subprocess.run(
-            [sys.executable, __file__, calls_path, results_path],
+            [sys.executable, __file__, launches_path, results_path],
             env=dict(os.environ, TRITON_INTERPRET="1"),
             capture_output=True,
             text=True,
         )
         if child.returncode != 0:
             raise RuntimeError(f"interpreted Triton launches failed:\n{child.stderr[-4000:]}")
-        return torch.load(results_path, weights_only=False)
+        return {name: Launched(*result) for name, result in torch.load(results_path, weights_only=False).items()}
 
 
-def _run_calls(calls_path: str, results_path: str) -> None:
-    results = []
-    for target, args in torch.load(calls_path, weights_only=False):
+def _run_launches(launches_path: str, results_path: str) -> None:
+    results = {}
+    for name, (target, args) in torch.load(launches_path, weights_only=False).items():
         module_name, function_name = target.split(":")
-        getattr(importlib.import_module(module_name), function_name)(*args)
-        results.append(args)
+        returned = getattr(importlib.import_module(module_name), function_name)(*args)
+        results[name] = (args, returned)
     torch.save(results, results_path)
 
 
 if __name__ == "__main__":
-    _run_calls(*sys.argv[1:])
+    _run_launches(*sys.argv[1:])

@@ -1,13 +1,14 @@
 """Which route runs a static NVFP4 linear on a given device, chosen once per tensor.
 
-- ``blackwell``: sm100+ with FP4 ``torch._scaled_mm`` (real FP4 tensor cores);
-- ``triton``: other CUDA GPUs (Hopper, Ampere): fused Triton kernels, faithful emulation;
-- ``cpu``: torch ops; runs on any device and defines the numerics.
+- ``blackwell`` (``backends/blackwell.py``): sm100+ with FP4 ``torch._scaled_mm`` (real FP4
+  tensor cores);
+- ``triton`` (``backends/triton_route.py``): other CUDA GPUs (Hopper, Ampere): fused Triton
+  kernels, faithful emulation;
+- ``cpu`` (``backends/cpu.py``): torch ops; runs on any device and defines the numerics.
 
 Every route has the same signature as ``backends.cpu.static_nvfp4_linear``.
 """
 
-import importlib
 import os
 from typing import Optional
 
@@ -46,10 +47,22 @@ _LINEAR_FUNCTIONS = {}
 def linear_function(backend: str):
     """The ``static_nvfp4_linear`` of ``backend``.
 
-    Imported on first use (triton may be absent) when a tensor picks its backend, so that a
-    compiled forward only reads this dict.
+    Imported on first use when a tensor picks its backend (the triton and blackwell modules
+    import Triton, which a CPU machine may lack), so that a compiled forward only reads this dict.
     """
     if backend not in _LINEAR_FUNCTIONS:
-        module = importlib.import_module(f"nvfp4_static.backends.{backend}")
-        _LINEAR_FUNCTIONS[backend] = module.static_nvfp4_linear
+        _LINEAR_FUNCTIONS[backend] = _import_linear_function(backend)
     return _LINEAR_FUNCTIONS[backend]
+
+
+def _import_linear_function(backend: str):
+    """Import the module of ``backend`` (one of ``BACKENDS``) and return its linear."""
+    if backend == "cpu":
+        from nvfp4_static.backends.cpu import static_nvfp4_linear
+    elif backend == "triton":
+        from nvfp4_static.backends.triton_route import static_nvfp4_linear
+    elif backend == "blackwell":
+        from nvfp4_static.backends.blackwell import static_nvfp4_linear
+    else:
+        raise ValueError(f"nvfp4_static: unknown backend {backend!r}; choose one of {BACKENDS}")
+    return static_nvfp4_linear

@@ -1,6 +1,6 @@
 """The Blackwell (sm100+) route of the static NVFP4 linear: a real FP4 GEMM via ``torch._scaled_mm``.
 
-The activation is quantized under its static global scale (``kernels.act_quantize``), both
+The activation is quantized under its static global scale (``kernels.ops``), both
 operands' FP8 block scales are rearranged into the blocked ("swizzled") layout cuBLAS reads
 (torchao's ``to_blocked``), and cuBLAS multiplies the packed FP4 operands with fp32 accumulation.
 It returns fp32 so that, as on every route, the product of the two global scales and then the
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torchao.prototype.mx_formats.utils import to_blocked
 
-from nvfp4_static.kernels.act_quantize import quantize_activation_nvfp4
+from nvfp4_static.kernels.ops import quantize_activation_nvfp4
 
 
 def scaled_mm_operands(

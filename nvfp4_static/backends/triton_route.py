@@ -1,8 +1,9 @@
 """The Triton route of the static NVFP4 linear: CUDA GPUs without FP4 tensor cores (Hopper, Ampere).
 
 Two steps: the activation is quantized under its static global scale and written as the GEMM
-operand ``q * s_b`` (``kernels.act_quantize``), then the GEMM reads the packed weight,
-dequantizes it and applies both global scales and the bias in its epilogue (``kernels.gemm``;
+operand ``q * s_b`` (the op ``gemm_activation_operand``, kernel in ``kernels.act_quantize``), then
+the GEMM reads the packed weight, dequantizes it and applies both global scales and the bias in
+its epilogue (the op ``nvfp4_gemm``, kernel in ``kernels.gemm``;
 at large M cuBLAS does the product, with the epilogue fused where ``output_scale`` is known).
 At the smallest decode sizes the GEMM quantizes the activation itself: one launch.
 Numerically this is ``backends.cpu`` up to the order of fp32 sums.
@@ -20,16 +21,18 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from nvfp4_static.backends import cpu
-from nvfp4_static.kernels.act_quantize import gemm_activation_operand
 from nvfp4_static.kernels.gemm import (
     GEMM_CONFIGS,
     activation_operand_dtype,
     gemm_bucket,
-    nvfp4_gemm,
     quantizes_activation_in_gemm,
-    quantizing_nvfp4_gemm,
 )
-from nvfp4_static.kernels.launch import runs_eagerly
+from nvfp4_static.kernels.ops import (
+    gemm_activation_operand,
+    nvfp4_gemm,
+    quantizing_nvfp4_gemm,
+    runs_eagerly,
+)
 
 
 def static_nvfp4_linear(

@@ -4,18 +4,18 @@ Per 16-element block: amax -> FP8 E4M3 block scale -> E2M1 codes, with exactly t
 ``numerics.quantize_nvfp4`` (fp32, correctly rounded divisions, reciprocal multiply, ties to
 even), so that the two agree bit for bit. The kernel writes either form the backends need:
 
-- ``quantize_activation_nvfp4``: packed codes + FP8 scales (the operands of a real FP4 GEMM);
-- ``gemm_activation_operand``: ``q * s_b`` in fp16 (or bf16), *without* the global scale, each
-  16-block stored as its 8 even-index elements then its 8 odd ones. Every such product is exact
-  in fp16 and bf16 (at most 5 significant bits, magnitudes in [2^-7, 2688]); this is the A
-  operand of the faithful GEMM (``kernels.gemm``), whose Triton kernel reads even and odd
-  elements as two contiguous halves because they sit in the low and high nibbles of the packed
-  weight.
+- packed codes + FP8 scales (the operands of a real FP4 GEMM; the op
+  ``ops.quantize_activation_nvfp4``);
+- ``q * s_b`` in fp16 (or bf16), *without* the global scale, each 16-block stored as its 8
+  even-index elements then its 8 odd ones (the op ``ops.gemm_activation_operand``). Every such
+  product is exact in fp16 and bf16 (at most 5 significant bits, magnitudes in [2^-7, 2688]);
+  this is the A operand of the faithful GEMM (``kernels.gemm``), whose Triton kernel reads even
+  and odd elements as two contiguous halves because they sit in the low and high nibbles of the
+  packed weight.
 
-Both are ``torch.library.triton_op``s while ``torch.compile`` traces (``launch.traced_op``; plain
-calls in eager mode); on non-CUDA tensors they run the torch reference (a ``triton_op`` body is
-traced for every device, so the branch lives there). ``launch_activation_quantize`` is the bare
-launcher, which the tests run on CPU under ``TRITON_INTERPRET=1``.
+``launch_activation_quantize`` is the launcher, which the ops call on CUDA tensors and the tests
+run on CPU under ``TRITON_INTERPRET=1``; ``quantize_to_operand_halves`` is the same arithmetic
+for a GEMM that quantizes its activation itself.
 """
 
 from typing import Optional
@@ -24,16 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static.kernels.launch import ceil_div, traceable, traced_op
-from nvfp4_static.numerics import (
-    BLOCK_SIZE,
-    E2M1_MAX,
-    E4M3_MAX,
-    E4M3_MIN_NORMAL,
-    check_dtype,
-    dequantize_nvfp4,
-    quantize_nvfp4,
-)
+from nvfp4_static.kernels.launch import ceil_div, traceable
+from nvfp4_static.numerics import BLOCK_SIZE, E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, check_dtype
 
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -43,7 +35,7 @@ _E4M3_MIN_NORMAL = tl.constexpr(E4M3_MIN_NORMAL)
 # one row per program keeps a decode batch of one row spread over K / 1024 programs. Chosen by a
 # sweep on an H200 (rows 1-16, columns 256-2048, 2-8 warps; K = 4096 / 8192 / 14336, M = 1 to
 # 4096; examples/benchmarks/RESULTS.md): 1 x 1024 with 2 warps was best or within 2% at M >= 512
-# (19-20% faster than the earlier 1 x 512 with 4 warps at M = 4096); below that every tile takes
+# (19-20% faster than 1 x 512 with 4 warps at M = 4096); below that every tile takes
 # the same ~5 us.
 BLOCK_ROWS = 1
 BLOCK_COLS = 1024
@@ -213,42 +205,3 @@ def launch_activation_quantize(
         WRITE_PACKED=write_packed,
         num_warps=NUM_WARPS,
     )
-
-
-@traced_op("quantize_activation_nvfp4")
-def quantize_activation_nvfp4(
-    x: torch.Tensor, per_tensor_scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``numerics.quantize_nvfp4(x, per_tensor_scale)`` for a 2D ``x``, in one Triton kernel.
-
-    Returns ``(qdata uint8 [M, K/2], block_scales float8_e4m3fn [M, K/16])``.
-    """
-    if x.device.type != "cuda":
-        return quantize_nvfp4(x, per_tensor_scale)
-    M, K = x.shape
-    qdata = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
-    block_scales = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=x.device)
-    launch_activation_quantize(x, per_tensor_scale, qdata, block_scales, None)
-    return qdata, block_scales
-
-
-def deinterleave_blocks(x: torch.Tensor) -> torch.Tensor:
-    """Reorder each 16-block of the last dim as its 8 even-index elements, then its 8 odd ones."""
-    blocks = x.reshape(*x.shape[:-1], -1, BLOCK_SIZE // 2, 2)
-    return blocks.transpose(-1, -2).reshape(x.shape)
-
-
-@traced_op("gemm_activation_operand")
-def gemm_activation_operand(
-    x: torch.Tensor, per_tensor_scale: torch.Tensor, operand_dtype: torch.dtype = torch.float16
-) -> torch.Tensor:
-    """``q * s_b`` of ``x`` quantized under ``per_tensor_scale``, block-deinterleaved, ``[M, K]``
-    in ``operand_dtype`` (fp16 or bf16: exact in both)."""
-    if operand_dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"nvfp4_static: the GEMM operand is fp16 or bf16, not {operand_dtype}")
-    if x.device.type != "cuda":
-        qdata, block_scales = quantize_nvfp4(x, per_tensor_scale)
-        return deinterleave_blocks(dequantize_nvfp4(qdata, block_scales, output_dtype=operand_dtype))
-    operand = torch.empty(x.shape, dtype=operand_dtype, device=x.device)
-    launch_activation_quantize(x, per_tensor_scale, None, None, operand)
-    return operand

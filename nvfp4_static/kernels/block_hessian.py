@@ -7,15 +7,14 @@ multiplies are free next to the bytes read. bf16 / fp16 products are exact in fp
 inputs use IEEE products, so the result equals ``references.block_hessian`` up to fp32
 summation order. No atomics: every Hessian block has one owner, so the sums are deterministic.
 
-Registered as the custom op ``nvfp4_static::accumulate_block_hessian`` (the torch reference on
-other devices).
+``launch_block_hessian`` is the CUDA kernel of the custom op
+``nvfp4_static::accumulate_block_hessian`` (``kernels.ops``).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static import references
 from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
@@ -86,18 +85,3 @@ def launch_block_hessian(x: torch.Tensor, hessian: torch.Tensor) -> None:
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
-
-
-@torch.library.custom_op("nvfp4_static::accumulate_block_hessian", mutates_args=("hessian",))
-def accumulate_block_hessian(x: torch.Tensor, hessian: torch.Tensor) -> None:
-    hessian.add_(references.block_hessian(x).to(hessian.device))
-
-
-@accumulate_block_hessian.register_kernel("cuda")
-def _accumulate_block_hessian_cuda(x, hessian):
-    launch_block_hessian(x, hessian)
-
-
-@accumulate_block_hessian.register_fake
-def _accumulate_block_hessian_fake(x, hessian):
-    return None

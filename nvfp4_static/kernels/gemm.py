@@ -2,7 +2,7 @@
 
 ``out = (A @ dequant(W)^T) * act_scale * weight_scale + bias``. ``A`` is the activation already
 rounded onto the NVFP4 grid without its global scale (fp16 ``q * s_b``, block-deinterleaved, from
-``act_quantize.gemm_activation_operand``); ``W`` stays packed: E2M1 codes, two per byte, plus FP8
+``ops.gemm_activation_operand``); ``W`` stays packed: E2M1 codes, two per byte, plus FP8
 E4M3 block scales. Each weight tile is dequantized in registers to fp16 ``q * s_b`` (exact: E2M1
 x E4M3 needs 5 significant bits), multiplied on the fp16 tensor cores with fp32 accumulation, and
 the two global scales and the bias are applied in the epilogue. This equals a real FP4
@@ -20,6 +20,9 @@ s_b`` is exact in either) and cuBLAS applies the scale as its ``alpha`` and adds
 its one rounding, so no fp32 product travels through memory. At M = 1 the kernel takes the raw
 activation instead and quantizes it in its K loop (``GemmConfig.activation_rows``) with
 ``act_quantize``'s arithmetic, so no operand kernel runs before it.
+
+This file holds the kernels, their launchers and the tile table; the ops that call them
+(``nvfp4_gemm``, ``quantizing_nvfp4_gemm``) are registered in ``kernels.ops``.
 """
 
 from dataclasses import dataclass, replace
@@ -31,7 +34,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_static.kernels.act_quantize import quantize_to_operand_halves
-from nvfp4_static.kernels.launch import ceil_div, traceable, traced_op
+from nvfp4_static.kernels.launch import ceil_div, traceable
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 # E2M1 code (sign, e1, e0, m) -> FP8 E4M3 byte (sign, 0, 0, e1, e0, m, 0, 0) is the same number
@@ -334,7 +337,7 @@ class CublasAfterDequantize:
 
     The dequantization tile: 4 x 512 with 8 warps streams at 77% of copy bandwidth on an H200
     (0.053 ms for 8192 x 8192), best of a 64-config sweep on three weight shapes and 2.2x faster
-    than the 64 x 256 / 4 warps it replaced (examples/benchmarks/RESULTS.md)."""
+    than 64 x 256 tiles with 4 warps (examples/benchmarks/RESULTS.md)."""
 
     block_n: int = 4
     block_k: int = 512
@@ -383,12 +386,12 @@ def gemm_config(M: int) -> Union[GemmConfig, CublasAfterDequantize]:
     return GEMM_CONFIGS[gemm_bucket(M)][1]
 
 
-def _table_config(M, bucket: Optional[int]) -> Union[GemmConfig, CublasAfterDequantize]:
+def table_config(M, bucket: Optional[int]) -> Union[GemmConfig, CublasAfterDequantize]:
     """The entry ``bucket`` names, else the one serving ``M``."""
     return gemm_config(M) if bucket is None else GEMM_CONFIGS[bucket][1]
 
 
-def _taking_operand(config: Union[GemmConfig, CublasAfterDequantize]) -> Union[GemmConfig, CublasAfterDequantize]:
+def taking_operand(config: Union[GemmConfig, CublasAfterDequantize]) -> Union[GemmConfig, CublasAfterDequantize]:
     """``config`` for an activation already quantized into the GEMM operand."""
     return replace(config, activation_rows=0) if isinstance(config, GemmConfig) else config
 
@@ -443,7 +446,7 @@ def activation_operand_dtype(
     return out_dtype if fuses_epilogue_into_cublas(config, out_dtype, output_scale, bias) else torch.float16
 
 
-def _check_operands(
+def check_operands(
     a: torch.Tensor,
     weight_qdata: torch.Tensor,
     weight_block_scales: torch.Tensor,
@@ -532,14 +535,14 @@ def launch_nvfp4_gemm(
     defaults to the table's tiles for M (an operand taken as given where that entry quantizes)."""
     if config is None:
         config = gemm_config(a.shape[0])
-        config = config if raw_activation else _taking_operand(config)
+        config = config if raw_activation else taking_operand(config)
     quantize_rows = config.activation_rows if isinstance(config, GemmConfig) else 0
     if bool(quantize_rows) != raw_activation:
         raise ValueError(
             f"nvfp4_static: raw_activation={raw_activation} but {config} has activation_rows = "
             f"{quantize_rows}: a config quantizes the raw activation exactly when activation_rows > 0"
         )
-    _check_operands(a, weight_qdata, weight_block_scales, None if raw_activation else torch.float16)
+    check_operands(a, weight_qdata, weight_block_scales, None if raw_activation else torch.float16)
     a = a if a.stride(1) == 1 else a.contiguous()
     M, K = a.shape
     N = weight_qdata.shape[0]
@@ -608,81 +611,7 @@ def launch_nvfp4_gemm(
     )
 
 
-@traced_op("nvfp4_gemm")
-def nvfp4_gemm(
-    a: torch.Tensor,
-    weight_qdata: torch.Tensor,
-    weight_block_scales: torch.Tensor,
-    act_per_tensor_scale: torch.Tensor,
-    weight_per_tensor_scale: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    out_dtype: torch.dtype,
-    output_scale: Optional[float] = None,
-    bucket: Optional[int] = None,
-) -> torch.Tensor:
-    """``(a @ dequant(W)^T) * act_scale * weight_scale + bias`` as ``[M, N]`` in ``out_dtype``.
-
-    ``a`` is ``q * s_b`` (no global scale) in ``activation_operand_dtype(config, out_dtype,
-    output_scale, bias)``; ``output_scale``, when given, is ``act_scale * weight_scale`` (fp32) as
-    a Python float. ``bucket`` is the index of the ``GEMM_CONFIGS`` entry to run, by default the
-    one serving M. CUDA only: the torch route of the same product is ``backends.cpu``.
-    """
-    _require_cuda(a, "nvfp4_gemm")
-    config = _table_config(a.shape[0], bucket)
-    if fuses_epilogue_into_cublas(config, out_dtype, output_scale, bias):
-        _check_operands(a, weight_qdata, weight_block_scales, out_dtype)
-        return cublas_with_fused_epilogue(a, weight_qdata, weight_block_scales, output_scale, bias)
-    out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
-    launch_nvfp4_gemm(
-        a,
-        weight_qdata,
-        weight_block_scales,
-        act_per_tensor_scale,
-        weight_per_tensor_scale,
-        bias,
-        out,
-        _taking_operand(config),
-    )
-    return out
-
-
 def quantizes_activation_in_gemm(config: Union[GemmConfig, CublasAfterDequantize]) -> bool:
     """Whether the table entry ``config`` takes the raw activation and quantizes it itself
     (``GemmConfig.activation_rows``): then the linear is ``quantizing_nvfp4_gemm``, one launch."""
     return isinstance(config, GemmConfig) and config.activation_rows > 0
-
-
-@traced_op("quantizing_nvfp4_gemm")
-def quantizing_nvfp4_gemm(
-    x: torch.Tensor,
-    weight_qdata: torch.Tensor,
-    weight_block_scales: torch.Tensor,
-    act_per_tensor_scale: torch.Tensor,
-    weight_per_tensor_scale: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    bucket: Optional[int] = None,
-) -> torch.Tensor:
-    """The static NVFP4 linear of a raw activation ``x [M, K]`` (bf16, fp16 or fp32) in the GEMM
-    itself: quantized under ``act_per_tensor_scale`` in the kernel's K loop (the same values as
-    ``gemm_activation_operand``), then as ``nvfp4_gemm``; ``[M, N]`` in ``x``'s dtype. CUDA only,
-    and only with a table entry (``bucket``, by default the one serving M) that
-    ``quantizes_activation_in_gemm`` (the launcher refuses others)."""
-    _require_cuda(x, "quantizing_nvfp4_gemm")
-    out = torch.empty((x.shape[0], weight_qdata.shape[0]), dtype=x.dtype, device=x.device)
-    launch_nvfp4_gemm(
-        x,
-        weight_qdata,
-        weight_block_scales,
-        act_per_tensor_scale,
-        weight_per_tensor_scale,
-        bias,
-        out,
-        _table_config(x.shape[0], bucket),
-        raw_activation=True,
-    )
-    return out
-
-
-def _require_cuda(a: torch.Tensor, op_name: str) -> None:
-    if a.device.type != "cuda":
-        raise ValueError(f"nvfp4_static: {op_name} runs on CUDA tensors, got {a.device}; use the 'cpu' backend")

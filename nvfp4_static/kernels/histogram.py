@@ -12,15 +12,14 @@ matter). Nothing per block reaches memory.
 The bin guess assumes log-spaced edges (``references.histogram_bin_edges``): it is then off by
 at most one bin, next to an edge, which the comparisons fix.
 
-Registered as the custom op ``nvfp4_static::collect_block_amax_histogram`` (the torch reference
-on other devices).
+``launch_block_amax_histogram`` is the CUDA kernel of the custom op
+``nvfp4_static::collect_block_amax_histogram`` (``kernels.ops``).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static import references
 from nvfp4_static.kernels.launch import ceil_div, next_power_of_2
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
@@ -169,24 +168,3 @@ def launch_block_amax_histogram(
         WINDOW=min(WINDOW_BINS, next_power_of_2(bin_edges.numel() + 1)),
         num_warps=NUM_WARPS,
     )
-
-
-@torch.library.custom_op(
-    "nvfp4_static::collect_block_amax_histogram", mutates_args=("counts", "amax")
-)
-def collect_block_amax_histogram(
-    x: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor, bin_edges: torch.Tensor
-) -> None:
-    batch_counts, batch_amax = references.block_amax_histogram(x, bin_edges)
-    counts.add_(batch_counts.to(counts.device))
-    torch.maximum(amax, batch_amax.to(amax.device), out=amax)
-
-
-@collect_block_amax_histogram.register_kernel("cuda")
-def _collect_block_amax_histogram_cuda(x, counts, amax, bin_edges):
-    launch_block_amax_histogram(x, counts, amax, bin_edges)
-
-
-@collect_block_amax_histogram.register_fake
-def _collect_block_amax_histogram_fake(x, counts, amax, bin_edges):
-    return None

@@ -14,9 +14,9 @@ sum of squares is never below one of its squares, so no smaller candidate can wi
 program stops when all its blocks are settled; the choice is unchanged, only the work shrinks.
 The Hessian error ``dw^T U dw`` has no such bound and always sees all 126 candidates.
 
-Registered as the custom op ``nvfp4_static::fp8_scale_sweep`` (the torch reference on other
-devices). It is a ``custom_op`` rather than a ``triton_op`` so that ``torch.compile`` calls this
-launcher as is, with contraction off, instead of recompiling the kernel with its own options.
+``launch_fp8_scale_sweep`` is the CUDA kernel of the custom op ``nvfp4_static::fp8_scale_sweep``
+(``kernels.ops``), a ``custom_op`` rather than a ``triton_op`` so that ``torch.compile`` calls
+this launcher as is, with contraction off, instead of recompiling the kernel with its own options.
 """
 
 from typing import Optional
@@ -214,21 +214,3 @@ def launch_fp8_scale_sweep(
             enable_fp_fusion=False,
         )
     return codes.view(torch.float8_e4m3fn)
-
-
-@torch.library.custom_op("nvfp4_static::fp8_scale_sweep", mutates_args=())
-def fp8_scale_sweep(
-    weight: torch.Tensor, global_amax: torch.Tensor, hessian: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    return references.fp8_scale_sweep(weight, global_amax, hessian)
-
-
-@fp8_scale_sweep.register_kernel("cuda")
-def _fp8_scale_sweep_cuda(weight, global_amax, hessian=None):
-    return launch_fp8_scale_sweep(weight, global_amax, hessian)
-
-
-@fp8_scale_sweep.register_fake
-def _fp8_scale_sweep_fake(weight, global_amax, hessian=None):
-    shape = (weight.shape[0], weight.shape[1] // BLOCK_SIZE)
-    return weight.new_empty(shape, dtype=torch.float8_e4m3fn)

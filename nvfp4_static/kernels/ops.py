@@ -1,0 +1,292 @@
+"""The kernel ops: every ``torch.library`` registration, fake and torch fallback of the package.
+
+The kernel files (``histogram``, ``scale_sweep``, ``block_hessian``, ``act_quantize``, ``gemm``)
+hold Triton kernels and their launchers; this module turns those launchers into ops. The
+calibrators, the backends and the tensor subclass call the ops (``nvfp4_static.kernels``
+re-exports them), never a launcher.
+
+Calibration ops, ``torch.library.custom_op``s: ``collect_block_amax_histogram``,
+``fp8_scale_sweep`` and ``accumulate_block_hessian``. Each op's CUDA kernel is the launcher and
+its kernel on every other device the torch reference in ``nvfp4_static.references``; both give
+identical results. Being custom ops, a calibration forward compiles with
+``torch.compile(fullgraph=True)``; run eagerly on CUDA, the two collect ops call their launchers
+directly, because the custom op's dispatch costs as much host time as the launch itself and
+calibration runs them at every observed layer.
+
+Inference ops, ``torch.library.triton_op``s while ``torch.compile`` traces and plain calls in
+eager mode (``traced_op``): ``quantize_activation_nvfp4`` and ``gemm_activation_operand`` run the
+torch reference on non-CUDA tensors (a ``triton_op`` body is traced for every device, so the
+branch lives in the body); ``nvfp4_gemm`` and ``quantizing_nvfp4_gemm`` are CUDA only (the torch
+route of the same product is ``backends.cpu``).
+"""
+
+import functools
+from typing import Optional
+
+import torch
+from torch._library.triton import set_wrap_triton_enabled  # private; what triton_op uses
+from torch.library import triton_op
+
+from nvfp4_static import references
+from nvfp4_static.kernels.act_quantize import launch_activation_quantize
+from nvfp4_static.kernels.block_hessian import launch_block_hessian
+from nvfp4_static.kernels.gemm import (
+    check_operands,
+    cublas_with_fused_epilogue,
+    fuses_epilogue_into_cublas,
+    launch_nvfp4_gemm,
+    table_config,
+    taking_operand,
+)
+from nvfp4_static.kernels.histogram import launch_block_amax_histogram
+from nvfp4_static.kernels.scale_sweep import launch_fp8_scale_sweep
+from nvfp4_static.numerics import BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
+
+
+# --- When to skip an op's dispatch ---------------------------------------------------------------
+
+
+def runs_eagerly(*args) -> bool:
+    """Whether a call with ``args`` runs on real tensors outside of any tracing, so that it may
+    launch kernels directly: not under dynamo, no dispatch mode (fake tensors, make_fx,
+    functionalization, which is also how dynamo runs a tensor subclass's ops), and every tensor
+    argument a plain ``torch.Tensor``."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and all(type(arg) is torch.Tensor for arg in args if isinstance(arg, torch.Tensor))
+    )
+
+
+def _launches_eagerly(x: torch.Tensor, state: torch.Tensor) -> bool:
+    """Whether a collect op skips its custom op: real CUDA tensors outside of tracing (the op's
+    CUDA kernel is the launcher; its other devices' kernel is the reference)."""
+    return x.is_cuda and runs_eagerly(x, state)
+
+
+def traced_op(name: str):
+    """Register the decorated function as the ``torch.library.triton_op`` ``name``, and return
+    a function that calls that op while ``torch.compile`` / ``torch.export`` trace and the body
+    itself otherwise.
+
+    In eager mode the custom op's dispatch is pure host overhead (skipping it took an eager
+    decode linear from 0.12 to 0.075 ms on an H100 host, where the GPU needs 0.03;
+    examples/benchmarks/RESULTS.md); the op exists for tracing, where it keeps the kernels
+    visible to Inductor. The op stays reachable as ``torch.ops.nvfp4_static.<name>`` and as the
+    returned function's ``op``.
+    """
+
+    def register(body):
+        op = triton_op(f"nvfp4_static::{name}", mutates_args=())(body)
+
+        @functools.wraps(body)
+        def call(*args, **kwargs):
+            if not runs_eagerly(*args):
+                return op(*args, **kwargs)
+            # As the op's own eager kernel does: with real tensors, wrap_triton hands back the
+            # bare kernel (its traceable wrapper would dispatch each launch as an operator).
+            with set_wrap_triton_enabled(False):
+                return body(*args, **kwargs)
+
+        call.op = op
+        return call
+
+    return register
+
+
+# --- Calibration ops -----------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "nvfp4_static::collect_block_amax_histogram", mutates_args=("counts", "amax")
+)
+def _collect_block_amax_histogram_op(
+    x: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor, bin_edges: torch.Tensor
+) -> None:
+    batch_counts, batch_amax = references.block_amax_histogram(x, bin_edges)
+    counts.add_(batch_counts.to(counts.device))
+    torch.maximum(amax, batch_amax.to(amax.device), out=amax)
+
+
+@_collect_block_amax_histogram_op.register_kernel("cuda")
+def _collect_block_amax_histogram_cuda(x, counts, amax, bin_edges):
+    launch_block_amax_histogram(x, counts, amax, bin_edges)
+
+
+@_collect_block_amax_histogram_op.register_fake
+def _collect_block_amax_histogram_fake(x, counts, amax, bin_edges):
+    return None
+
+
+def collect_block_amax_histogram(
+    x: torch.Tensor, counts: torch.Tensor, amax: torch.Tensor, bin_edges: torch.Tensor
+) -> None:
+    """Add ``x``'s per-block-amax histogram into ``counts`` (int64) and max into ``amax``, in place."""
+    if _launches_eagerly(x, counts):
+        launch_block_amax_histogram(x, counts, amax, bin_edges)
+    else:
+        _collect_block_amax_histogram_op(x, counts, amax, bin_edges)
+
+
+@torch.library.custom_op("nvfp4_static::fp8_scale_sweep", mutates_args=())
+def _fp8_scale_sweep_op(
+    weight: torch.Tensor, global_amax: torch.Tensor, hessian: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    return references.fp8_scale_sweep(weight, global_amax, hessian)
+
+
+@_fp8_scale_sweep_op.register_kernel("cuda")
+def _fp8_scale_sweep_cuda(weight, global_amax, hessian=None):
+    return launch_fp8_scale_sweep(weight, global_amax, hessian)
+
+
+@_fp8_scale_sweep_op.register_fake
+def _fp8_scale_sweep_fake(weight, global_amax, hessian=None):
+    shape = (weight.shape[0], weight.shape[1] // BLOCK_SIZE)
+    return weight.new_empty(shape, dtype=torch.float8_e4m3fn)
+
+
+def fp8_scale_sweep(
+    weight: torch.Tensor, global_amax: torch.Tensor, hessian: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Best FP8 block scale per 16-element block of ``weight``; see ``references.fp8_scale_sweep``."""
+    return _fp8_scale_sweep_op(weight, global_amax, hessian)
+
+
+@torch.library.custom_op("nvfp4_static::accumulate_block_hessian", mutates_args=("hessian",))
+def _accumulate_block_hessian_op(x: torch.Tensor, hessian: torch.Tensor) -> None:
+    hessian.add_(references.block_hessian(x).to(hessian.device))
+
+
+@_accumulate_block_hessian_op.register_kernel("cuda")
+def _accumulate_block_hessian_cuda(x, hessian):
+    launch_block_hessian(x, hessian)
+
+
+@_accumulate_block_hessian_op.register_fake
+def _accumulate_block_hessian_fake(x, hessian):
+    return None
+
+
+def accumulate_block_hessian(x: torch.Tensor, hessian: torch.Tensor) -> None:
+    """Add ``sum_tokens x_b x_b^T`` per 16-wide block of ``x`` into ``hessian`` [K/16, 16, 16], in place."""
+    if _launches_eagerly(x, hessian):
+        launch_block_hessian(x, hessian)
+    else:
+        _accumulate_block_hessian_op(x, hessian)
+
+
+# --- Inference ops -------------------------------------------------------------------------------
+
+
+@traced_op("quantize_activation_nvfp4")
+def quantize_activation_nvfp4(
+    x: torch.Tensor, per_tensor_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``numerics.quantize_nvfp4(x, per_tensor_scale)`` for a 2D ``x``, in one Triton kernel.
+
+    Returns ``(qdata uint8 [M, K/2], block_scales float8_e4m3fn [M, K/16])``.
+    """
+    if x.device.type != "cuda":
+        return quantize_nvfp4(x, per_tensor_scale)
+    M, K = x.shape
+    qdata = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
+    block_scales = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=x.device)
+    launch_activation_quantize(x, per_tensor_scale, qdata, block_scales, None)
+    return qdata, block_scales
+
+
+def deinterleave_blocks(x: torch.Tensor) -> torch.Tensor:
+    """Reorder each 16-block of the last dim as its 8 even-index elements, then its 8 odd ones."""
+    blocks = x.reshape(*x.shape[:-1], -1, BLOCK_SIZE // 2, 2)
+    return blocks.transpose(-1, -2).reshape(x.shape)
+
+
+@traced_op("gemm_activation_operand")
+def gemm_activation_operand(
+    x: torch.Tensor, per_tensor_scale: torch.Tensor, operand_dtype: torch.dtype = torch.float16
+) -> torch.Tensor:
+    """``q * s_b`` of ``x`` quantized under ``per_tensor_scale``, block-deinterleaved, ``[M, K]``
+    in ``operand_dtype`` (fp16 or bf16: exact in both)."""
+    if operand_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"nvfp4_static: the GEMM operand is fp16 or bf16, not {operand_dtype}")
+    if x.device.type != "cuda":
+        qdata, block_scales = quantize_nvfp4(x, per_tensor_scale)
+        return deinterleave_blocks(dequantize_nvfp4(qdata, block_scales, output_dtype=operand_dtype))
+    operand = torch.empty(x.shape, dtype=operand_dtype, device=x.device)
+    launch_activation_quantize(x, per_tensor_scale, None, None, operand)
+    return operand
+
+
+@traced_op("nvfp4_gemm")
+def nvfp4_gemm(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    output_scale: Optional[float] = None,
+    bucket: Optional[int] = None,
+) -> torch.Tensor:
+    """``(a @ dequant(W)^T) * act_scale * weight_scale + bias`` as ``[M, N]`` in ``out_dtype``.
+
+    ``a`` is ``q * s_b`` (no global scale) in ``activation_operand_dtype(config, out_dtype,
+    output_scale, bias)``; ``output_scale``, when given, is ``act_scale * weight_scale`` (fp32) as
+    a Python float. ``bucket`` is the index of the ``GEMM_CONFIGS`` entry to run, by default the
+    one serving M. CUDA only: the torch route of the same product is ``backends.cpu``.
+    """
+    _require_cuda(a, "nvfp4_gemm")
+    config = table_config(a.shape[0], bucket)
+    if fuses_epilogue_into_cublas(config, out_dtype, output_scale, bias):
+        check_operands(a, weight_qdata, weight_block_scales, out_dtype)
+        return cublas_with_fused_epilogue(a, weight_qdata, weight_block_scales, output_scale, bias)
+    out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
+    launch_nvfp4_gemm(
+        a,
+        weight_qdata,
+        weight_block_scales,
+        act_per_tensor_scale,
+        weight_per_tensor_scale,
+        bias,
+        out,
+        taking_operand(config),
+    )
+    return out
+
+
+@traced_op("quantizing_nvfp4_gemm")
+def quantizing_nvfp4_gemm(
+    x: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    bucket: Optional[int] = None,
+) -> torch.Tensor:
+    """The static NVFP4 linear of a raw activation ``x [M, K]`` (bf16, fp16 or fp32) in the GEMM
+    itself: quantized under ``act_per_tensor_scale`` in the kernel's K loop (the same values as
+    ``gemm_activation_operand``), then as ``nvfp4_gemm``; ``[M, N]`` in ``x``'s dtype. CUDA only,
+    and only with a table entry (``bucket``, by default the one serving M) that
+    ``gemm.quantizes_activation_in_gemm`` (the launcher refuses others)."""
+    _require_cuda(x, "quantizing_nvfp4_gemm")
+    out = torch.empty((x.shape[0], weight_qdata.shape[0]), dtype=x.dtype, device=x.device)
+    launch_nvfp4_gemm(
+        x,
+        weight_qdata,
+        weight_block_scales,
+        act_per_tensor_scale,
+        weight_per_tensor_scale,
+        bias,
+        out,
+        table_config(x.shape[0], bucket),
+        raw_activation=True,
+    )
+    return out
+
+
+def _require_cuda(a: torch.Tensor, op_name: str) -> None:
+    if a.device.type != "cuda":
+        raise ValueError(f"nvfp4_static: {op_name} runs on CUDA tensors, got {a.device}; use the 'cpu' backend")
