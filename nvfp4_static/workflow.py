@@ -34,14 +34,7 @@ from nvfp4_static.numerics import (
     scale_reciprocal_overflows,
 )
 from nvfp4_static.observed import NVFP4StaticObservedLinear
-from nvfp4_static.observers import (
-    BlockHessianAccumulator,
-    MaxCalibrator,
-    NVFP4BMinCalibrator,
-    NVFP4MSECalibrator,
-    PercentileCalibrator,
-)
-from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
+from nvfp4_static.observers import BlockHessianAccumulator, NVFP4MSECalibrator
 from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
 from nvfp4_static.tensor import NVFP4StaticTensor
 
@@ -49,6 +42,11 @@ __all__ = ["is_quantizable", "layer_name"]
 
 _LAYER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 _CONVERT_PROGRESS = ConvertProgress()
+# What each step put in place of a module, so that a module two parents hold (visited twice by
+# quantize_) gets one replacement, not two diverging copies.
+_REPLACEMENTS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
@@ -86,9 +84,14 @@ def _nvfp4_static_transform(
 
 def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
     name = layer_name(module)
+    shared = _REPLACEMENTS.get(module)
+    if isinstance(shared, NVFP4StaticObservedLinear) and shared.weight is module.weight:
+        return shared  # a linear two parents hold: one observed layer serves both
     if isinstance(module, (NVFP4StaticObservedLinear, NVFP4StaticLinear)):
         raise ValueError(f"nvfp4_static: layer '{name}' is already {type(module).__name__}")
     check_dtype(module.weight, f"weight of layer '{name}'")
+    if not _is_plain_linear_or_says_why(module, name, config.strict):
+        return module
     if not _has_block_dims_or_says_why(module, name, config.strict):
         return module
     hessian = (
@@ -96,10 +99,33 @@ def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> to
         if config.weight_scale == "hessian_mse" else None
     )
     observed = NVFP4StaticObservedLinear.from_float(
-        module, _activation_calibrator(config, name), hessian, layer_name=name
+        module,
+        config.activation_calibrator(name),
+        hessian,
+        layer_name=name,
+        activation_recipe=config.activation_recipe(),
     )
+    _REPLACEMENTS[module] = observed
     _CONVERT_PROGRESS.prepared(observed)
     return observed
+
+
+def _is_plain_linear_or_says_why(module: torch.nn.Linear, name: str, strict: bool) -> bool:
+    """Whether swapping ``module`` for our linear keeps what it computes: an ``nn.Linear``
+    subclass with its own ``forward``, parameters or submodules would lose them."""
+    own_parameters = {n for n, _ in module.named_parameters(recurse=False)} - {"weight", "bias"}
+    overrides_forward = type(module).forward is not torch.nn.Linear.forward
+    if not (overrides_forward or own_parameters or any(True for _ in module.children())):
+        return True
+    what = "its own forward" if overrides_forward else "parameters or submodules nn.Linear lacks"
+    message = (
+        f"nvfp4_static: layer '{name}' is left unquantized: it is a {type(module).__name__}, an "
+        f"nn.Linear subclass with {what}, which the quantized layer would not keep"
+    )
+    if strict:
+        raise ValueError(message)
+    warn(message)
+    return False
 
 
 def _has_block_dims(module: torch.nn.Linear) -> bool:
@@ -119,37 +145,6 @@ def _has_block_dims_or_says_why(module: torch.nn.Linear, name: str, strict: bool
     return False
 
 
-def _activation_calibrator(config: NVFP4StaticActivationConfig, name: str):
-    """The calibrator of ``config.act_calibration``, built with the config's knobs."""
-    if config.act_calibration == "b_min":
-        return NVFP4BMinCalibrator(
-            rho=config.rho,
-            b_min_percentile=config.b_min_percentile,
-            b_max_percentile=config.b_max_percentile,
-            margin=config.margin,
-            num_bins=config.num_bins,
-            log2_min=config.log2_min,
-            log2_max=config.log2_max,
-            name=name,
-        )
-    if config.act_calibration == "max":
-        return MaxCalibrator(name=name)
-    if config.act_calibration == "percentile":
-        return PercentileCalibrator(
-            percentile=config.percentile,
-            num_bins=config.num_bins,
-            log2_min=config.log2_min,
-            log2_max=config.log2_max,
-            name=name,
-        )
-    return FirstBatchMseCalibrator(
-        step_size=config.mse_step_size,
-        start_multiplier=config.mse_start_multiplier,
-        stop_multiplier=config.mse_stop_multiplier,
-        name=name,
-    )
-
-
 # --- step 2: convert ----------------------------------------------------------------------------
 
 
@@ -164,6 +159,10 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
                 f"before step='convert', with the same filter_fn"
             )
         return module
+    shared = _REPLACEMENTS.get(module)
+    if isinstance(shared, NVFP4StaticLinear):
+        return shared
+    _check_recipe_matches_prepare(module, config)
     _CONVERT_PROGRESS.converting(module, module.layer_name)
     act_amax = _activation_global_amax(module)
     weight_global_amax = _weight_global_amax(module)
@@ -175,8 +174,27 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
         config.backend,
     )
     stats = dict(getattr(module.act_calibrator, "stats", None) or {"g_amax": float(act_amax)})
+    converted = NVFP4StaticLinear(weight, module.bias, config.recipe(), module.layer_name, stats)
+    _REPLACEMENTS[module] = converted
     _CONVERT_PROGRESS.converted(module)
-    return NVFP4StaticLinear(weight, module.bias, config.recipe(), module.layer_name, stats)
+    return converted
+
+
+def _check_recipe_matches_prepare(
+    module: NVFP4StaticObservedLinear, config: NVFP4StaticActivationConfig
+) -> None:
+    """The activation recipe was fixed at prepare (it built the calibrator); a convert config
+    that names another would label the layer with a recipe it was not calibrated with."""
+    prepared, asked = module.activation_recipe, config.activation_recipe()
+    if prepared is not None and prepared != asked:
+        differing = {k: (prepared.get(k), asked.get(k)) for k in prepared.keys() | asked.keys()
+                     if prepared.get(k) != asked.get(k)}
+        details = ", ".join(f"{k}: prepared {p!r}, convert {c!r}" for k, (p, c) in sorted(differing.items()))
+        raise ValueError(
+            f"nvfp4_static: layer '{module.layer_name}' was prepared with another activation "
+            f"recipe than convert asks for ({details}); convert with the config it was prepared "
+            f"with, or prepare again"
+        )
 
 
 def _activation_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:

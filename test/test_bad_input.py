@@ -1,0 +1,269 @@
+"""Bad input gets a clear error or a correct result, never a silent wrong one, and a refused
+batch or load leaves everything as it was. One test per class of bad input, several variants
+each."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torchao.quantization import quantize_
+
+from conftest import DIM, calibration_batches, make, quantized, sqnr_db
+from models import MLP
+from nvfp4_static import (
+    NVFP4StaticActivationConfig,
+    NVFP4StaticLinear,
+    NVFP4StaticObservedLinear,
+    is_quantizable,
+    load_quantized,
+)
+from nvfp4_static.numerics import fake_quantize_nvfp4, per_tensor_amax_to_scale
+
+
+def prepare(model, **config):
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=is_quantizable)
+    return model
+
+
+def convert(model, **config):
+    quantize_(model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=is_quantizable)
+    return model
+
+
+def calibrate(model, batches):
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+
+
+# --- a recipe's state decided by one batch ------------------------------------------------------
+
+
+@pytest.mark.parametrize("first_scale", [1e-3, 1e-6], ids=["1e-3", "1e-6"])
+def test_mse_search_is_not_anchored_for_good_by_a_small_first_batch(first_scale):
+    model = prepare(make(MLP), act_calibration="mse")
+    normal = calibration_batches(4)
+    with pytest.warns(UserWarning, match="'up'.*restarts anchored"):
+        calibrate(model, [normal[0] * first_scale] + normal)
+    convert(model, act_calibration="mse")
+    literal_max = max(float(b.abs().max()) for b in normal)
+    assert 0.25 * literal_max <= model.up.act_global_amax <= 4 * literal_max
+    assert model.up.calibration_stats["restarts"] == 1
+
+
+def test_mse_search_with_a_large_first_batch_keeps_every_batch():
+    model = prepare(make(MLP), act_calibration="mse")
+    batches = calibration_batches(4)
+    calibrate(model, [batches[0] * 3] + batches[1:])
+    assert model.up.act_calibrator.restarts == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_refused_first_batch_leaves_no_mse_anchor(bad):
+    refused_first, clean = prepare(make(MLP), act_calibration="mse"), prepare(make(MLP), act_calibration="mse")
+    poisoned = calibration_batches(1, seed=7)[0] * 1e-3
+    poisoned[0, 0, 0] = bad
+    with pytest.raises(ValueError, match="NaN"):
+        calibrate(refused_first, [poisoned])
+    calibrate(refused_first, calibration_batches())
+    calibrate(clean, calibration_batches())
+    assert refused_first.up.act_calibrator.compute_amax() == clean.up.act_calibrator.compute_amax()
+
+
+# --- convert's recipe disagrees with prepare's --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prepared, converting, field",
+    [
+        (dict(), dict(act_calibration="max"), "act_calibration"),
+        (dict(rho=8192.0), dict(), "rho"),
+        (dict(act_calibration="percentile", percentile=99.0), dict(act_calibration="percentile"), "percentile"),
+        (dict(act_calibration="mse"), dict(act_calibration="mse", mse_stop_multiplier=2.0), "mse_stop"),
+    ],
+    ids=["act_calibration", "rho", "percentile", "mse_grid"],
+)
+def test_convert_refuses_an_activation_recipe_prepare_did_not_calibrate(prepared, converting, field):
+    model = prepare(make(MLP), **prepared)
+    calibrate(model, calibration_batches())
+    with pytest.raises(ValueError, match=f"'up' was prepared with another activation recipe.*{field}"):
+        convert(model, **converting)
+    assert isinstance(model.up, NVFP4StaticObservedLinear)  # nothing converted: fix and retry
+    convert(model, **prepared)
+    assert isinstance(model.up, NVFP4StaticLinear)
+
+
+def test_convert_may_choose_another_weight_recipe_than_prepare():
+    model = quantized(make(MLP), act_calibration="max")
+    fresh = prepare(make(MLP), act_calibration="max")
+    calibrate(fresh, calibration_batches())
+    convert(fresh, act_calibration="max", weight_scale="max")
+    assert fresh.up.recipe == {"act_calibration": "max", "weight_scale": "max"}
+    assert fresh.up.act_global_amax == model.up.act_global_amax
+
+
+# --- modules replaced that should not be --------------------------------------------------------
+
+
+class ScaledLinear(torch.nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class GatedLinear(torch.nn.Linear):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.gate = torch.nn.Parameter(torch.ones(self.out_features))
+
+
+class PlainSubclass(torch.nn.Linear):
+    """Adds nothing: quantizing it keeps what it computes."""
+
+
+@pytest.mark.parametrize("cls, what", [(ScaledLinear, "own forward"), (GatedLinear, "parameters")],
+                         ids=["own_forward", "extra_parameter"])
+def test_a_linear_subclass_that_changes_the_layer_is_left_float(cls, what):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(cls(DIM, DIM))
+    with pytest.warns(UserWarning, match=f"'0' is left unquantized.*{cls.__name__}.*{what}"):
+        prepare(model)
+    assert type(model[0]) is cls
+    with pytest.raises(ValueError, match=cls.__name__):
+        prepare(torch.nn.Sequential(cls(DIM, DIM)), strict=True)
+
+
+def test_a_linear_subclass_that_adds_nothing_is_quantized():
+    model = prepare(torch.nn.Sequential(PlainSubclass(DIM, DIM)))
+    assert isinstance(model[0], NVFP4StaticObservedLinear)
+
+
+@pytest.mark.parametrize("holders", [2, 3])
+def test_a_linear_several_parents_hold_stays_one_layer(holders):
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(DIM, DIM)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(shared) for _ in range(holders)])
+    float_model = copy.deepcopy(model)
+    prepare(model)
+    assert len({id(parent[0]) for parent in model}) == 1
+    calibrate(model, calibration_batches())
+    convert(model)
+    layer = model[0][0]
+    assert len({id(parent[0]) for parent in model}) == 1 and isinstance(layer, NVFP4StaticLinear)
+    assert torch.equal(layer.bias, float_model[0][0].bias)
+    x = calibration_batches(1, seed=3)[0]
+    with torch.no_grad():
+        expected = x
+        for _ in range(holders):
+            expected = layer(expected)
+        assert torch.equal(model(x), expected)
+
+
+# --- values outside the histogram's range, degenerate settings ----------------------------------
+
+
+@pytest.mark.parametrize("act_calibration", ["b_min", "percentile"])
+@pytest.mark.parametrize("magnitude", [1e20, 1e-20], ids=["1e20", "1e-20"])
+def test_activations_beyond_the_histogram_range_get_a_usable_amax_and_a_warning(act_calibration, magnitude):
+    model = prepare(make(MLP), act_calibration=act_calibration)
+    batches = [b * magnitude for b in calibration_batches()]
+    calibrate(model, batches)
+    with pytest.warns(UserWarning, match="outside|above|below"):
+        convert(model, act_calibration=act_calibration)
+    g_amax = model.up.act_global_amax
+    literal_max = max(float(b.abs().max()) for b in batches)
+    assert math.isfinite(g_amax) and g_amax >= literal_max * 0.99
+    x = batches[0]
+    static = fake_quantize_nvfp4(x, per_tensor_amax_to_scale(torch.tensor(g_amax)))
+    assert sqnr_db(x, static) > 15
+
+
+@pytest.mark.parametrize(
+    "field, named",
+    [
+        (dict(num_bins=2.5), "num_bins"), (dict(num_bins=True), "num_bins"), (dict(num_bins=1), "num_bins"),
+        (dict(log2_min=5.0, log2_max=6.0), "range"), (dict(log2_min=float("nan")), "log2_min"),
+        (dict(log2_min=3.0, log2_max=-3.0), "log2_min"),
+        (dict(b_min_percentile=50.0, b_max_percentile=10.0), "b_min_percentile"),
+        (dict(margin=-1.0), "margin"),
+        (dict(act_calibration="percentile", percentile=0.0), "percentile"),
+        (dict(act_calibration="mse", mse_start_multiplier=2.0, mse_stop_multiplier=1.0), "start_multiplier"),
+        (dict(act_calibration="mse", mse_step_size=0.0), "step_size"),
+    ],
+    ids=["fractional_bins", "bool_bins", "one_bin", "narrow_range", "nan_range", "inverted_range",
+         "b_min_above_b_max", "negative_margin", "zero_percentile", "inverted_mse_grid", "zero_mse_step"],
+)
+def test_degenerate_settings_are_refused_when_the_config_is_made(field, named):
+    with pytest.raises(ValueError, match=f"NVFP4StaticActivationConfig.*{named}"):
+        NVFP4StaticActivationConfig(**field)
+
+
+# --- empty batches ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [dict(act_calibration="max"), dict(), dict(act_calibration="mse"), dict(weight_scale="hessian_mse")],
+    ids=["max", "b_min", "mse", "hessian"],
+)
+def test_an_empty_calibration_batch_changes_nothing(config):
+    with_empty, without = prepare(make(MLP), **config), prepare(make(MLP), **config)
+    empty = torch.empty(0, DIM)
+    calibrate(with_empty, [empty, calibration_batches(1)[0], empty.reshape(2, 0, DIM)] + calibration_batches()[1:])
+    calibrate(without, calibration_batches())
+    convert(with_empty, **config)
+    convert(without, **config)
+    assert with_empty.up.act_global_amax == without.up.act_global_amax
+    assert torch.equal(with_empty.up.weight.scale.view(torch.uint8), without.up.weight.scale.view(torch.uint8))
+
+
+# --- unchecked loads and misuse after convert ---------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, -1.0, float("inf"), 1e-40],
+                         ids=["nan", "zero", "negative", "inf", "too_small"])
+def test_a_checkpoint_with_an_impossible_activation_scale_is_refused(bad):
+    state = quantized(make(MLP)).state_dict()
+    state["down.weight"].act_per_tensor_scale.fill_(bad)
+    target = make(MLP, seed=1)
+    with pytest.raises(ValueError, match="'down' has activation scale"):
+        load_quantized(target, state)
+    assert type(target.up) is torch.nn.Linear and type(target.down) is torch.nn.Linear
+    placeholder = make(MLP, seed=1)
+    quantize_(placeholder, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)
+    with pytest.raises(ValueError, match="'down' has activation scale"):
+        placeholder.load_state_dict(state)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0], ids=["nan", "negative"])
+def test_a_checkpoint_with_an_impossible_weight_scale_is_refused(bad):
+    state = quantized(make(MLP)).state_dict()
+    state["up.weight"].per_tensor_scale.fill_(bad)
+    with pytest.raises(ValueError, match="'up' has weight scale"):
+        load_quantized(make(MLP, seed=1), state)
+
+
+def test_a_placeholder_refuses_to_run_until_loaded():
+    model = make(MLP)
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)
+    with pytest.raises(RuntimeError, match="'up' is an empty placeholder"):
+        model(calibration_batches(1)[0])
+    assert "empty placeholder" in repr(model)
+    model.load_state_dict(quantized(make(MLP)).state_dict())
+    assert model(calibration_batches(1)[0]).shape == (2, 16, DIM)
+
+
+def test_a_model_on_the_meta_device_prints():
+    model = quantized(make(MLP)).to("meta")
+    assert "act_global_amax=? (meta)" in repr(model)
+
+
+@pytest.mark.parametrize("grad_from", ["input", "bias"])
+def test_backward_through_a_converted_layer_names_the_problem(grad_from):
+    model = quantized(make(MLP))
+    x = calibration_batches(1)[0].requires_grad_(grad_from == "input")
+    if grad_from == "bias":
+        model.down.bias.requires_grad_(True)
+    out = model(x)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        out.sum().backward()
