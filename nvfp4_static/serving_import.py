@@ -176,7 +176,9 @@ def _model_from_config(folder: pathlib.Path) -> torch.nn.Module:
             f"{folder / CONFIG_FILE}; build the float model yourself and pass it as model="
         )
     with no_init_weights():
-        return model_class._from_config(config, dtype=config.dtype)
+        model = model_class._from_config(config, dtype=config.dtype)
+    model.tie_weights()  # skipped under no_init_weights; a tied lm_head is not in the folder
+    return model
 
 
 # --- which layers are quantized ------------------------------------------------------------------

@@ -191,6 +191,18 @@ def test_export_then_import_is_bit_identical(format, dtype, tmp_path, llama_fp32
     assert torch.equal(logits(imported), logits(model))
 
 
+def test_tied_embeddings_are_written_once_and_tied_again(tmp_path):
+    model = tiny_llama(tie_word_embeddings=True)
+    prepared_and_calibrated(model, weight_scale="max")
+    tie_fused_layers(model)
+    convert(model, weight_scale="max")
+    export_checkpoint(model, tmp_path / "ct")
+    assert "lm_head.weight" not in read_folder(tmp_path / "ct")
+    imported = import_checkpoint(tmp_path / "ct")
+    assert imported.lm_head.weight is imported.model.embed_tokens.weight
+    assert torch.equal(logits(imported), logits(model))
+
+
 def test_import_into_a_given_float_model(llama_fp32, tmp_path):
     export_checkpoint(llama_fp32, tmp_path / "ct")
     target = tiny_llama(seed=1)

@@ -10,8 +10,9 @@ from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable, tie_fused_
 VOCAB = 128
 
 
-def llama_config() -> LlamaConfig:
+def llama_config(**changes) -> LlamaConfig:
     return LlamaConfig(
+        **changes,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -21,11 +22,11 @@ def llama_config() -> LlamaConfig:
     )
 
 
-def tiny_llama(dtype=torch.float32, seed=0) -> LlamaForCausalLM:
+def tiny_llama(dtype=torch.float32, seed=0, **config_changes) -> LlamaForCausalLM:
     """Built in ``dtype`` as transformers builds it from a config (``.to(dtype)`` would also cast
     the rotary buffers, which a model loaded from a folder keeps in float32)."""
     torch.manual_seed(seed)
-    return LlamaForCausalLM._from_config(llama_config(), dtype=dtype).eval()
+    return LlamaForCausalLM._from_config(llama_config(**config_changes), dtype=dtype).eval()
 
 
 def token_ids(seed=0, batch=4, length=16) -> torch.Tensor:
