@@ -24,7 +24,7 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from safetensors.torch import save_file

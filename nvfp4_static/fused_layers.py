@@ -29,7 +29,6 @@ from nvfp4_static.observers import MergeableObserver
 
 __all__ = [
     "STANDARD_FUSION_GROUPS",
-    "TIED_WEIGHT_GLOBAL_AMAX",
     "find_fusion_groups",
     "tie_fused_layers",
 ]
@@ -43,10 +42,6 @@ STANDARD_FUSION_GROUPS: tuple[tuple[str, ...], ...] = (
     ("w1", "w3"),
     ("q_a_proj", "kv_a_proj_with_mqa"),
 )
-
-# Attribute ``tie_fused_layers`` sets on an observed layer: its group's weight global amax, which
-# convert uses instead of the layer's own ``max |w|``.
-TIED_WEIGHT_GLOBAL_AMAX = "tied_weight_global_amax"
 
 
 def find_fusion_groups(
@@ -121,7 +116,7 @@ def tie_fused_layers(
     ]
     for names, observed, weight_global_amax, act_calibrator in ties:
         for module in observed.values():
-            setattr(module, TIED_WEIGHT_GLOBAL_AMAX, weight_global_amax)
+            module.tied_weight_global_amax = weight_global_amax
             module.act_calibrator = act_calibrator
     return [tuple(observed) for _, observed, _, _ in ties]
 

@@ -21,6 +21,8 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
         hessian_accumulator: optional per-input-block Hessian for ``weight_scale="hessian_mse"``.
         activation_recipe: the config's ``activation_recipe()`` the calibrator was built from
             (None when built by hand), which convert checks its own config against.
+        tied_weight_global_amax: the fusion group's weight global amax that
+            ``tie_fused_layers`` set (None: convert uses the weight's own ``max |w|``).
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
         self.hessian_accumulator = hessian_accumulator
         self.layer_name = layer_name
         self.activation_recipe = activation_recipe
+        self.tied_weight_global_amax: Optional[torch.Tensor] = None
 
     @classmethod
     def from_float(

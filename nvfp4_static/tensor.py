@@ -12,6 +12,7 @@ torchao's tooling recognises it. Two things differ:
   ``nvfp4_static.backends``).
 """
 
+import hashlib
 from typing import Optional
 
 import torch
@@ -95,8 +96,9 @@ class NVFP4StaticTensor(NVFP4Tensor):
         act_global_amax: torch.Tensor,
         block_scales_e4m3: Optional[torch.Tensor] = None,
         backend_override: Optional[str] = None,
+        weight_global_amax: Optional[torch.Tensor] = None,
     ) -> "NVFP4StaticTensor":
-        """Quantize a ``[N, K]`` weight; the weight's global amax is its ``max(|w|)``.
+        """Quantize a ``[N, K]`` weight.
 
         Args:
             weight: the float weight.
@@ -104,6 +106,8 @@ class NVFP4StaticTensor(NVFP4Tensor):
             block_scales_e4m3: ``[N, K/16]`` FP8 block scales (e.g. from the MSE sweep); None
                 computes them from block maxes, exactly as torchao does.
             backend_override: force a backend (see ``nvfp4_static.backends``).
+            weight_global_amax: the weight's global amax, by default its ``max(|w|)``; a layer
+                of a tied fusion group takes the group's.
         """
         act_per_tensor_scale = per_tensor_amax_to_scale(act_global_amax.detach()).to(weight.device)
         if scale_reciprocal_overflows(act_per_tensor_scale):
@@ -111,7 +115,9 @@ class NVFP4StaticTensor(NVFP4Tensor):
                 f"nvfp4_static: activation global amax {float(act_global_amax):.3g} is below what "
                 f"NVFP4 can quantize with (about 5e-34: block-scale reciprocals overflow float32)"
             )
-        weight_per_tensor_scale = per_tensor_amax_to_scale(weight.detach().abs().amax())
+        if weight_global_amax is None:
+            weight_global_amax = weight.detach().abs().amax()
+        weight_per_tensor_scale = per_tensor_amax_to_scale(weight_global_amax.detach())
         qdata, scale = quantize_nvfp4(weight.detach(), weight_per_tensor_scale, block_scales_e4m3)
         return cls(
             qdata,
@@ -122,6 +128,19 @@ class NVFP4StaticTensor(NVFP4Tensor):
             act_per_tensor_scale,
             backend_override=backend_override,
         )
+
+    def _stable_hash_for_caching(self) -> str:
+        """What an AOTAutograd cache key needs of this weight: its class, shape and the
+        attributes a compiled graph bakes in (``output_scale`` becomes a cuBLAS constant), and
+        the layout of its inner tensors, whose values are graph inputs."""
+        inner_names, attributes = self.__tensor_flatten__()
+        layouts = [
+            (name, tuple(t.shape), t.stride(), str(t.dtype), str(t.device))
+            for name in inner_names
+            for t in (getattr(self, name),)
+        ]
+        key = repr((type(self).__qualname__, tuple(self.shape), attributes, layouts))
+        return hashlib.sha256(key.encode()).hexdigest()
 
     def _rewrap(self, qdata: torch.Tensor, scale: torch.Tensor, **changes) -> "NVFP4StaticTensor":
         """A tensor like ``self`` with new data, keeping the class and every attribute."""
@@ -194,6 +213,9 @@ def _static_linear(
             f"nvfp4_static: activation of shape {tuple(x.shape)} does not match weight of shape "
             f"{tuple(weight.shape)} (in_features {weight.shape[-1]})"
         )
+    if x.numel() == 0:  # no tokens: the kernels have no rows to work on
+        out = x.new_zeros(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias.to(x.dtype)
     return linear_function(weight.linear_backend)(
         x,
         weight.qdata,
@@ -202,6 +224,18 @@ def _static_linear(
         weight.act_per_tensor_scale,
         bias,
         weight.output_scale,
+    )
+
+
+@implements_torch_function([torch.Tensor.storage])
+def _storage(func, types, args, kwargs):
+    raise RuntimeError(
+        "nvfp4_static: an NVFP4StaticTensor is several tensors (packed values, block scales, "
+        "global scales) with no single storage, so safetensors and transformers' "
+        "save_pretrained cannot write it. To save a converted model: "
+        "nvfp4_static.export_checkpoint(model, folder, format='compressed-tensors') writes a "
+        "folder vLLM, SGLang and transformers load; torch.save(model.state_dict(), path) with "
+        "nvfp4_static.load_quantized(model, path) round-trips it for this package"
     )
 
 

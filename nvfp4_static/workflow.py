@@ -16,21 +16,19 @@ with torchao's default filter a layer is described by its shape.
 """
 
 import weakref
-from typing import Optional
 
 import torch
 from torchao.quantization.transform_module import register_quantize_module_handler
 
+from nvfp4_static.backends import BACKEND_ENV_VAR, has_fp4_scaled_mm
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.convert_progress import ConvertProgress
-from nvfp4_static.fused_layers import TIED_WEIGHT_GLOBAL_AMAX
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.messages import warn
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     check_dtype,
     per_tensor_amax_to_scale,
-    quantize_nvfp4,
     scale_reciprocal_overflows,
 )
 from nvfp4_static.observed import NVFP4StaticObservedLinear
@@ -166,13 +164,14 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
     _CONVERT_PROGRESS.converting(module, module.layer_name)
     act_amax = _activation_global_amax(module)
     weight_global_amax = _weight_global_amax(module)
-    weight = _quantized_weight(
-        module,
+    weight = NVFP4StaticTensor.from_float(
+        module.weight,
         act_amax,
-        weight_global_amax,
         _weight_block_scales(module, config, weight_global_amax),
-        config.backend,
+        backend_override=config.backend,
+        weight_global_amax=weight_global_amax,
     )
+    _check_backend_runs_here(weight, module.layer_name)
     stats = dict(getattr(module.act_calibrator, "stats", None) or {"g_amax": float(act_amax)})
     converted = NVFP4StaticLinear(weight, module.bias, config.recipe(), module.layer_name, stats)
     _REPLACEMENTS[module] = converted
@@ -223,33 +222,20 @@ def _activation_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
 def _weight_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
     """The weight's own ``max |w|``, or its fusion group's shared amax where
     ``tie_fused_layers`` recorded one (``nvfp4_static.fused_layers``)."""
-    tied = getattr(module, TIED_WEIGHT_GLOBAL_AMAX, None)
-    if tied is not None:
-        return tied.to(module.weight.device)
+    if module.tied_weight_global_amax is not None:
+        return module.tied_weight_global_amax.to(module.weight.device)
     return module.weight.detach().abs().amax().to(torch.float32)
 
 
-def _quantized_weight(
-    module: NVFP4StaticObservedLinear,
-    act_amax: torch.Tensor,
-    weight_global_amax: torch.Tensor,
-    block_scales_e4m3,
-    backend: Optional[str],
-) -> NVFP4StaticTensor:
-    """``NVFP4StaticTensor.from_float`` with a given weight global amax instead of the weight's
-    own max (a tied fusion group's); the activation amax was checked by the caller."""
-    weight = module.weight.detach()
-    weight_per_tensor_scale = per_tensor_amax_to_scale(weight_global_amax)
-    qdata, scale = quantize_nvfp4(weight, weight_per_tensor_scale, block_scales_e4m3)
-    return NVFP4StaticTensor(
-        qdata,
-        scale,
-        BLOCK_SIZE,
-        weight.dtype,
-        weight_per_tensor_scale,
-        per_tensor_amax_to_scale(act_amax).to(weight.device),
-        backend_override=backend,
-    )
+def _check_backend_runs_here(weight: NVFP4StaticTensor, name: str) -> None:
+    """A forced ``blackwell`` route on a device without FP4 ``_scaled_mm`` would fail at the
+    first forward, deep in the GEMM; refuse it at convert instead."""
+    if weight.linear_backend == "blackwell" and not has_fp4_scaled_mm(weight.device):
+        raise ValueError(
+            f"nvfp4_static: layer '{name}': backend 'blackwell' (from the config's backend or "
+            f"${BACKEND_ENV_VAR}) needs a CUDA GPU with FP4 torch._scaled_mm (sm100+), but the "
+            f"weight is on {weight.device}; choose backend 'cpu' or 'triton', or leave it unset"
+        )
 
 
 def _weight_block_scales(

@@ -267,3 +267,28 @@ def test_backward_through_a_converted_layer_names_the_problem(grad_from):
     out = model(x)
     with pytest.raises(RuntimeError, match="inference-only"):
         out.sum().backward()
+
+
+# --- inference on odd inputs and a route the device cannot run ---------------------------------
+
+
+@pytest.mark.parametrize("shape", [(0, DIM), (2, 0, DIM), (0, 3, DIM)], ids=["0xK", "2x0xK", "0x3xK"])
+def test_a_batch_without_tokens_gives_an_empty_output_like_nn_linear(shape):
+    float_model = make(MLP)
+    model = quantized(copy.deepcopy(float_model))
+    x = torch.empty(shape)
+    with torch.no_grad():
+        out = model(x)
+        expected = float_model(x)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+
+
+@pytest.mark.parametrize("route", ["config", "environment"])
+def test_the_blackwell_route_on_a_cpu_model_is_refused_at_convert(route, monkeypatch):
+    config = {"backend": "blackwell"} if route == "config" else {}
+    if route == "environment":
+        monkeypatch.setenv("NVFP4_STATIC_BACKEND", "blackwell")
+    model = prepare(make(MLP), **config)
+    calibrate(model, calibration_batches())
+    with pytest.raises(ValueError, match="'up': backend 'blackwell'.*sm100.*cpu"):
+        convert(model, **config)

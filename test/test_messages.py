@@ -55,3 +55,28 @@ def test_a_calibrator_warning_called_directly_points_at_the_caller():
     line = inspect.currentframe().f_lineno + 1
     records = caught(lambda: calibrator.compute_amax())
     assert [(r.filename, r.lineno) for r in records] == [(__file__, line)]
+
+
+def test_a_quickstart_run_eager_and_compiled_warns_nothing_of_ours():
+    """Prepare, calibrate, convert and run the README's quickstart model, eagerly and compiled:
+    no warning from this package or about its tensor subclass (torch asks subclasses for a
+    stable hash to cache compiled graphs by)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+
+    def quickstart():
+        quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
+        with torch.no_grad():
+            for _ in range(8):
+                model(torch.randn(32, 256))
+        quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
+        with torch.inference_mode():
+            model(torch.randn(4, 256))
+            torch.compile(model, fullgraph=True)(torch.randn(4, 256))
+
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        quickstart()
+    ours = [str(r.message) for r in records if "nvfp4_static" in str(r.message) + r.filename
+            or "NVFP4Static" in str(r.message)]
+    assert ours == []

@@ -18,7 +18,7 @@ BACKENDS = ("cpu", "triton", "blackwell")
 BACKEND_ENV_VAR = "NVFP4_STATIC_BACKEND"
 
 
-def _has_fp4_scaled_mm(device: torch.device) -> bool:
+def has_fp4_scaled_mm(device: torch.device) -> bool:
     return (
         hasattr(torch, "float4_e2m1fn_x2")
         and torch.cuda.is_available()
@@ -38,7 +38,7 @@ def resolve_backend(device: torch.device, override: Optional[str] = None) -> str
         return requested
     if device.type != "cuda":
         return "cpu"
-    return "blackwell" if _has_fp4_scaled_mm(device) else "triton"
+    return "blackwell" if has_fp4_scaled_mm(device) else "triton"
 
 
 _LINEAR_FUNCTIONS = {}
