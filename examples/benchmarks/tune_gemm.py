@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from bench_linear import graph_ms
 
+from nvfp4_static.backends import triton_route
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
-from nvfp4_static.kernels import gemm
-from nvfp4_static.kernels.act_quantize import gemm_activation_operand
+from nvfp4_static.kernels import gemm, gemm_activation_operand
 from nvfp4_static.kernels.gemm import CublasAfterDequantize, GemmConfig
 from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
 
@@ -56,6 +56,12 @@ def candidates(M: int) -> list:
     return PREFILL_CANDIDATES
 
 
+def use_only(config) -> None:
+    """Make ``config`` the whole tile table, in both modules that read it (the route imports
+    the table by name, so patching ``gemm`` alone would leave the route on the shipped one)."""
+    gemm.GEMM_CONFIGS = triton_route.GEMM_CONFIGS = ((None, config),)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
@@ -79,7 +85,7 @@ def main():
             bf16_ms = graph_ms(lambda: F.linear(x, bf16_weight, bias))
             results = []
             for config in candidates(M):
-                gemm.GEMM_CONFIGS = ((None, config),)
+                use_only(config)
                 run = lambda: static_nvfp4_linear(  # noqa: E731
                     x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias
                 )
