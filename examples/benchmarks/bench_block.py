@@ -89,7 +89,10 @@ def main():
     unwrapped = unwrap_tensor_subclass(copy.deepcopy(quantized))
 
     # The default dynamic setting, as a user compiles: the token count turns dynamic after the
-    # first recompile while the hidden sizes stay static.
+    # first recompile while the hidden sizes stay static. The three blocks share one forward
+    # code object, whose graphs dynamo counts together (about three per block: one token, the
+    # dynamic decode sizes, a prefill batch of one), beyond its default limit of 8.
+    torch._dynamo.config.recompile_limit = 32
     compiled_bf16 = torch.compile(block, fullgraph=True)
     compiled_nvfp4 = torch.compile(quantized, fullgraph=True)
     compiled_unwrapped = torch.compile(unwrapped, fullgraph=True)
