@@ -9,7 +9,8 @@ exactly, and the implementation used on CPU:
 - ``block_hessian``: ``sum_tokens x_b x_b^T`` per 16-wide input block.
 """
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
@@ -38,6 +39,34 @@ __all__ = [
 # launches. 2^17 took 1-3x less time than 256-row steps on a 2-core CPU (K = 576 to 14336,
 # plain and Hessian; examples/benchmarks/RESULTS.md).
 SWEEP_ELEMENTS_PER_CHUNK = {"cpu": 1 << 17, "other": 1 << 21}
+
+
+# Intra-op threads of the sweep on a CPU (None: the caller's ``torch.get_num_threads()``). Each
+# of its ~25 ops per candidate and step is small, so with several OpenMP threads every op ends
+# in a barrier, where on a busy machine a thread waits for a time slice. Measured on the shared
+# 2-core AMD EPYC machine (examples/benchmarks/bench_cpu_sweep.py, RESULTS.md): with another
+# 2-thread torch process running, 1536 x 576 Hessian-weighted took over 60 s with 2 threads and
+# 7 s with 1, 2048 x 2048 plain over 60 s and 10 s; without it 1 thread was as fast or faster
+# but for 1536 x 576 plain (0.6 against 0.4 s). Larger steps, to amortise the barrier, do not
+# help: their temporaries leave the caches (at 1536 x 576, 2^19 and 2^21 elements per step took
+# 3-19x the time of 2^17, with 1 or 2 threads).
+SWEEP_CPU_THREADS: Optional[int] = 1
+
+
+@contextlib.contextmanager
+def sweep_thread_policy(device: torch.device) -> Iterator[None]:
+    """Run the enclosed sweep with ``SWEEP_CPU_THREADS`` intra-op threads on a CPU, restoring
+    the caller's count afterwards; nothing changes on other devices. The count is process-wide
+    in torch, so torch work on another Python thread meanwhile runs with it too."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or SWEEP_CPU_THREADS is None or SWEEP_CPU_THREADS == threads:
+        yield
+        return
+    torch.set_num_threads(SWEEP_CPU_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def sweep_rows_per_chunk(k: int, device: torch.device) -> int:
@@ -186,17 +215,19 @@ def fp8_scale_sweep(
         upper_hessian = upper_triangular_hessian(hessian.to(weight.device))
     best_scales = torch.empty(n_rows, n_blocks, dtype=torch.float32, device=weight.device)
     rows_per_chunk = sweep_rows_per_chunk(k, weight.device)
-    for start in range(0, n_rows, rows_per_chunk):
-        w_blocks = weight[start : start + rows_per_chunk].to(torch.float32)
-        w_blocks = w_blocks.reshape(-1, n_blocks, BLOCK_SIZE)
-        best_error = torch.full(w_blocks.shape[:2], float("inf"), device=weight.device)
-        best = torch.zeros(w_blocks.shape[:2], device=weight.device)
-        for candidate, reciprocal, dequant_scale in zip(candidates, reciprocals, dequant_scales):
-            error = _block_errors(w_blocks, reciprocal, dequant_scale, upper_hessian)
-            better = error < best_error
-            best_error = torch.where(better, error, best_error)
-            best = torch.where(better, candidate, best)
-        best_scales[start : start + rows_per_chunk] = best
+    with sweep_thread_policy(weight.device):
+        for start in range(0, n_rows, rows_per_chunk):
+            w_blocks = weight[start : start + rows_per_chunk].to(torch.float32)
+            w_blocks = w_blocks.reshape(-1, n_blocks, BLOCK_SIZE)
+            best_error = torch.full(w_blocks.shape[:2], float("inf"), device=weight.device)
+            best = torch.zeros(w_blocks.shape[:2], device=weight.device)
+            factors = zip(candidates, reciprocals, dequant_scales)
+            for candidate, reciprocal, dequant_scale in factors:
+                error = _block_errors(w_blocks, reciprocal, dequant_scale, upper_hessian)
+                better = error < best_error
+                best_error = torch.where(better, error, best_error)
+                best = torch.where(better, candidate, best)
+            best_scales[start : start + rows_per_chunk] = best
     return best_scales.to(torch.float8_e4m3fn)
 
 
