@@ -128,3 +128,30 @@ def test_fp8_scale_sweep_block_of_the_global_max_is_near_the_top_candidate():
     scales = references.fp8_scale_sweep(weight, weight.abs().max()).to(torch.float32)
     row, col = divmod(int(weight.abs().argmax()), 64)
     assert 224.0 <= scales[row, col // 16].item() <= 448.0
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_the_cpu_sweep_runs_on_one_thread_and_gives_the_callers_threads_back(raises, monkeypatch):
+    """Its many small ops stall on a busy machine when two threads wait on each other."""
+    seen = set()
+    block_errors = references._block_errors
+
+    def block_errors_seeing_threads(*args, **kwargs):
+        seen.add(torch.get_num_threads())
+        if raises:
+            raise RuntimeError("a failing step")
+        return block_errors(*args, **kwargs)
+
+    monkeypatch.setattr(references, "_block_errors", block_errors_seeing_threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        weight = torch.randn(8, 32)
+        if raises:
+            with pytest.raises(RuntimeError, match="a failing step"):
+                references.fp8_scale_sweep(weight, weight.abs().max())
+        else:
+            references.fp8_scale_sweep(weight, weight.abs().max())
+        assert seen == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
