@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from nvfp4_static.numerics import BLOCK_SIZE, scale_reciprocal_overflows
-from nvfp4_static.tensor import NVFP4StaticTensor
+from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
 
 __all__ = ["NVFP4StaticLinear", "check_checkpoint_scales"]
 
@@ -54,9 +54,10 @@ class _InferenceOnly(torch.autograd.Function):
 class NVFP4StaticLinear(torch.nn.Linear):
     """A linear layer quantized to NVFP4 with a static activation global scale.
 
-    ``forward`` is ``nn.Linear``'s (the weight subclass does the quantized GEMM), with two
-    guards: an empty placeholder from ``prepare_for_loading`` refuses to run before a checkpoint
-    is loaded into it, and a backward through the layer raises a clear error. The module adds
+    ``forward`` computes ``F.linear`` (the weight subclass does the quantized GEMM; run eagerly,
+    the layer calls the subclass's linear directly, skipping the dispatch), with two guards: an
+    empty placeholder from ``prepare_for_loading`` refuses to run before a checkpoint is loaded
+    into it, and a backward through the layer raises a clear error. The module adds
     what a user inspects (``extra_repr``, ``calibration_stats``) and a checkpoint guard: the
     recipe is saved as extra state, and loading a checkpoint made with another recipe raises.
 
@@ -117,7 +118,10 @@ class NVFP4StaticLinear(torch.nn.Linear):
             )
         if self.clip_counters is not None:
             self._count_clipped(x)
-        out = F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            out = F.linear(x, self.weight, self.bias)
+        else:  # what F.linear reaches through the subclass's dispatch, without its host cost
+            out = static_linear(x, self.weight, self.bias)
         if out.requires_grad and not torch.compiler.is_compiling():
             return _InferenceOnly.apply(out)
         return out

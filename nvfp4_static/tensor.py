@@ -29,7 +29,7 @@ from nvfp4_static.numerics import (
     scale_reciprocal_overflows,
 )
 
-__all__ = ["NVFP4StaticTensor"]
+__all__ = ["NVFP4StaticTensor", "static_linear"]
 
 aten = torch.ops.aten
 
@@ -198,7 +198,7 @@ implements = NVFP4StaticTensor.implements
 implements_torch_function = NVFP4StaticTensor.implements_torch_function
 
 
-def _static_linear(
+def static_linear(
     x: torch.Tensor, weight: NVFP4StaticTensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for any leading dims of ``x``, on the weight's backend."""
@@ -243,19 +243,19 @@ def _storage(func, types, args, kwargs):
 def _functional_linear(func, types, args, kwargs):
     x, weight, bias = fill_defaults(list(args), 3, [None])
     bias = kwargs.get("bias", bias)
-    return _static_linear(x, weight, bias)
+    return static_linear(x, weight, bias)
 
 
 @implements([aten.linear.default])
 def _linear(func, types, args, kwargs):
     x, weight, bias = fill_defaults(list(args), 3, [None])
-    return _static_linear(x, weight, bias)
+    return static_linear(x, weight, bias)
 
 
 @implements([aten.mm.default, aten.matmul.default])
 def _mm_and_matmul(func, types, args, kwargs):
     x, weight_t = args[0], args[1]
-    return _static_linear(x, weight_t, None)
+    return static_linear(x, weight_t, None)
 
 
 @implements([aten.addmm.default])
@@ -264,7 +264,7 @@ def _addmm(func, types, args, kwargs):
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     if beta != 1 or alpha != 1:
         raise NotImplementedError("nvfp4_static: addmm with beta/alpha other than 1")
-    return _static_linear(x, weight_t, bias)
+    return static_linear(x, weight_t, bias)
 
 
 @implements([aten.t.default])

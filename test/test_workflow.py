@@ -447,3 +447,15 @@ def test_convert_shows_a_progress_bar_only_for_models_with_many_layers(capsys):
     quantized(many)
     err = capsys.readouterr().err
     assert "nvfp4_static convert" in err and "9/9" in err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_eager_layer_call_equals_f_linear_through_the_weight_subclass(dtype):
+    """The converted layer's eager forward skips the subclass's dispatch; same numbers."""
+    model = quantized(make(MLP, dtype), dtype)
+    x = calibration_batches(1, seed=4, dtype=dtype)[0]
+    with torch.no_grad():
+        for layer in (model.up, model.down):
+            layer_input = x if layer is model.up else torch.nn.functional.gelu(model.up(x))
+            through_dispatch = torch.nn.functional.linear(layer_input, layer.weight, layer.bias)
+            assert torch.equal(layer(layer_input), through_dispatch)
