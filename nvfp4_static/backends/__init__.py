@@ -20,7 +20,8 @@ BACKEND_ENV_VAR = "NVFP4_STATIC_BACKEND"
 
 def has_fp4_scaled_mm(device: torch.device) -> bool:
     return (
-        hasattr(torch, "float4_e2m1fn_x2")
+        device.type == "cuda"
+        and hasattr(torch, "float4_e2m1fn_x2")
         and torch.cuda.is_available()
         and torch.cuda.get_device_capability(device) >= (10, 0)
     )
