@@ -13,8 +13,15 @@ from nvfp4_static.checkpoint import load_quantized
 from nvfp4_static.clip_monitor import ClipCounts, clip_counts, disable_clip_monitor, enable_clip_monitor
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.diagnostics import LayerDiagnostics, format_diagnostics, layer_diagnostics
+from nvfp4_static.distributed import (
+    calibrate_in_shards,
+    data_parallel_calibration,
+    sync_calibration,
+    sync_mse_anchors,
+)
 from nvfp4_static.export import export_checkpoint
 from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups, tie_fused_layers
+from nvfp4_static.layerwise import calibrate_layer_by_layer
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers import (
@@ -56,4 +63,9 @@ __all__ = [
     "layer_diagnostics",
     "format_diagnostics",
     "LayerDiagnostics",
+    "sync_calibration",
+    "sync_mse_anchors",
+    "data_parallel_calibration",
+    "calibrate_in_shards",
+    "calibrate_layer_by_layer",
 ]

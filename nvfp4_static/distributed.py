@@ -1,0 +1,391 @@
+"""Data-parallel calibration: every rank calibrates a shard of the data, then all end with the
+same observer statistics, hence the same scales at convert.
+
+    dist.init_process_group("nccl", timeout=timedelta(minutes=5))   # or "gloo" on CPU
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
+    with nvfp4_static.data_parallel_calibration(model):              # syncs on exit
+        for batch in my_shard:
+            model(batch)
+    quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
+
+``sync_calibration(model)`` gathers every rank's observer states (as CPU tensors, through
+``all_gather_object``) and every rank folds them the same way, by each state's
+``STATE_REDUCTIONS``:
+
+- integer sums (histogram counts, token counts) and maxima (literal max, ``max`` recipe amax)
+  are exact whatever the order, so the result equals, bit for bit, one process that calibrated
+  on all the ranks' data, in any order;
+- float32 sums (the Hessians of ``weight_scale="hessian_mse"``, the loss sums of
+  ``act_calibration="mse"``) are rounded differently by every grouping of the batches, so no
+  parallel scheme can reproduce a single process's running sum in general. They are folded in
+  rank order, ``((S_0 + S_1) + S_2) + ...`` (ranks that saw nothing skipped), where ``S_r`` is
+  rank r's own running sum. That is exactly what ``MergeableObserver.merge`` gives in one
+  process, and what ``calibrate_in_shards`` reproduces: one process calibrating the same shards
+  one after another and merging them in the same order. With one shard it is the plain run.
+
+``act_calibration="mse"`` searches a grid anchored at the first batch's max, so the ranks must
+share that anchor: the lowest rank with data runs its first batch, then every rank calls
+``sync_mse_anchors(model)`` (the layer-by-layer driver does this itself).
+
+Errors are raised on every rank alike, never on one rank while the others wait: ranks whose
+models, recipes or observer states differ (naming the rank and the layer), and a rank whose
+calibration failed (e.g. a NaN batch) when it ran under ``data_parallel_calibration`` or passed
+its exception as ``sync_calibration(..., error=...)``. A rank that dies outside them leaves the
+others waiting until the process group's timeout (``init_process_group(timeout=...)``).
+"""
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from nvfp4_static.observed import NVFP4StaticObservedLinear
+from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
+from nvfp4_static.observers.base import MergeableObserver
+from nvfp4_static.observers.mse import MseCalibrator
+
+__all__ = [
+    "calibrate_in_shards",
+    "data_parallel_calibration",
+    "sync_calibration",
+    "sync_mse_anchors",
+]
+
+_FOLD = {"sum": torch.add, "max": torch.maximum}
+
+
+# --- what one process holds: its observers and their states -------------------------------------
+
+
+def _observers(model: torch.nn.Module) -> list[tuple[str, str, Any, NVFP4StaticObservedLinear]]:
+    """``(layer name, role, observer, layer)`` for every observed layer, in module order; an
+    observer shared by several layers (``tie_fused_layers``) is listed once."""
+    found, seen = [], set()
+    for fqn, module in model.named_modules():
+        if not isinstance(module, NVFP4StaticObservedLinear):
+            continue
+        name = module.layer_name or fqn
+        for role, observer in (("act", module.act_calibrator), ("hessian", module.hessian_accumulator)):
+            if observer is None or id(observer) in seen:
+                continue
+            seen.add(id(observer))
+            found.append((name, role, observer, module))
+    return found
+
+
+def _plain(value):
+    """A settings value as plain, comparable data (functions by qualified name)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _plain(v)) for k, v in value.items()))
+    if isinstance(value, torch.Tensor):
+        return tuple(value.flatten().tolist())
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
+    return value
+
+
+def _cpu_state(state: Optional[dict]) -> Optional[dict]:
+    return None if state is None else {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def _slot(name: str, role: str, observer, layer) -> dict:
+    """What a rank says about one observer: its kind and settings (which must agree across
+    ranks), its MSE anchor, and its state (None: it saw no data)."""
+    recipe = _plain(layer.activation_recipe) if role == "act" else None
+    if isinstance(observer, FirstBatchMseCalibrator):
+        search = observer.search
+        if search is not None:
+            search.settle()
+        return {
+            "layer": name, "role": role, "kind": type(observer).__name__,
+            "settings": (recipe, _plain(observer.search_args)),
+            "anchor": None if search is None else search.initial_amax.detach().cpu().clone(),
+            "restarts": observer.restarts,
+            "reductions": dict(MseCalibrator.STATE_REDUCTIONS),
+            "state": None if search is None else _cpu_state(search._state),
+        }
+    if isinstance(observer, MergeableObserver):
+        observer.settle()  # raises for a refused batch still being checked (CUDA)
+        return {
+            "layer": name, "role": role, "kind": type(observer).__name__,
+            "settings": (recipe, _plain(observer._merge_config())),
+            "anchor": None, "restarts": 0, "state": _cpu_state(observer._state),
+            "reductions": dict(observer.STATE_REDUCTIONS),
+        }
+    raise TypeError(
+        f"nvfp4_static: layer '{name}': its {role} observer {type(observer).__name__} cannot be "
+        f"synchronised across processes: it is neither a MergeableObserver nor the MSE recipe's"
+    )
+
+
+def _snapshot(model: torch.nn.Module) -> list[dict]:
+    return [_slot(*entry) for entry in _observers(model)]
+
+
+def _describe(slot: dict) -> str:
+    return f"{slot['kind']} {slot['settings']}"
+
+
+# --- the fold: the same on every rank, and in calibrate_in_shards ---------------------------------
+
+
+def _check_same_structure(snapshots: Sequence[list]) -> None:
+    reference = snapshots[0]
+    for rank, slots in enumerate(snapshots[1:], start=1):
+        for i, (ours, theirs) in enumerate(zip(reference, slots)):
+            if (ours["layer"], ours["role"]) != (theirs["layer"], theirs["role"]):
+                raise ValueError(
+                    f"nvfp4_static: rank {rank}'s model differs from rank 0's: observer {i} is "
+                    f"layer '{theirs['layer']}' ({theirs['role']}) on rank {rank} but layer "
+                    f"'{ours['layer']}' ({ours['role']}) on rank 0; every rank must prepare the "
+                    f"same model with the same filter_fn and config"
+                )
+            if (ours["kind"], ours["settings"]) != (theirs["kind"], theirs["settings"]):
+                raise ValueError(
+                    f"nvfp4_static: layer '{ours['layer']}' was prepared differently on rank "
+                    f"{rank} ({_describe(theirs)}) than on rank 0 ({_describe(ours)}); every rank "
+                    f"must prepare with the same config"
+                )
+        if len(slots) != len(reference):
+            longer, rank_of_longer = (slots, rank) if len(slots) > len(reference) else (reference, 0)
+            extra = longer[min(len(slots), len(reference))]
+            raise ValueError(
+                f"nvfp4_static: rank {rank}'s model has {len(slots)} observers, rank 0's has "
+                f"{len(reference)}; the first unmatched is layer '{extra['layer']}' "
+                f"({extra['role']}) on rank {rank_of_longer}; every rank must prepare the same "
+                f"model with the same filter_fn and config"
+            )
+
+
+def _fold_slot(index: int, per_rank: Sequence[dict]) -> dict:
+    """One observer's slots from every rank (rank order) folded into one."""
+    having = [(rank, slot) for rank, slot in enumerate(per_rank) if slot["state"] is not None]
+    first = per_rank[0]
+    if not having:
+        return {**first, "state": None}
+    rank0, base = having[0]
+    for rank, slot in having[1:]:
+        if slot["anchor"] is not None and not torch.equal(slot["anchor"], base["anchor"]):
+            raise ValueError(
+                f"nvfp4_static: layer '{first['layer']}': the MSE search grid differs between "
+                f"rank {rank0} (anchored at {base['anchor'].flatten().tolist()}) and rank {rank} "
+                f"(at {slot['anchor'].flatten().tolist()}), so their losses cannot be added. The "
+                f"lowest rank with data must run its first batch, then every rank call "
+                f"sync_mse_anchors(model), before the other batches; a batch above the grid's top "
+                f"(a restart) also moves it: put a representative batch first, or use "
+                f"act_calibration='b_min'"
+            )
+        for key, value in slot["state"].items():
+            theirs, ours = value, base["state"].get(key)
+            if ours is None or theirs.shape != ours.shape or theirs.dtype != ours.dtype:
+                raise ValueError(
+                    f"nvfp4_static: layer '{first['layer']}' ({first['role']}): state '{key}' is "
+                    f"{tuple(theirs.shape)} {theirs.dtype} on rank {rank} but "
+                    f"{None if ours is None else (tuple(ours.shape), ours.dtype)} on rank {rank0}"
+                )
+    reductions = base["reductions"]
+    state = {key: value.clone() for key, value in base["state"].items()}
+    for _, slot in having[1:]:
+        state = {key: _FOLD[reductions[key]](value, slot["state"][key]) for key, value in state.items()}
+    return {**base, "state": state, "restarts": sum(slot["restarts"] for _, slot in having)}
+
+
+def _fold(snapshots: Sequence[list]) -> list[dict]:
+    _check_same_structure(snapshots)
+    return [_fold_slot(i, [slots[i] for slots in snapshots]) for i in range(len(snapshots[0]))]
+
+
+def _apply(model: torch.nn.Module, folded: list[dict]) -> None:
+    for (name, role, observer, layer), slot in zip(_observers(model), folded):
+        if slot["state"] is None:
+            continue  # no rank saw data: convert says so, naming the layer
+        if isinstance(observer, FirstBatchMseCalibrator):
+            device = layer.weight.device
+            if observer.search is None or not torch.equal(observer.search.initial_amax.cpu(), slot["anchor"]):
+                observer.search = MseCalibrator(
+                    slot["anchor"].to(device), name=observer.name, **observer.search_args
+                )
+            observer.search.load_state_dict({k: v.to(device) for k, v in slot["state"].items()})
+            observer.restarts = slot["restarts"]
+            continue
+        device = layer.weight.device if observer._state is None else next(iter(observer._state.values())).device
+        observer.load_state_dict({k: v.to(device) for k, v in slot["state"].items()})
+
+
+# --- across processes ----------------------------------------------------------------------------
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "nvfp4_static: data-parallel calibration needs torch.distributed initialised "
+            "(dist.init_process_group, e.g. under torchrun) before it is called"
+        )
+    return dist
+
+
+def _gather(obj, group) -> list:
+    dist = _dist()
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _raise_any_rank_error(gathered: list, group) -> None:
+    """Every rank raises the same error when any rank reported one."""
+    failed = [(rank, item["error"]) for rank, item in enumerate(gathered) if item["error"]]
+    if not failed:
+        return
+    rank, text = failed[0]
+    others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+    raise RuntimeError(
+        f"nvfp4_static: data-parallel calibration failed on rank {rank}{others}: {text}"
+    )
+
+
+def sync_calibration(
+    model: torch.nn.Module, group=None, *, error: Optional[BaseException] = None
+) -> None:
+    """Give every rank the statistics of all ranks' calibration data; call it on every rank of
+    ``group`` after its calibration batches and before ``step="convert"``.
+
+    A rank with no data (or no data for some layers) contributes nothing. ``error``: an
+    exception this rank's calibration raised; every rank then raises a ``RuntimeError`` naming
+    this rank and the error, instead of waiting for it (``data_parallel_calibration`` passes
+    it). Works with any backend (gloo, NCCL): states travel as CPU tensors. See the module
+    docstring for the exact equality guaranteed.
+
+    Raises (on every rank alike):
+        RuntimeError: some rank's calibration failed.
+        ValueError: ranks prepared different models or recipes (naming the rank and layer),
+            or an MSE layer's ranks searched different grids.
+    """
+    local: dict = {"error": None, "slots": None}
+    if error is not None:
+        local["error"] = _error_text(error)
+    else:
+        try:
+            local["slots"] = _snapshot(model)
+        except Exception as caught:  # e.g. a NaN batch reported late (CUDA): tell the others
+            local["error"] = _error_text(caught)
+    gathered = _gather(local, group)
+    _raise_any_rank_error(gathered, group)
+    _apply(model, _fold([item["slots"] for item in gathered]))
+
+
+@contextlib.contextmanager
+def data_parallel_calibration(model: torch.nn.Module, group=None):
+    """Run this rank's calibration batches inside it; on exit, ``sync_calibration(model)``.
+
+    If the body raises (e.g. a NaN batch), the exception is passed to the other ranks, and
+    every rank raises the same ``RuntimeError`` naming the failing rank instead of hanging.
+    """
+    try:
+        yield model
+    except Exception as caught:
+        sync_calibration(model, group, error=caught)
+        raise  # not reached: sync raises for the error it was given
+    sync_calibration(model, group)
+
+
+def sync_mse_anchors(
+    model: torch.nn.Module, group=None, *, error: Optional[BaseException] = None
+) -> None:
+    """Give every rank the MSE search grid of the lowest rank that has one, for
+    ``act_calibration="mse"`` (a no-op for other recipes, apart from the collective).
+
+    The lowest rank with data runs its first calibration batch (which anchors each layer's
+    grid at that batch's max, as in a single process), then every rank calls this, then every
+    rank runs its remaining batches. A rank that already collected on another grid is refused.
+    """
+    local: dict = {"error": _error_text(error) if error is not None else None, "anchors": None}
+    if error is None:
+        try:
+            local["anchors"] = [
+                (name, None if obs.search is None else obs.search.initial_amax.detach().cpu().clone())
+                for name, _, obs, _ in _observers(model) if isinstance(obs, FirstBatchMseCalibrator)
+            ]
+        except Exception as caught:
+            local["error"] = _error_text(caught)
+    gathered = _gather(local, group)
+    _raise_any_rank_error(gathered, group)
+    lists = [item["anchors"] for item in gathered]
+    for rank, anchors in enumerate(lists[1:], start=1):
+        if [n for n, _ in anchors] != [n for n, _ in lists[0]]:
+            raise ValueError(
+                f"nvfp4_static: rank {rank}'s MSE-calibrated layers differ from rank 0's "
+                f"({len(anchors)} vs {len(lists[0])} layers); every rank must prepare the same "
+                f"model with the same filter_fn and config"
+            )
+    mse = [(name, obs, layer) for name, _, obs, layer in _observers(model)
+           if isinstance(obs, FirstBatchMseCalibrator)]
+    for i, (name, observer, layer) in enumerate(mse):
+        anchors = [(rank, lists[rank][i][1]) for rank in range(len(lists))
+                   if lists[rank][i][1] is not None]
+        if not anchors:
+            continue
+        source, anchor = anchors[0]
+        for rank, theirs in anchors[1:]:
+            if not torch.equal(theirs, anchor):
+                raise ValueError(
+                    f"nvfp4_static: layer '{name}': rank {rank} anchored its MSE grid at "
+                    f"{theirs.flatten().tolist()} before sync_mse_anchors, rank {source} at "
+                    f"{anchor.flatten().tolist()}; only the lowest rank with data may run a "
+                    f"batch before the anchors are shared"
+                )
+        if observer.search is None:
+            _adopt_anchor(observer, anchor, layer.weight.device)
+
+
+def _adopt_anchor(observer: FirstBatchMseCalibrator, anchor: torch.Tensor, device) -> None:
+    observer.search = MseCalibrator(anchor.to(device), name=observer.name, **observer.search_args)
+
+
+# --- the single-process reference ----------------------------------------------------------------
+
+
+def calibrate_in_shards(
+    model: torch.nn.Module,
+    shards: Sequence[Iterable],
+    forward: Optional[Callable[[torch.nn.Module, Any], Any]] = None,
+) -> None:
+    """Calibrate a prepared ``model`` in one process exactly as ``len(shards)`` ranks would,
+    rank r seeing ``shards[r]``: each shard is collected into fresh observer states (MSE layers
+    anchored at the first batch of the first non-empty shard), and the states are folded in
+    shard order as ``sync_calibration`` folds them. The result, bit for bit, is what every rank
+    holds after ``sync_calibration``. ``forward(model, batch)`` defaults to ``model(batch)``.
+    """
+    forward = forward or (lambda m, batch: m(batch))
+    entries = _observers(model)
+    snapshots, anchors = [], [None] * len(entries)
+    for shard in shards:
+        for i, (_, _, observer, layer) in enumerate(entries):
+            observer.reset()
+            if anchors[i] is not None:
+                _adopt_anchor(observer, anchors[i], layer.weight.device)
+        with torch.no_grad():
+            for index, batch in enumerate(shard):
+                forward(model, batch)
+                if index == 0:  # as sync_mse_anchors after the first batch of the first rank
+                    _record_anchors(entries, anchors)
+        snapshots.append(_snapshot(model))
+    if not snapshots:
+        return
+    for _, _, observer, _ in entries:
+        observer.reset()
+    _apply(model, _fold(snapshots))
+
+
+def _record_anchors(entries: list, anchors: list) -> None:
+    for i, (_, _, observer, _) in enumerate(entries):
+        if anchors[i] is None and isinstance(observer, FirstBatchMseCalibrator) and observer.search is not None:
+            anchors[i] = observer.search.initial_amax.detach().cpu().clone()

@@ -1,0 +1,312 @@
+"""Layer-by-layer calibration, for decoder models that do not fit on the accelerator.
+
+``calibrate_layer_by_layer(model, batches, config, device="cuda")`` keeps the model where it
+is (e.g. on CPU) and holds one decoder layer at a time on ``device``:
+
+1. the parts before the first decoder layer (embeddings, rotary embeddings) move to
+   ``device``, and each batch runs through the model until the first decoder layer is called:
+   a forward pre-hook records that call's arguments (the hidden states and everything the
+   model passes its layers: position embeddings, attention mask, positions...) and stops the
+   forward. Those parts move back;
+2. for each decoder layer in turn: move it to ``device``, prepare its linears, run every
+   cached batch through it (calibrating them), convert it, keep its outputs as the next
+   layer's inputs, move it back.
+
+The next layer sees the float layer's outputs, exactly as in a whole-model calibration, so
+the scales are the same bit for bit; ``propagate_quantized=True`` feeds it the converted
+layer's outputs instead (llm-compressor's error propagation), which runs every batch through
+each layer twice.
+
+With ``group`` (a ``torch.distributed`` group; every rank calls it with its own batches) each
+layer's statistics are synchronised across ranks before it is converted
+(``nvfp4_static.distributed``), which gives the scales ``calibrate_in_shards`` gives on the
+whole model.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+from torchao.quantization import quantize_
+from tqdm.auto import tqdm
+
+from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.workflow import is_quantizable
+
+__all__ = ["calibrate_layer_by_layer", "find_decoder_layers"]
+
+
+class _FirstLayerReached(Exception):
+    """Raised by the pre-hook to stop the forward once the first layer's inputs are recorded."""
+
+
+def find_decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    """The qualified name and the ``ModuleList`` of a decoder model's layers: ``model.layers``
+    (Hugging Face decoder models: Llama, Mistral, Qwen, ...), else the one ``ModuleList``
+    named ``layers`` anywhere in the model."""
+    inner = getattr(model, "model", None)
+    if isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+        return "model.layers", inner.layers
+    found = [(name, m) for name, m in model.named_modules()
+             if name.rpartition(".")[2] == "layers" and isinstance(m, torch.nn.ModuleList)]
+    if len(found) == 1:
+        return found[0]
+    where = f" (found {[name for name, _ in found]})" if found else ""
+    raise ValueError(
+        f"nvfp4_static: layer-by-layer calibration needs a decoder model whose layers are one "
+        f"torch.nn.ModuleList named 'layers' (as Hugging Face decoder models have: "
+        f"model.model.layers){where}; {type(model).__name__} has none. Calibrate the whole model "
+        f"instead (quantize_ prepare, batches, convert)"
+    )
+
+
+def _map_tensors(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
+        return type(value)(*(_map_tensors(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def _is_cache(value) -> bool:
+    return any(cls.__name__.endswith("Cache") for cls in type(value).__mro__)
+
+
+def _without_cache(kwargs: dict) -> dict:
+    """A KV cache would carry state from layer to layer and batch to batch: the replay runs
+    every layer without one, as a no-cache forward does."""
+    kwargs = {k: (None if _is_cache(v) else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _default_forward(model, batch):
+    if isinstance(batch, dict):
+        return model(**batch, use_cache=False)
+    return model(batch, use_cache=False)
+
+
+def _hidden_states(output):
+    """A decoder layer returns its hidden states, or a tuple that starts with them."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _outside(model: torch.nn.Module, layers: torch.nn.ModuleList):
+    """The modules and direct tensors of ``model`` that do not hold ``layers``: what runs
+    before (and after) the decoder layers. Yields modules to move whole, and the modules on
+    the path to ``layers`` whose own parameters and buffers must move."""
+    whole, path = [], []
+
+    def walk(module):
+        if module is layers:
+            return True
+        holds = False
+        for child in module.children():
+            if walk(child):
+                holds = True
+        if holds:
+            path.append(module)
+            whole.extend(c for c in module.children() if c is not layers and not _holds(c, layers))
+        return holds
+
+    walk(model)
+    return whole, path
+
+
+def _holds(module, target) -> bool:
+    return any(m is target for m in module.modules())
+
+
+def _move_outside(model, layers, device) -> None:
+    whole, path = _outside(model, layers)
+    for module in whole:
+        module.to(device)
+    for module in path:
+        for name, param in list(module.named_parameters(recurse=False)):
+            param.data = param.data.to(device)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = buffer.to(device)
+
+
+def _capture_first_layer_inputs(model, layers, batches, forward, device, cache_device) -> list:
+    """``(args, kwargs)`` of the first decoder layer's call, for every batch, on
+    ``cache_device``."""
+    records = []
+
+    def hook(module, args, kwargs):
+        move = lambda t: t.detach().to(cache_device)  # noqa: E731
+        records.append((_map_tensors(args, move), _map_tensors(_without_cache(kwargs), move)))
+        raise _FirstLayerReached
+
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                before = len(records)
+                try:
+                    forward(model, _map_tensors(batch, lambda t: t.to(device)))
+                except _FirstLayerReached:
+                    pass
+                if len(records) != before + 1:
+                    raise RuntimeError(
+                        "nvfp4_static: the model's forward did not call its first decoder layer "
+                        "(or called it outside forward): cannot record the layers' inputs"
+                    )
+    finally:
+        handle.remove()
+    return records
+
+
+def _with_hidden_states(args, kwargs, hidden):
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def calibrate_layer_by_layer(
+    model: torch.nn.Module,
+    batches: Sequence[Any],
+    config: Optional[NVFP4StaticActivationConfig] = None,
+    *,
+    device: Union[str, torch.device, None] = None,
+    cache_device: Union[str, torch.device, None] = None,
+    filter_fn: Callable[[torch.nn.Module, str], bool] = is_quantizable,
+    forward: Optional[Callable[[torch.nn.Module, Any], Any]] = None,
+    propagate_quantized: bool = False,
+    offload: bool = True,
+    group=None,
+    progress: bool = True,
+) -> torch.nn.Module:
+    """Prepare, calibrate and convert ``model``'s decoder layers one at a time on ``device``.
+
+    Args:
+        model: a decoder model with a ``layers`` ``ModuleList`` (see ``find_decoder_layers``);
+            its weights stay where they are (CPU) except the layer being calibrated.
+        batches: the calibration batches (this rank's, with ``group``), each passed to
+            ``forward``; kept only until the first layer's inputs are recorded.
+        config: an ``NVFP4StaticActivationConfig`` (its ``step`` is ignored); default recipe.
+        device: where each layer is calibrated; default CUDA when available, else CPU.
+        cache_device: where the layers' inputs are kept between layers (``"cpu"`` to save
+            accelerator memory); default ``device``.
+        filter_fn: ``quantize_``'s filter, called with the full names (``model.layers.3...``).
+            Linears outside the decoder layers (``lm_head``) are left as they are.
+        forward: ``forward(model, batch)``; default ``model(batch, use_cache=False)``
+            (``model(**batch, use_cache=False)`` for a dict).
+        propagate_quantized: feed each layer the converted previous layer's outputs.
+        offload: move each converted layer back where it was (default); False leaves the
+            converted layers on ``device``.
+        group: a ``torch.distributed`` process group (or ``True`` for the default group):
+            data-parallel calibration, each rank passing its own batches.
+        progress: show a bar over the layers (on rank 0 only, with a group).
+
+    Returns:
+        ``model``, its decoder layers' selected linears converted.
+    """
+    config = config or NVFP4StaticActivationConfig()
+    prepare = dataclasses.replace(config, step="prepare")
+    convert = dataclasses.replace(config, step="convert")
+    forward = forward or _default_forward
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cache_device = torch.device(cache_device or device)
+    prefix, layers = find_decoder_layers(model)
+    home = _home_device(model)
+    data_parallel = group is not None
+    group = None if group is True else group
+    rank = anchor_source = 0
+    if data_parallel:
+        from nvfp4_static.distributed import _gather
+
+        import torch.distributed as dist
+
+        rank = dist.get_rank(group)
+        counts = _gather(len(batches), group)
+        anchor_source = next((r for r, n in enumerate(counts) if n), 0)
+
+    _move_outside(model, layers, device)
+    try:
+        records = _capture_first_layer_inputs(model, layers, batches, forward, device, cache_device)
+    finally:
+        _move_outside(model, layers, home)
+    hidden = [_hidden_states_of_call(args, kwargs) for args, kwargs in records]
+    inputs = [_with_hidden_states(args, kwargs, None) for args, kwargs in records]  # no 2nd copy
+    del records
+
+    bar = tqdm(total=len(layers), desc="nvfp4_static layer by layer", unit="layer",
+               disable=not progress or rank != 0)
+    try:
+        for index, layer in enumerate(layers):
+            name = f"{prefix}.{index}"
+            bar.set_postfix_str(name)
+            layer_home = _home_device(layer)
+            layer.to(device)
+
+            def layer_filter(module, fqn, name=name):
+                return filter_fn(module, f"{name}.{fqn}" if fqn else name)
+
+            quantize_(layer, prepare, filter_fn=layer_filter)
+
+            def run(b, layer=layer):
+                args, kwargs = _with_hidden_states(*inputs[b], hidden[b])
+                args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(device))
+                return _hidden_states(layer(*args, **kwargs)).detach().to(cache_device)
+
+            outputs = [None] * len(hidden)
+            with torch.no_grad():
+                if data_parallel:
+                    _calibrate_data_parallel(layer, run, outputs, group, rank == anchor_source,
+                                             config.act_calibration == "mse")
+                else:
+                    for b in range(len(hidden)):
+                        outputs[b] = run(b)
+                quantize_(layer, convert, filter_fn=layer_filter)
+                if propagate_quantized:
+                    outputs = [run(b) for b in range(len(hidden))]
+            hidden = outputs
+            if offload:
+                layer.to(layer_home)
+            bar.update()
+    finally:
+        bar.close()
+    return model
+
+
+def _calibrate_data_parallel(layer, run, outputs, group, runs_first_batch: bool, mse: bool) -> None:
+    """This rank's batches through ``layer``, its statistics synchronised with the other ranks'
+    (for the MSE recipe, the anchoring first batch first); errors reach every rank."""
+    from nvfp4_static.distributed import sync_calibration, sync_mse_anchors
+
+    order = list(range(len(outputs)))
+    if mse:
+        error = None
+        if runs_first_batch and order:
+            try:
+                outputs[0] = run(0)
+            except Exception as caught:
+                error = caught
+            order = order[1:]
+        sync_mse_anchors(layer, group, error=error)
+    error = None
+    try:
+        for b in order:
+            outputs[b] = run(b)
+    except Exception as caught:
+        error = caught
+    sync_calibration(layer, group, error=error)
+
+
+def _hidden_states_of_call(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _home_device(module: torch.nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")

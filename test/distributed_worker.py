@@ -1,0 +1,122 @@
+"""One rank of test_distributed.py's two-process gloo run: every scenario in turn, in one
+process group (a scenario that ends in an error on every rank leaves the group usable, which
+is itself the no-deadlock check). Each scenario's result goes to ``OUT/<scenario>.<rank>.pt``.
+
+    python test/distributed_worker.py RANK WORLD_SIZE PORT OUT
+"""
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tiny_llama import all_but_lm_head, tiny_llama, token_ids  # noqa: E402
+from torchao.quantization import quantize_  # noqa: E402
+
+from nvfp4_static import NVFP4StaticActivationConfig  # noqa: E402
+from nvfp4_static.distributed import data_parallel_calibration, sync_mse_anchors  # noqa: E402
+from nvfp4_static.layerwise import calibrate_layer_by_layer  # noqa: E402
+from nvfp4_static.linear import NVFP4StaticLinear  # noqa: E402
+
+ACT_RECIPES = ("b_min", "max", "percentile", "mse")
+WEIGHT_RECIPES = ("mse", "hessian_mse")
+SHARDS = ([0, 1], [2, 3])  # token_ids seeds of each rank's batches
+PROBE = 9  # token_ids seed of the batch whose outputs are compared
+
+
+def converted_scales(model) -> dict:
+    """Per converted layer: activation and weight per-tensor scales, packed weight, FP8 block
+    scales (as bytes, for bitwise comparison)."""
+    return {
+        name: (
+            m.weight.act_per_tensor_scale.clone(),
+            m.weight.per_tensor_scale.clone(),
+            m.weight.qdata.clone(),
+            m.weight.scale.view(torch.uint8).clone(),
+        )
+        for name, m in model.named_modules()
+        if isinstance(m, NVFP4StaticLinear)
+    }
+
+
+def data_parallel_run(batches, act, weight, filter_fn=all_but_lm_head, forward=None):
+    """Prepare, calibrate this rank's ``batches`` data-parallel (the MSE protocol: the lowest
+    rank with data runs its first batch, anchors shared, then the rest), convert."""
+    forward = forward or (lambda model, batch: model(batch))
+    config = dict(act_calibration=act, weight_scale=weight)
+    model = tiny_llama()
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=filter_fn)
+    with torch.no_grad():
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, len(batches))
+        first = next(r for r, n in enumerate(counts) if n)
+        rest = batches
+        if dist.get_rank() == first:
+            forward(model, batches[0])
+            rest = batches[1:]
+        sync_mse_anchors(model)
+        with data_parallel_calibration(model):
+            for batch in rest:
+                forward(model, batch)
+    quantize_(model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=filter_fn)
+    with torch.no_grad():
+        logits = model(token_ids(PROBE)).logits
+    return {"scales": converted_scales(model), "logits": logits}
+
+
+def error_of(fn) -> dict:
+    try:
+        fn()
+    except Exception as error:  # the scenario expects one, the same on every rank
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None}
+
+
+def main(rank: int, world: int, port: int, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    mine = [token_ids(seed) for seed in SHARDS[rank]]
+
+    def save(name, result):
+        torch.save(result, os.path.join(out, f"{name}.{rank}.pt"))
+
+    for act in ACT_RECIPES:
+        for weight in WEIGHT_RECIPES:
+            save(f"dp-{act}-{weight}", data_parallel_run(mine, act, weight))
+
+    save("no-data", data_parallel_run(mine if rank == 0 else [], "mse", "hessian_mse"))
+
+    save("recipe-mismatch", error_of(
+        lambda: data_parallel_run(mine, "b_min" if rank == 0 else "percentile", "mse")))
+
+    def skip_down_proj_on_rank_1(module, fqn):
+        return all_but_lm_head(module, fqn) and not (rank == 1 and fqn == "model.layers.1.mlp.down_proj")
+
+    save("structure-mismatch", error_of(
+        lambda: data_parallel_run(mine, "b_min", "mse", filter_fn=skip_down_proj_on_rank_1)))
+
+    def nan_on_rank_1(model, batch):
+        embeds = model.model.embed_tokens(batch)
+        if rank == 1:
+            embeds[0, 3, 5] = float("nan")
+        return model(inputs_embeds=embeds)
+
+    save("nan", error_of(lambda: data_parallel_run(mine, "b_min", "mse", forward=nan_on_rank_1)))
+
+    model = calibrate_layer_by_layer(
+        tiny_llama(), mine, NVFP4StaticActivationConfig(act_calibration="mse", weight_scale="hessian_mse"),
+        filter_fn=all_but_lm_head, group=True, progress=False,
+    )
+    save("layerwise-dp", {"scales": converted_scales(model)})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,193 @@
+"""Data-parallel calibration (nvfp4_static.distributed): two gloo processes on 127.0.0.1 against
+one process on the same data, and the errors every rank must raise alike.
+
+What is guaranteed, and checked here bit for bit:
+- every rank ends with the same scales and outputs;
+- they equal ``calibrate_in_shards``: one process calibrating rank r's batches as shard r and
+  folding the shards' states in rank order (every recipe);
+- they equal the plain one-process run on all the data wherever no float32 sum is involved:
+  the activation amaxes of b_min, max and percentile (histogram counts and maxima add up
+  exactly), the weight scales of weight_scale="mse" (no data), and so the outputs of those
+  recipes combined.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torchao.quantization import quantize_
+
+from distributed_worker import ACT_RECIPES, PROBE, SHARDS, WEIGHT_RECIPES, converted_scales
+from tiny_llama import all_but_lm_head, convert, tiny_llama, token_ids
+
+from nvfp4_static import NVFP4StaticActivationConfig
+from nvfp4_static.distributed import calibrate_in_shards, sync_calibration
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every scenario of distributed_worker.py, run once by two gloo processes."""
+    out = tmp_path_factory.mktemp("dp")
+    port = free_port()
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"}
+    procs = [
+        subprocess.Popen([sys.executable, WORKER, str(r), str(WORLD), str(port), str(out)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(WORLD)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+
+    def load(name):
+        return [torch.load(out / f"{name}.{r}.pt", weights_only=False) for r in range(WORLD)]
+
+    return load
+
+
+def batches(seeds):
+    return [token_ids(seed) for seed in seeds]
+
+
+def prepared(act, weight, model=None):
+    model = model or tiny_llama()
+    config = NVFP4StaticActivationConfig(step="prepare", act_calibration=act, weight_scale=weight)
+    quantize_(model, config, filter_fn=all_but_lm_head)
+    return model
+
+
+def finished(model, act, weight):
+    convert(model, act_calibration=act, weight_scale=weight)
+    with torch.no_grad():
+        logits = model(token_ids(PROBE)).logits
+    return {"scales": converted_scales(model), "logits": logits}
+
+
+def union_run(act, weight, seeds):
+    model = prepared(act, weight)
+    with torch.no_grad():
+        for batch in batches(seeds):
+            model(batch)
+    return finished(model, act, weight)
+
+
+def shards_run(act, weight, shards):
+    model = prepared(act, weight)
+    calibrate_in_shards(model, [batches(shard) for shard in shards])
+    return finished(model, act, weight)
+
+
+def assert_same(a: dict, b: dict, parts=("act", "weight"), logits=True) -> None:
+    index = {"act": [0], "weight": [1, 2, 3]}
+    assert a["scales"].keys() == b["scales"].keys() and len(a["scales"]) == 14
+    for name in a["scales"]:
+        for part in parts:
+            for i in index[part]:
+                assert torch.equal(a["scales"][name][i], b["scales"][name][i]), (name, part, i)
+    if logits:
+        assert torch.equal(a["logits"], b["logits"])
+
+
+@pytest.mark.parametrize("weight", WEIGHT_RECIPES)
+@pytest.mark.parametrize("act", ACT_RECIPES)
+def test_two_ranks_equal_one_process_on_the_same_shards(results, act, weight):
+    rank0, rank1 = results(f"dp-{act}-{weight}")
+    assert_same(rank0, rank1)
+    assert_same(rank0, shards_run(act, weight, SHARDS))
+    exact_act = act != "mse"  # no float sum behind the activation amax
+    exact_weight = weight == "mse"  # no Hessian
+    parts = ("act",) * exact_act + ("weight",) * exact_weight
+    if parts:
+        union = union_run(act, weight, [seed for shard in SHARDS for seed in shard])
+        assert_same(rank0, union, parts=parts, logits=exact_act and exact_weight)
+
+
+def test_a_rank_without_data_contributes_nothing(results):
+    rank0, rank1 = results("no-data")
+    assert_same(rank0, rank1)
+    assert_same(rank0, union_run("mse", "hessian_mse", SHARDS[0]))
+
+
+def test_ranks_prepared_with_different_recipes_raise_the_same_error_naming_rank_and_layer(results):
+    errors = [r["error"] for r in results("recipe-mismatch")]
+    assert errors[0] == errors[1]
+    assert "rank 1" in errors[0] and "'model.layers.0.self_attn.q_proj'" in errors[0]
+    assert "PercentileCalibrator" in errors[0] and "NVFP4BMinCalibrator" in errors[0]
+
+
+def test_ranks_with_different_structures_raise_the_same_error_naming_rank_and_layer(results):
+    errors = [r["error"] for r in results("structure-mismatch")]
+    assert errors[0] == errors[1]
+    assert "rank 1" in errors[0] and "'model.layers.1.mlp.down_proj'" in errors[0]
+
+
+def test_nan_on_one_rank_raises_the_same_error_on_every_rank(results):
+    errors = [r["error"] for r in results("nan")]
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("RuntimeError: nvfp4_static: data-parallel calibration failed on rank 1")
+    assert "NaN" in errors[0] and "model.layers.0.self_attn.q_proj" in errors[0]
+
+
+def test_layer_by_layer_data_parallel_equals_whole_model_shards(results):
+    rank0, rank1 = results("layerwise-dp")
+    reference = shards_run("mse", "hessian_mse", SHARDS)
+    assert_same(rank0, rank1, logits=False)
+    assert_same(rank0, reference, logits=False)
+
+
+# --- in one process ------------------------------------------------------------------------------
+
+
+def test_one_shard_is_the_plain_run():
+    assert_same(shards_run("mse", "hessian_mse", [[0, 1]]), union_run("mse", "hessian_mse", [0, 1]))
+
+
+def test_shards_fold_the_hessian_as_merge_does():
+    name = "model.layers.0.mlp.down_proj"
+    folded = prepared("b_min", "hessian_mse")
+    calibrate_in_shards(folded, [batches(shard) for shard in SHARDS])
+    parts = []
+    for shard in SHARDS:
+        model = prepared("b_min", "hessian_mse")
+        with torch.no_grad():
+            for batch in batches(shard):
+                model(batch)
+        parts.append(model.get_submodule(name).hessian_accumulator)
+    parts[0].merge(parts[1])
+    accumulator = folded.get_submodule(name).hessian_accumulator
+    assert torch.equal(accumulator.hessian, parts[0].hessian)
+    assert accumulator.num_tokens == 4 * 4 * 16
+
+
+def test_sync_without_a_process_group_says_what_is_missing():
+    model = prepared("b_min", "mse")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sync_calibration(model)
+
+
+def test_calibrate_in_shards_leaves_an_unseen_layer_unconverted_with_the_usual_error():
+    model = prepared("b_min", "mse")
+    calibrate_in_shards(model, [[], []])
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="before any collect"):
+        warnings.simplefilter("ignore")
+        convert(model, act_calibration="b_min", weight_scale="mse")
