@@ -74,3 +74,17 @@ def test_a_model_without_decoder_layers_is_refused_clearly():
 def test_finds_hugging_face_decoder_layers():
     model = tiny_llama()
     assert find_decoder_layers(model) == ("model.layers", model.model.layers)
+
+
+def test_calibrate_large_example_checks_its_scales(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "calibrate_large.py"
+    spec = importlib.util.spec_from_file_location("calibrate_large", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--batches", "2", "--batch-size", "2", "--seq-len", "16", "--weight", "max"])
+    out = capsys.readouterr().out
+    assert "layer by layer in" in out
+    assert "scales equal to one process calibrating the whole model (28 layers): True" in out
