@@ -1,0 +1,133 @@
+"""One-token decode through a Llama-8B-shaped stack of linears: bf16 against NVFP4 static, eager
+and compiled, measured in the same run.
+
+    python examples/benchmarks/bench_decode.py [--layers 32] [--compiled-layers 8]
+
+Each layer holds Llama-3-8B's seven linears (q, k, v, o 4096 x 4096; gate, up 4096 -> 14336;
+down 14336 -> 4096), bf16, with RMS norms and residuals between them and no attention, so the
+linears are all the work: what a decode step spends on weights. Rows:
+
+- ``eager``: the model called from Python, as ``model.generate()`` runs without compile.
+- ``eager via F.linear``: the same converted layers called through ``F.linear`` and the weight
+  subclass's dispatch (the route a compiled graph traces), to show what the layer's direct eager
+  call saves.
+- ``reduce-overhead``: ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs)
+  on a ``--compiled-layers`` stack, as a serving loop runs it.
+- ``compiled, graph replay``: the default-mode compiled stack captured into a CUDA graph by
+  hand and replayed: GPU time alone, whatever the compiled call costs on the host.
+
+Times are medians of ``triton.testing.do_bench``; tokens/s is one token per step.
+"""
+
+import argparse
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from torchao.quantization import quantize_
+from triton.testing import do_bench
+
+from bench_linear import graph_ms
+from nvfp4_static import NVFP4StaticActivationConfig, NVFP4StaticLinear, is_quantizable
+
+DIM, HIDDEN = 4096, 14336
+
+
+class DecoderLinears(torch.nn.Module):
+    """One decoder layer's linears: attention projections (their sum stands in for attention)
+    and a SwiGLU MLP, each behind an RMS norm and a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.RMSNorm(DIM), torch.nn.RMSNorm(DIM)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            torch.nn.Linear(DIM, DIM, bias=False) for _ in range(4)
+        )
+        self.gate_proj = torch.nn.Linear(DIM, HIDDEN, bias=False)
+        self.up_proj = torch.nn.Linear(DIM, HIDDEN, bias=False)
+        self.down_proj = torch.nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.o_proj(self.q_proj(h) + self.k_proj(h) + self.v_proj(h))
+        h = self.norm2(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def stack(layers: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return torch.nn.Sequential(*[DecoderLinears() for _ in range(layers)]).to(torch.bfloat16)
+
+
+def converted(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy quantized by the default recipe, calibrated on 64 random tokens."""
+    quantized = copy.deepcopy(model)
+    quantize_(quantized, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
+    with torch.no_grad():
+        quantized(torch.randn(64, DIM, device="cuda", dtype=torch.bfloat16))
+    quantize_(quantized, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
+    return quantized
+
+
+def through_f_linear(layer: NVFP4StaticLinear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def ms_per_step(fn) -> float:
+    with torch.no_grad():
+        return do_bench(fn, return_mode="median")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32, help="layers of the eager stack")
+    parser.add_argument("--compiled-layers", type=int, default=8, help="layers compiled (0: skip)")
+    args = parser.parse_args()
+    torch._dynamo.config.recompile_limit = 32  # two stacks, two modes, one forward code object
+    token = torch.randn(1, DIM, device="cuda", dtype=torch.bfloat16)
+    rows = []
+
+    bf16 = stack(args.layers)
+    start = time.perf_counter()
+    nvfp4 = converted(bf16)
+    print(f"device: {torch.cuda.get_device_name()}; quantized {args.layers} layers in "
+          f"{time.perf_counter() - start:.1f} s (backend {nvfp4[0].q_proj.weight.linear_backend})")
+    bf16_ms = ms_per_step(lambda: bf16(token))
+    rows.append(("eager", args.layers, bf16_ms, ms_per_step(lambda: nvfp4(token))))
+    linears = [m for m in nvfp4.modules() if isinstance(m, NVFP4StaticLinear)]
+    for layer in linears:
+        layer.forward = through_f_linear.__get__(layer)
+    rows.append(("eager via F.linear", args.layers, bf16_ms, ms_per_step(lambda: nvfp4(token))))
+    del bf16, nvfp4, linears
+    torch.cuda.empty_cache()
+
+    if args.compiled_layers:
+        bf16 = stack(args.compiled_layers)
+        nvfp4 = converted(bf16)
+        overhead_reduced, replayed = [], []
+        for model in (bf16, nvfp4):
+            compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+            start = time.perf_counter()
+            with torch.no_grad():
+                for _ in range(3):
+                    compiled(token)
+            torch.cuda.synchronize()
+            print(f"compiled {type(model[0].q_proj).__name__} stack in {time.perf_counter() - start:.0f} s")
+            overhead_reduced.append(ms_per_step(lambda: compiled(token).clone()))
+            default_mode = torch.compile(model, fullgraph=True)
+            with torch.no_grad():
+                replayed.append(graph_ms(lambda: default_mode(token)))
+        rows.append(("reduce-overhead", args.compiled_layers, *overhead_reduced))
+        rows.append(("compiled, graph replay", args.compiled_layers, *replayed))
+
+    print(f"\n{'mode':<20} {'layers':>6} {'bf16 ms':>8} {'nvfp4 ms':>9} {'bf16 tok/s':>10} "
+          f"{'nvfp4 tok/s':>11} {'speed vs bf16':>13}")
+    for mode, layers, bf16_ms, nvfp4_ms in rows:
+        print(f"{mode:<20} {layers:>6} {bf16_ms:>8.3f} {nvfp4_ms:>9.3f} {1e3 / bf16_ms:>10.0f} "
+              f"{1e3 / nvfp4_ms:>11.0f} {bf16_ms / nvfp4_ms:>12.2f}x")
+
+
+if __name__ == "__main__":
+    main()
