@@ -111,7 +111,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
     model = calibrate_layer_by_layer(
         tiny_llama(), mine, NVFP4StaticActivationConfig(act_calibration="mse", weight_scale="hessian_mse"),
-        filter_fn=all_but_lm_head, group=True, progress=False,
+        filter_fn=all_but_lm_head, group=True, progress=False, device="cpu",
     )
     save("layerwise-dp", {"scales": converted_scales(model)})
     dist.barrier()

@@ -21,6 +21,7 @@ def whole_model(act, weight):
 def layer_by_layer(act, weight, **options):
     config = NVFP4StaticActivationConfig(act_calibration=act, weight_scale=weight)
     batches = [token_ids(seed) for seed in BATCHES]
+    options.setdefault("device", "cpu")  # the whole-model runs it is compared with are on CPU
     return calibrate_layer_by_layer(
         tiny_llama(), batches, config, filter_fn=all_but_lm_head, progress=False, **options
     )
@@ -60,7 +61,7 @@ def test_dict_batches_and_kwargs_reach_every_layer():
                for seed in BATCHES]
     model = calibrate_layer_by_layer(
         tiny_llama(), batches, NVFP4StaticActivationConfig(weight_scale="max"),
-        filter_fn=all_but_lm_head, progress=False,
+        filter_fn=all_but_lm_head, progress=False, device="cpu",
     )
     assert sum(isinstance(m, NVFP4StaticLinear) for m in model.modules()) == 14
 
@@ -68,7 +69,7 @@ def test_dict_batches_and_kwargs_reach_every_layer():
 def test_a_model_without_decoder_layers_is_refused_clearly():
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
     with pytest.raises(ValueError, match="ModuleList named 'layers'"):
-        calibrate_layer_by_layer(model, [torch.randn(2, 32)], progress=False)
+        calibrate_layer_by_layer(model, [torch.randn(2, 32)], progress=False, device="cpu")
 
 
 def test_finds_hugging_face_decoder_layers():
