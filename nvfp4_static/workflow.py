@@ -40,6 +40,7 @@ __all__ = ["is_quantizable", "layer_name"]
 
 _LAYER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 _CONVERT_PROGRESS = ConvertProgress()
+_WEIGHT_HELD_ELSEWHERE: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 # What each step put in place of a module, so that a module two parents hold (visited twice by
 # quantize_) gets one replacement, not two diverging copies.
 _REPLACEMENTS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = (
@@ -55,8 +56,24 @@ def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
 
         quantize_(model, config, filter_fn=lambda m, fqn: is_quantizable(m, fqn) and fqn != "lm_head")
     """
+    if fqn == "":  # quantize_ asks about the root first: the one time the whole model is seen
+        _record_weights_held_elsewhere(module)
     _LAYER_NAMES[module] = fqn
     return isinstance(module, torch.nn.Linear)
+
+
+def _record_weights_held_elsewhere(model: torch.nn.Module) -> None:
+    """For each linear whose weight another module also holds (an ``lm_head`` tied to the
+    embedding), the other holder's name: converting the linear would silently untie them."""
+    holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for parameter in module.parameters(recurse=False):
+            holders.setdefault(id(parameter), []).append((name, module))
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            others = [n for n, m in holders.get(id(module.weight), []) if m is not module]
+            if others:
+                _WEIGHT_HELD_ELSEWHERE[module] = others[0]
 
 
 def layer_name(module: torch.nn.Module) -> str:
@@ -88,9 +105,7 @@ def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> to
     if isinstance(module, (NVFP4StaticObservedLinear, NVFP4StaticLinear)):
         raise ValueError(f"nvfp4_static: layer '{name}' is already {type(module).__name__}")
     check_dtype(module.weight, f"weight of layer '{name}'")
-    if not _is_plain_linear_or_says_why(module, name, config.strict):
-        return module
-    if not _has_block_dims_or_says_why(module, name, config.strict):
+    if _left_float_says_why(module, name, config.strict):
         return module
     hessian = (
         BlockHessianAccumulator(module.in_features, name=name)
@@ -108,39 +123,48 @@ def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> to
     return observed
 
 
-def _is_plain_linear_or_says_why(module: torch.nn.Linear, name: str, strict: bool) -> bool:
-    """Whether swapping ``module`` for our linear keeps what it computes: an ``nn.Linear``
-    subclass with its own ``forward``, parameters or submodules would lose them."""
+
+
+
+
+
+
+
+
+def _why_left_float(module: torch.nn.Linear):
+    """Why prepare leaves ``module`` float (None: it quantizes it): a quantized copy would
+    change what the layer computes, untie a shared weight, or NVFP4 cannot hold its shape."""
     own_parameters = {n for n, _ in module.named_parameters(recurse=False)} - {"weight", "bias"}
     overrides_forward = type(module).forward is not torch.nn.Linear.forward
-    if not (overrides_forward or own_parameters or any(True for _ in module.children())):
-        return True
-    what = "its own forward" if overrides_forward else "parameters or submodules nn.Linear lacks"
-    message = (
-        f"nvfp4_static: layer '{name}' is left unquantized: it is a {type(module).__name__}, an "
-        f"nn.Linear subclass with {what}, which the quantized layer would not keep"
-    )
+    if overrides_forward or own_parameters or any(True for _ in module.children()):
+        what = "its own forward" if overrides_forward else "parameters or submodules nn.Linear lacks"
+        return (
+            f"it is a {type(module).__name__}, an nn.Linear subclass with {what}, which the "
+            f"quantized layer would not keep"
+        )
+    if module in _WEIGHT_HELD_ELSEWHERE:
+        return (
+            f"its weight is tied to '{_WEIGHT_HELD_ELSEWHERE[module]}', and a quantized copy "
+            f"would untie them"
+        )
+    if module.in_features % BLOCK_SIZE or module.out_features % BLOCK_SIZE:
+        return (
+            f"NVFP4 needs in_features and out_features divisible by {BLOCK_SIZE}, and it is "
+            f"{module.in_features} -> {module.out_features}"
+        )
+    return None
+
+
+def _left_float_says_why(module: torch.nn.Linear, name: str, strict: bool) -> bool:
+    """Whether prepare leaves ``module`` float; says why in a warning (an error if strict)."""
+    reason = _why_left_float(module)
+    if reason is None:
+        return False
+    message = f"nvfp4_static: layer '{name}' is left unquantized: {reason}"
     if strict:
         raise ValueError(message)
     warn(message)
-    return False
-
-
-def _has_block_dims(module: torch.nn.Linear) -> bool:
-    return module.in_features % BLOCK_SIZE == 0 and module.out_features % BLOCK_SIZE == 0
-
-
-def _has_block_dims_or_says_why(module: torch.nn.Linear, name: str, strict: bool) -> bool:
-    if _has_block_dims(module):
-        return True
-    message = (
-        f"nvfp4_static: layer '{name}' ({module.in_features} -> {module.out_features}) is left "
-        f"unquantized: NVFP4 needs in_features and out_features divisible by {BLOCK_SIZE}"
-    )
-    if strict:
-        raise ValueError(message)
-    warn(message)
-    return False
+    return True
 
 
 # --- step 2: convert ----------------------------------------------------------------------------
@@ -150,7 +174,7 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
     if isinstance(module, NVFP4StaticLinear):
         return module
     if not isinstance(module, NVFP4StaticObservedLinear):
-        if isinstance(module, torch.nn.Linear) and _has_block_dims(module):
+        if isinstance(module, torch.nn.Linear) and _why_left_float(module) is None:
             raise RuntimeError(
                 f"nvfp4_static: layer '{layer_name(module)}' has no observer: run "
                 f"quantize_(model, NVFP4StaticActivationConfig(step='prepare')) and calibration "
@@ -278,6 +302,6 @@ def _prepare_for_loading(
     module: torch.nn.Linear, config: NVFP4StaticActivationConfig
 ) -> torch.nn.Module:
     name = layer_name(module)
-    if not _has_block_dims_or_says_why(module, name, config.strict):
+    if _left_float_says_why(module, name, config.strict):
         return module
     return NVFP4StaticLinear.placeholder(module, config.recipe(), name, config.backend)

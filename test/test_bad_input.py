@@ -133,6 +133,16 @@ def test_a_linear_subclass_that_changes_the_layer_is_left_float(cls, what):
         prepare(torch.nn.Sequential(cls(DIM, DIM)), strict=True)
 
 
+def test_a_model_with_layers_prepare_left_float_converts():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ScaledLinear(DIM, DIM), torch.nn.Linear(DIM, 48), torch.nn.Linear(48, DIM))
+    with pytest.warns(UserWarning, match="left unquantized"):
+        prepare(model)
+    calibrate(model, calibration_batches())
+    convert(model)
+    assert [type(m) for m in model] == [ScaledLinear, NVFP4StaticLinear, NVFP4StaticLinear]
+
+
 def test_a_linear_subclass_that_adds_nothing_is_quantized():
     model = prepare(torch.nn.Sequential(PlainSubclass(DIM, DIM)))
     assert isinstance(model[0], NVFP4StaticObservedLinear)
@@ -292,3 +302,29 @@ def test_the_blackwell_route_on_a_cpu_model_is_refused_at_convert(route, monkeyp
     calibrate(model, calibration_batches())
     with pytest.raises(ValueError, match="'up': backend 'blackwell'.*sm100.*cpu"):
         convert(model, **config)
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding whose weight the output projection shares, as tied LLM heads do."""
+
+    def __init__(self, vocab: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, DIM)
+        self.mlp = MLP()
+        self.lm_head = torch.nn.Linear(DIM, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.mlp(self.embed(ids)))
+
+
+def test_a_linear_whose_weight_is_tied_to_another_module_stays_float_and_tied():
+    model = make(TiedLM)
+    with pytest.warns(UserWarning, match="'lm_head' is left unquantized: its weight is tied to 'embed'"):
+        prepare(model)
+    calibrate(model, [torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(2)])
+    convert(model)
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.embed.weight
+    assert isinstance(model.mlp.up, NVFP4StaticLinear)
+    with pytest.raises(ValueError, match="'lm_head'.*tied to 'embed'"):
+        prepare(make(TiedLM), strict=True)
