@@ -98,16 +98,26 @@ def make(model_cls, dtype=torch.float32, seed=0):
     return model_cls().to(dtype)
 
 
+def all_but_lm_head(module, fqn):
+    """The filter LLM flows use: every linear but the output projection."""
+    return is_quantizable(module, fqn) and fqn != "lm_head"
+
+
+def prepare(model, filter_fn=is_quantizable, **config):
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=filter_fn)
+    return model
+
+
+def convert(model, filter_fn=is_quantizable, **config):
+    quantize_(model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=filter_fn)
+    return model
+
+
 def quantized(model, dtype=torch.float32, batches=None, **config):
     """Prepare ``model`` with ``config``, calibrate it on ``batches`` (default: four
     ``calibration_batches`` of ``dtype``) and convert it, in place; return it."""
-    quantize_(
-        model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=is_quantizable
-    )
+    prepare(model, **config)
     with torch.no_grad():
         for batch in calibration_batches(dtype=dtype) if batches is None else batches:
             model(batch)
-    quantize_(
-        model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=is_quantizable
-    )
-    return model
+    return convert(model, **config)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchao.quantization import quantize_
 
-from conftest import DIM, calibration_batches, make, quantized, sqnr_db
+from conftest import DIM, calibration_batches, convert, make, prepare, quantized, sqnr_db
 from models import MLP
 from nvfp4_static import (
     NVFP4StaticActivationConfig,
@@ -19,16 +19,6 @@ from nvfp4_static import (
     load_quantized,
 )
 from nvfp4_static.numerics import fake_quantize_nvfp4, per_tensor_amax_to_scale
-
-
-def prepare(model, **config):
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=is_quantizable)
-    return model
-
-
-def convert(model, **config):
-    quantize_(model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=is_quantizable)
-    return model
 
 
 def calibrate(model, batches):

@@ -5,12 +5,11 @@ import pytest
 import torch
 from torchao.quantization import quantize_
 
-from conftest import DIM, calibration_batches, make, quantized
+from conftest import DIM, all_but_lm_head, calibration_batches, make, quantized
 from models import MLP, TransformerBlock
 from nvfp4_static import (
     NVFP4StaticActivationConfig,
     NVFP4StaticLinear,
-    is_quantizable,
     load_quantized,
 )
 
@@ -29,10 +28,6 @@ class TinyLM(torch.nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.lm_head(x)
-
-
-def all_but_lm_head(module, fqn):
-    return is_quantizable(module, fqn) and fqn != "lm_head"
 
 
 def converted_tiny_lm(**config):

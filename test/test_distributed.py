@@ -22,7 +22,7 @@ import torch
 from torchao.quantization import quantize_
 
 from distributed_worker import ACT_RECIPES, PROBE, SHARDS, WEIGHT_RECIPES, converted_scales
-from tiny_llama import all_but_lm_head, convert, tiny_llama, token_ids
+from tiny_llama import all_but_lm_head, convert_llama, tiny_llama, token_ids
 
 from nvfp4_static import NVFP4StaticActivationConfig
 from nvfp4_static.distributed import calibrate_in_shards, sync_calibration
@@ -77,7 +77,7 @@ def prepared(act, weight, model=None):
 
 
 def finished(model, act, weight):
-    convert(model, act_calibration=act, weight_scale=weight)
+    convert_llama(model, act_calibration=act, weight_scale=weight)
     with torch.no_grad():
         logits = model(token_ids(PROBE)).logits
     return {"scales": converted_scales(model), "logits": logits}
@@ -190,4 +190,4 @@ def test_calibrate_in_shards_leaves_an_unseen_layer_unconverted_with_the_usual_e
     calibrate_in_shards(model, [[], []])
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="before any collect"):
         warnings.simplefilter("ignore")
-        convert(model, act_calibration="b_min", weight_scale="mse")
+        convert_llama(model, act_calibration="b_min", weight_scale="mse")

@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tiny_llama import convert, converted_llama, prepared_and_calibrated, tiny_llama, token_ids
+from conftest import relative_error
+from tiny_llama import convert_llama, converted_llama, logits, prepared_and_calibrated, tiny_llama
 from nvfp4_static import NVFP4StaticLinear, export_checkpoint, import_checkpoint, tie_fused_layers
 from nvfp4_static.numerics import (
     compute_block_scales,
@@ -71,16 +72,6 @@ def llama_bf16():
 
 def converted_layers(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, NVFP4StaticLinear)}
-
-
-def relative_error(out, reference):
-    out, reference = out.double(), reference.double()
-    return float((out - reference).norm() / reference.norm())
-
-
-def logits(model, seed=5):
-    with torch.no_grad():
-        return model(token_ids(seed)).logits
 
 
 def read_folder(folder):
@@ -195,7 +186,7 @@ def test_tied_embeddings_are_written_once_and_tied_again(tmp_path):
     model = tiny_llama(tie_word_embeddings=True)
     prepared_and_calibrated(model, weight_scale="max")
     tie_fused_layers(model)
-    convert(model, weight_scale="max")
+    convert_llama(model, weight_scale="max")
     export_checkpoint(model, tmp_path / "ct")
     assert "lm_head.weight" not in read_folder(tmp_path / "ct")
     imported = import_checkpoint(tmp_path / "ct")
@@ -317,7 +308,7 @@ def test_tokenizer_and_generation_files_come_along(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float")
     prepared_and_calibrated(model, weight_scale="max")
     tie_fused_layers(model)
-    convert(model, weight_scale="max")
+    convert_llama(model, weight_scale="max")
     export_checkpoint(model, tmp_path / "export")
     for file in ("tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / "export" / file).read_text() == (tmp_path / "float" / file).read_text()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torchao.quantization import quantize_
 
-from tiny_llama import all_but_lm_head, convert, prepared_and_calibrated, tiny_llama
+from tiny_llama import all_but_lm_head, convert_llama, prepared_and_calibrated, tiny_llama
 from nvfp4_static import (
     NVFP4BMinCalibrator,
     NVFP4MSECalibrator,
@@ -35,7 +35,7 @@ def test_after_convert_every_group_shares_its_weight_and_input_scales():
     model = prepared_and_calibrated(tiny_llama(), weight_scale="max")
     weight_amaxes = {n: float(model.get_submodule(n).weight.detach().abs().amax()) for n in QKV}
     tied = tie_fused_layers(model)
-    convert(model, weight_scale="max")
+    convert_llama(model, weight_scale="max")
     assert len(tied) == 4
     for names in tied:
         weights = [model.get_submodule(name).weight for name in names]
@@ -58,7 +58,7 @@ def test_the_block_scale_sweep_runs_against_the_shared_weight_amax():
     group_amax = max(model.get_submodule(n).weight.detach().abs().amax() for n in QKV)
     prepared_and_calibrated(model, weight_scale="mse")
     tie_fused_layers(model)
-    convert(model, weight_scale="mse")
+    convert_llama(model, weight_scale="mse")
 
     blocks = torch.empty(k_weight.shape[0], k_weight.shape[1] // BLOCK_SIZE)
     swept_shared = NVFP4MSECalibrator(blocks, group_amax)
@@ -124,9 +124,9 @@ def _two_inputs_tied_and_untied(act_calibration):
     quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=is_quantizable)
     with torch.no_grad():
         model(_TWO_INPUTS_BATCH)
-    untied = convert(copy.deepcopy(model), filter_fn=is_quantizable, **config)
+    untied = convert_llama(copy.deepcopy(model), filter_fn=is_quantizable, **config)
     assert tie_fused_layers(model, groups=[("a", "b")]) == [("a", "b")]
-    return convert(model, filter_fn=is_quantizable, **config), untied
+    return convert_llama(model, filter_fn=is_quantizable, **config), untied
 
 
 def test_tying_twice_changes_nothing():
@@ -134,8 +134,8 @@ def test_tying_twice_changes_nothing():
     tie_fused_layers(model)
     once = copy.deepcopy(model)
     tie_fused_layers(model)
-    convert(model, weight_scale="max")
-    convert(once, weight_scale="max")
+    convert_llama(model, weight_scale="max")
+    convert_llama(once, weight_scale="max")
     for name in QKV:
         a, b = model.get_submodule(name).weight, once.get_submodule(name).weight
         assert torch.equal(a.act_per_tensor_scale, b.act_per_tensor_scale)
@@ -143,7 +143,7 @@ def test_tying_twice_changes_nothing():
 
 
 def test_tying_a_converted_model_is_refused_and_changes_nothing():
-    model = convert(prepared_and_calibrated(tiny_llama(), weight_scale="max"), weight_scale="max")
+    model = convert_llama(prepared_and_calibrated(tiny_llama(), weight_scale="max"), weight_scale="max")
     before = copy.deepcopy(model)
     with pytest.raises(ValueError, match=r"q_proj.*already converted.*before quantize_"):
         tie_fused_layers(model)
@@ -157,7 +157,7 @@ def test_untied_groups_are_refused_at_export_unless_the_check_is_skipped(tmp_pat
     model = tiny_llama()
     with torch.no_grad():
         model.get_submodule(QKV[1]).weight.mul_(0.25)  # k_proj's own scale now differs
-    convert(prepared_and_calibrated(model, weight_scale="max"), weight_scale="max")
+    convert_llama(prepared_and_calibrated(model, weight_scale="max"), weight_scale="max")
     with pytest.raises(ValueError, match=r"q_proj.*k_proj.*v_proj.*not tied.*tie_fused_layers"):
         export_checkpoint(model, tmp_path / "export")
     assert not (tmp_path / "export").exists()
@@ -171,7 +171,7 @@ def test_a_partly_quantized_group_is_refused_at_export(tmp_path):
 
     model = prepared_and_calibrated(tiny_llama(), filter_fn=without_k_proj, weight_scale="max")
     tie_fused_layers(model)
-    convert(model, filter_fn=without_k_proj, weight_scale="max")
+    convert_llama(model, filter_fn=without_k_proj, weight_scale="max")
     assert isinstance(model.get_submodule(QKV[0]), NVFP4StaticLinear)
     with pytest.raises(ValueError, match=r"partly quantized.*k_proj"):
         export_checkpoint(model, tmp_path / "export")

@@ -2,10 +2,10 @@
 fused-layer tests share."""
 
 import torch
-from torchao.quantization import quantize_
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable, tie_fused_layers
+from conftest import all_but_lm_head, convert, prepare
+from nvfp4_static import tie_fused_layers
 
 VOCAB = 128
 
@@ -33,21 +33,22 @@ def token_ids(seed=0, batch=4, length=16) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def all_but_lm_head(module, fqn):
-    return is_quantizable(module, fqn) and fqn != "lm_head"
+def logits(model, seed=5):
+    with torch.no_grad():
+        return model(token_ids(seed)).logits
 
 
 def prepared_and_calibrated(model, filter_fn=all_but_lm_head, **config):
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=filter_fn)
+    prepare(model, filter_fn=filter_fn, **config)
     with torch.no_grad():
         for seed in range(2):
             model(token_ids(seed))
     return model
 
 
-def convert(model, filter_fn=all_but_lm_head, **config):
-    quantize_(model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=filter_fn)
-    return model
+def convert_llama(model, filter_fn=all_but_lm_head, **config):
+    """``convert`` with the filter the Llama was prepared with."""
+    return convert(model, filter_fn=filter_fn, **config)
 
 
 def converted_llama(dtype=torch.float32, tie=True, weight_scale="max", **config):
@@ -56,4 +57,4 @@ def converted_llama(dtype=torch.float32, tie=True, weight_scale="max", **config)
     model = prepared_and_calibrated(tiny_llama(dtype), weight_scale=weight_scale, **config)
     if tie:
         tie_fused_layers(model)
-    return convert(model, weight_scale=weight_scale, **config)
+    return convert_llama(model, weight_scale=weight_scale, **config)
