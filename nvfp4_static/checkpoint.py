@@ -13,7 +13,7 @@ import torch
 from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear, check_checkpoint_scales
 from nvfp4_static.tensor import NVFP4StaticTensor
 
-__all__ = ["load_quantized"]
+__all__ = ["load_quantized", "replace_submodule"]
 
 _EXTRA_STATE = "_extra_state"
 
@@ -55,13 +55,13 @@ def load_quantized(
                     f"model has a {type(module).__name__} there"
                 )
             converted = NVFP4StaticLinear.placeholder(module, recipe, name, backend)
-            _replace(model, name, converted)
+            replace_submodule(model, name, converted)
             swapped.append((name, module))
         _check_loadable(model, checkpoint)
         model.load_state_dict(checkpoint)
     except BaseException:
         for name, original in reversed(swapped):
-            _replace(model, name, original)
+            replace_submodule(model, name, original)
         raise
     return model
 
@@ -116,10 +116,11 @@ def _submodule(model: torch.nn.Module, name: str) -> torch.nn.Module:
         ) from error
 
 
-def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+def replace_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """Put ``module`` at ``name`` (a dotted path below ``model``, not the root itself)."""
     parent_name, _, child = name.rpartition(".")
     if not child:
-        raise ValueError("nvfp4_static: load_quantized cannot replace the root module itself")
+        raise ValueError("nvfp4_static: cannot replace the root module itself")
     setattr(model.get_submodule(parent_name), child, module)
 
 

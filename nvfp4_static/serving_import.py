@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from nvfp4_static.checkpoint import replace_submodule
 from nvfp4_static.export import PER_TENSOR_SCALES_METADATA
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.numerics import BLOCK_SIZE, E2M1_MAX, E4M3_MAX
@@ -110,7 +111,7 @@ def import_checkpoint(
         )
     remainder = _remaining_tensors(model, checkpoint, layers, format)
     for name, layer in layers.items():
-        _replace(model, name, layer)
+        replace_submodule(model, name, layer)
     model.load_state_dict(remainder, strict=False)
     return model
 
@@ -463,8 +464,3 @@ def _remaining_tensors(model: torch.nn.Module, checkpoint: dict, layers: dict, f
 
 def _storage(tensor: torch.Tensor) -> tuple:
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape)
-
-
-def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, module)
