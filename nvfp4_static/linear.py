@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nvfp4_static.numerics import BLOCK_SIZE, scale_reciprocal_overflows
+from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale
 from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
 
 __all__ = ["NVFP4StaticLinear", "check_checkpoint_scales"]
@@ -20,8 +20,7 @@ def check_checkpoint_scales(weight: torch.Tensor, layer_name: str) -> None:
     if not isinstance(weight, NVFP4StaticTensor) or weight.act_per_tensor_scale.is_meta:
         return
     act_scale, weight_scale = weight.act_per_tensor_scale, weight.per_tensor_scale
-    act_ok = bool(torch.isfinite(act_scale)) and float(act_scale) > 0
-    if not act_ok or scale_reciprocal_overflows(act_scale):
+    if not is_usable_act_per_tensor_scale(act_scale):
         raise ValueError(
             f"nvfp4_static: checkpoint for layer '{layer_name}' has activation scale "
             f"{float(act_scale)}; convert only produces finite scales above about 2e-37 (the "
@@ -119,12 +118,10 @@ class NVFP4StaticLinear(torch.nn.Linear):
         if self.clip_counters is not None:
             self._count_clipped(x)
         if torch.compiler.is_compiling():
-            out = F.linear(x, self.weight, self.bias)
-        else:  # what F.linear reaches through the subclass's dispatch, without its host cost
-            out = static_linear(x, self.weight, self.bias)
-        if out.requires_grad and not torch.compiler.is_compiling():
-            return _InferenceOnly.apply(out)
-        return out
+            return F.linear(x, self.weight, self.bias)
+        # What F.linear reaches through the subclass's dispatch, without its host cost.
+        out = static_linear(x, self.weight, self.bias)
+        return _InferenceOnly.apply(out) if out.requires_grad else out
 
     def start_clip_monitor(self) -> None:
         """Count, from now on, the inputs above ``act_global_amax`` (see ``clip_monitor``)."""

@@ -139,6 +139,15 @@ def scale_reciprocal_overflows(per_tensor_scale: torch.Tensor, block_scale: floa
     return not bool(torch.isfinite((1.0 / per_tensor_scale) / block_scale).all())
 
 
+def is_usable_act_per_tensor_scale(per_tensor_scale: torch.Tensor) -> bool:
+    """Whether a static activation per-tensor scale can quantize: finite, positive and large
+    enough that its block-scale reciprocals stay finite (``scale_reciprocal_overflows``).
+    Convert refuses a calibrated amax that fails this, and a checkpoint holding one."""
+    per_tensor_scale = torch.as_tensor(per_tensor_scale, dtype=torch.float32).cpu()
+    positive = bool(torch.isfinite(per_tensor_scale).all()) and bool((per_tensor_scale > 0).all())
+    return positive and not scale_reciprocal_overflows(per_tensor_scale)
+
+
 def compute_block_scales(
     x: torch.Tensor, per_tensor_scale: torch.Tensor, block_size: int = BLOCK_SIZE
 ) -> torch.Tensor:

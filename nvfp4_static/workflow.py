@@ -28,8 +28,8 @@ from nvfp4_static.messages import warn
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     check_dtype,
+    is_usable_act_per_tensor_scale,
     per_tensor_amax_to_scale,
-    scale_reciprocal_overflows,
 )
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers import BlockHessianAccumulator, NVFP4MSECalibrator
@@ -233,8 +233,7 @@ def _activation_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
             f"calibration batches through the prepared model before step='convert'"
         )
     act_amax = torch.as_tensor(act_amax, dtype=torch.float32)
-    too_small = act_amax <= 0 or scale_reciprocal_overflows(per_tensor_amax_to_scale(act_amax))
-    if not torch.isfinite(act_amax) or too_small:
+    if not is_usable_act_per_tensor_scale(per_tensor_amax_to_scale(act_amax)):
         raise ValueError(
             f"nvfp4_static: layer '{name}': calibrated activation amax is {float(act_amax)}; it "
             f"must be finite and at least about 5e-34, below which NVFP4's block-scale "
