@@ -14,6 +14,7 @@ one process calibrating the whole model on the same data split into the same sha
 """
 
 import argparse
+import dataclasses
 import os
 import resource
 import time
@@ -123,12 +124,10 @@ def main(argv=None) -> None:
     check = args.check if args.check is not None else params <= CHECK_LIMIT
     if rank == 0 and check and not args.propagate:
         reference = build(args.preset, dtype).to(device)
-        quantize_(reference, NVFP4StaticActivationConfig(step="prepare", act_calibration=args.act,
-                                                         weight_scale=args.weight), filter_fn=not_lm_head)
+        quantize_(reference, config, filter_fn=not_lm_head)  # config's step is "prepare"
         calibrate_in_shards(reference, [[b.to(device) for b in shard] for shard in shards],
                             forward=lambda m, batch: m(batch, use_cache=False))
-        quantize_(reference, NVFP4StaticActivationConfig(step="convert", act_calibration=args.act,
-                                                         weight_scale=args.weight), filter_fn=not_lm_head)
+        quantize_(reference, dataclasses.replace(config, step="convert"), filter_fn=not_lm_head)
         ours, theirs = scales(model), scales(reference)
         equal = ours.keys() == theirs.keys() and all(
             torch.equal(a, b) for name in ours for a, b in zip(ours[name], theirs[name]))

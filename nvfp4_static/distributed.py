@@ -42,7 +42,7 @@ import torch
 
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
-from nvfp4_static.observers.base import MergeableObserver
+from nvfp4_static.observers.base import _REDUCE, MergeableObserver
 from nvfp4_static.observers.mse import MseCalibrator
 
 __all__ = [
@@ -51,9 +51,6 @@ __all__ = [
     "sync_calibration",
     "sync_mse_anchors",
 ]
-
-_FOLD = {"sum": torch.add, "max": torch.maximum}
-
 
 # --- what one process holds: its observers and their states -------------------------------------
 
@@ -102,7 +99,7 @@ def _slot(name: str, role: str, observer, layer) -> dict:
         return {
             "layer": name, "role": role, "kind": type(observer).__name__,
             "settings": (recipe, _plain(observer.search_args)),
-            "anchor": None if search is None else search.initial_amax.detach().cpu().clone(),
+            "anchor": _anchor(observer),
             "restarts": observer.restarts,
             "reductions": dict(MseCalibrator.STATE_REDUCTIONS),
             "state": None if search is None else _cpu_state(search._state),
@@ -160,7 +157,7 @@ def _check_same_structure(snapshots: Sequence[list]) -> None:
             )
 
 
-def _fold_slot(index: int, per_rank: Sequence[dict]) -> dict:
+def _fold_slot(per_rank: Sequence[dict]) -> dict:
     """One observer's slots from every rank (rank order) folded into one."""
     having = [(rank, slot) for rank, slot in enumerate(per_rank) if slot["state"] is not None]
     first = per_rank[0]
@@ -189,13 +186,13 @@ def _fold_slot(index: int, per_rank: Sequence[dict]) -> dict:
     reductions = base["reductions"]
     state = {key: value.clone() for key, value in base["state"].items()}
     for _, slot in having[1:]:
-        state = {key: _FOLD[reductions[key]](value, slot["state"][key]) for key, value in state.items()}
+        state = {key: _REDUCE[reductions[key]](value, slot["state"][key]) for key, value in state.items()}
     return {**base, "state": state, "restarts": sum(slot["restarts"] for _, slot in having)}
 
 
 def _fold(snapshots: Sequence[list]) -> list[dict]:
     _check_same_structure(snapshots)
-    return [_fold_slot(i, [slots[i] for slots in snapshots]) for i in range(len(snapshots[0]))]
+    return [_fold_slot([slots[i] for slots in snapshots]) for i in range(len(snapshots[0]))]
 
 
 def _apply(model: torch.nn.Module, folded: list[dict]) -> None:
@@ -205,9 +202,7 @@ def _apply(model: torch.nn.Module, folded: list[dict]) -> None:
         if isinstance(observer, FirstBatchMseCalibrator):
             device = layer.weight.device
             if observer.search is None or not torch.equal(observer.search.initial_amax.cpu(), slot["anchor"]):
-                observer.search = MseCalibrator(
-                    slot["anchor"].to(device), name=observer.name, **observer.search_args
-                )
+                _adopt_anchor(observer, slot["anchor"], device)
             observer.search.load_state_dict({k: v.to(device) for k, v in slot["state"].items()})
             observer.restarts = slot["restarts"]
             continue
@@ -240,7 +235,7 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _raise_any_rank_error(gathered: list, group) -> None:
+def _raise_any_rank_error(gathered: list) -> None:
     """Every rank raises the same error when any rank reported one."""
     failed = [(rank, item["error"]) for rank, item in enumerate(gathered) if item["error"]]
     if not failed:
@@ -278,7 +273,7 @@ def sync_calibration(
         except Exception as caught:  # e.g. a NaN batch reported late (CUDA): tell the others
             local["error"] = _error_text(caught)
     gathered = _gather(local, group)
-    _raise_any_rank_error(gathered, group)
+    _raise_any_rank_error(gathered)
     _apply(model, _fold([item["slots"] for item in gathered]))
 
 
@@ -307,17 +302,16 @@ def sync_mse_anchors(
     grid at that batch's max, as in a single process), then every rank calls this, then every
     rank runs its remaining batches. A rank that already collected on another grid is refused.
     """
+    mse = [(name, obs, layer) for name, _, obs, layer in _observers(model)
+           if isinstance(obs, FirstBatchMseCalibrator)]
     local: dict = {"error": _error_text(error) if error is not None else None, "anchors": None}
     if error is None:
         try:
-            local["anchors"] = [
-                (name, None if obs.search is None else obs.search.initial_amax.detach().cpu().clone())
-                for name, _, obs, _ in _observers(model) if isinstance(obs, FirstBatchMseCalibrator)
-            ]
+            local["anchors"] = [(name, _anchor(obs)) for name, obs, _ in mse]
         except Exception as caught:
             local["error"] = _error_text(caught)
     gathered = _gather(local, group)
-    _raise_any_rank_error(gathered, group)
+    _raise_any_rank_error(gathered)
     lists = [item["anchors"] for item in gathered]
     for rank, anchors in enumerate(lists[1:], start=1):
         if [n for n, _ in anchors] != [n for n, _ in lists[0]]:
@@ -326,8 +320,6 @@ def sync_mse_anchors(
                 f"({len(anchors)} vs {len(lists[0])} layers); every rank must prepare the same "
                 f"model with the same filter_fn and config"
             )
-    mse = [(name, obs, layer) for name, _, obs, layer in _observers(model)
-           if isinstance(obs, FirstBatchMseCalibrator)]
     for i, (name, observer, layer) in enumerate(mse):
         anchors = [(rank, lists[rank][i][1]) for rank in range(len(lists))
                    if lists[rank][i][1] is not None]
@@ -344,6 +336,11 @@ def sync_mse_anchors(
                 )
         if observer.search is None:
             _adopt_anchor(observer, anchor, layer.weight.device)
+
+
+def _anchor(observer: FirstBatchMseCalibrator) -> Optional[torch.Tensor]:
+    """A CPU copy of the observer's MSE grid anchor; None before its first batch."""
+    return None if observer.search is None else observer.search.initial_amax.detach().cpu().clone()
 
 
 def _adopt_anchor(observer: FirstBatchMseCalibrator, anchor: torch.Tensor, device) -> None:
@@ -387,5 +384,5 @@ def calibrate_in_shards(
 
 def _record_anchors(entries: list, anchors: list) -> None:
     for i, (_, _, observer, _) in enumerate(entries):
-        if anchors[i] is None and isinstance(observer, FirstBatchMseCalibrator) and observer.search is not None:
-            anchors[i] = observer.search.initial_amax.detach().cpu().clone()
+        if anchors[i] is None and isinstance(observer, FirstBatchMseCalibrator):
+            anchors[i] = _anchor(observer)

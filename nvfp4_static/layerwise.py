@@ -99,7 +99,7 @@ def _hidden_states(output):
 
 def _outside(model: torch.nn.Module, layers: torch.nn.ModuleList):
     """The modules and direct tensors of ``model`` that do not hold ``layers``: what runs
-    before (and after) the decoder layers. Yields modules to move whole, and the modules on
+    before (and after) the decoder layers. Returns the modules to move whole, and the modules on
     the path to ``layers`` whose own parameters and buffers must move."""
     whole, path = [], []
 
@@ -112,7 +112,7 @@ def _outside(model: torch.nn.Module, layers: torch.nn.ModuleList):
                 holds = True
         if holds:
             path.append(module)
-            whole.extend(c for c in module.children() if c is not layers and not _holds(c, layers))
+            whole.extend(c for c in module.children() if not _holds(c, layers))
         return holds
 
     walk(model)
