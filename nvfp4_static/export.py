@@ -116,7 +116,7 @@ def export_checkpoint(
     shards = _shards(tensors, max_shard_bytes)
     exact_scales = _exact_per_tensor_scales(converted) if format == "compressed-tensors" else {}
     quantization_config = _quantization_config(model, converted, format)
-    config = _model_config(model)
+    config = _model_config(model, converted)
     config["quantization_config"] = quantization_config
     json_files = {CONFIG_FILE: config, INDEX_FILE: _index(tensors, shards)}
     if format == "modelopt":
@@ -342,7 +342,7 @@ def _package_version() -> str:
         return "unknown"
 
 
-def _model_config(model: torch.nn.Module) -> dict:
+def _model_config(model: torch.nn.Module, converted: dict) -> dict:
     """The Hugging Face config as ``save_pretrained`` writes it (architecture, dtype), without
     any earlier quantization block; ``{}`` for a model without one."""
     config = getattr(model, "config", None)
@@ -351,18 +351,17 @@ def _model_config(model: torch.nn.Module) -> dict:
     data = json.loads(config.to_json_string(use_diff=True))
     data.pop("quantization_config", None)
     data["architectures"] = [type(model).__name__]
-    data["dtype"] = str(_model_dtype(model)).removeprefix("torch.")
+    data["dtype"] = str(_model_dtype(model, converted)).removeprefix("torch.")
     return data
 
 
-def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+def _model_dtype(model: torch.nn.Module, converted: dict) -> torch.dtype:
     """The dtype the model computes in: the converted layers' original dtype (their activations'
     dtype), which every converted layer shares in a model converted as a whole."""
     dtype = getattr(model, "dtype", None)
     if isinstance(dtype, torch.dtype):
         return dtype
-    converted = [m for m in model.modules() if isinstance(m, NVFP4StaticLinear)]
-    return converted[0].weight.orig_dtype
+    return next(iter(converted.values())).weight.orig_dtype
 
 
 def _companion_files(model: torch.nn.Module) -> list:

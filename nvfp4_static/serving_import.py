@@ -26,16 +26,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from nvfp4_static.checkpoint import replace_submodule
-from nvfp4_static.export import PER_TENSOR_SCALES_METADATA
+from nvfp4_static.export import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    MODELOPT_QUANT_CONFIG_FILE,
+    PER_TENSOR_SCALES_METADATA,
+)
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.numerics import BLOCK_SIZE, E2M1_MAX, E4M3_MAX
 from nvfp4_static.tensor import NVFP4StaticTensor
 
 __all__ = ["import_checkpoint"]
-
-CONFIG_FILE = "config.json"
-INDEX_FILE = "model.safetensors.index.json"
-MODELOPT_QUANT_CONFIG_FILE = "hf_quant_config.json"
 
 # Tensor names per quantized layer, and whether the per-tensor scales are stored inverted.
 _FIELDS = {
