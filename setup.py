@@ -17,14 +17,16 @@ setup(
         "safetensors",
     ],
     extras_require={
-        # compressed-tensors and transformers: the export tests check our folders against their
-        # own decompressor, fake quantizer, compressor and loader.
+        # compressed-tensors, nvidia-modelopt and transformers: the export tests check our folders
+        # against their own decompressor, fake quantizer, compressor, exporter and loader
+        # (ModelOpt's HF export format has no other reference implementation).
         # triton: CUDA builds of torch bring it and CPU runs never use it; CI interprets its kernels.
         "test": [
             "pytest",
             "expecttest",
             "hypothesis",
             "compressed-tensors",
+            "nvidia-modelopt>=0.47,<0.48",
             "transformers",
             "triton; platform_system == 'Linux'",
         ],

@@ -1,6 +1,6 @@
 """Export to compressed-tensors and ModelOpt folders, and import of such folders, checked against
 the other side's own code: compressed-tensors' decompressor, fake quantizer and compressor, and
-transformers' loader.
+transformers' loader (ModelOpt's own exporter and dequantizer: test_modelopt_format.py).
 
 Where the two sides cannot agree bit for bit the tests say why and bound the difference:
 compressed-tensors stores the reciprocal global scale ``G = 1 / p`` and computes ``s / G`` where
