@@ -14,6 +14,8 @@ from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_am
 from torchao.quantization import quantize_
 from torchao.quantization.quantize_.common.quantization_step import QuantizationStep
 from torchao.utils import unwrap_tensor_subclass
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DIM, requires_cuda, calibration_batches, make, quantized, sqnr_db
 from models import MLP, TransformerBlock
@@ -40,6 +42,41 @@ def test_prepare_observes_without_changing_outputs(model_cls, dtype):
     observed = [m for m in model.modules() if isinstance(m, NVFP4StaticObservedLinear)]
     assert len(observed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert torch.equal(model(x), expected)
+
+
+class TensorOpsOnRealDevices(TorchDispatchMode):
+    """Records every tensor operation that reads or makes a tensor outside the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if any(not t.is_meta for t in tensors):
+            self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize(
+    "act, weight", [("b_min", "hessian_mse"), ("percentile", "mse"), ("max", "mse"), ("mse", "mse")]
+)
+def test_prepare_allocates_and_copies_nothing_but_swaps_modules(act, weight):
+    """Prepare's cost must not grow with the weights (5 s for 224 large linears is wrong):
+    observers allocate their state at the first batch, the histogram's bin tables are made once
+    and shared, and the observed layer holds the float layer's own parameters."""
+    config = NVFP4StaticActivationConfig(step="prepare", act_calibration=act, weight_scale=weight)
+    quantize_(make(MLP), config, filter_fn=is_quantizable)  # the shared bin tables, made once
+    model = make(TransformerBlock)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    with TensorOpsOnRealDevices() as recorded:
+        quantize_(model, config, filter_fn=is_quantizable)
+    assert recorded.ops == []
+    for name, linear in linears.items():
+        observed = model.get_submodule(name)
+        assert isinstance(observed, NVFP4StaticObservedLinear)
+        assert observed.weight is linear.weight and observed.bias is linear.bias
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

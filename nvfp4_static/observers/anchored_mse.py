@@ -14,7 +14,7 @@ import torch
 
 from nvfp4_static.messages import warn
 from nvfp4_static.observers.base import Observer
-from nvfp4_static.observers.mse import MseCalibrator
+from nvfp4_static.observers.mse import MseCalibrator, check_search_grid
 
 __all__ = ["FirstBatchMseCalibrator"]
 
@@ -41,7 +41,7 @@ class FirstBatchMseCalibrator(Observer):
         self.search_args = dict(
             step_size=step_size, start_multiplier=start_multiplier, stop_multiplier=stop_multiplier
         )
-        MseCalibrator(torch.tensor(1.0), name=name, **self.search_args)  # refuses a bad grid now
+        check_search_grid(self.describe(), step_size, start_multiplier, stop_multiplier)
         self.search: Optional[MseCalibrator] = None
         self.restarts = 0
         self.stats: dict = {}

@@ -21,6 +21,25 @@ __all__ = ["BlockAmaxHistogramObserver", "ALL_ZERO_FALLBACK_AMAX"]
 # positive value quantizes zeros exactly while keeping downstream scales finite.
 ALL_ZERO_FALLBACK_AMAX = 1.0
 
+# The bins' float32 inner edges (per device) and float64 centres, keyed by (what, num_bins,
+# log2_min, log2_max, device) and shared read-only by every observer with those settings: a
+# model has hundreds of observed layers, and a copy each would cost prepare tensor work per
+# layer and, on a GPU, each layer's first collect a host-to-device copy (a stream sync).
+_SHARED_BINS: dict[tuple, torch.Tensor] = {}
+
+
+def _shared_bins(what: str, settings: tuple, device: torch.device) -> torch.Tensor:
+    """``"edges"`` or ``"centres"`` of the histogram ``settings`` on ``device`` (never modify)."""
+    key = (what, *settings, device)
+    if key not in _SHARED_BINS:
+        if device.type != "cpu":
+            _SHARED_BINS[key] = _shared_bins(what, settings, torch.device("cpu")).to(device)
+        elif what == "edges":
+            _SHARED_BINS[key] = histogram_bin_edges(*settings)
+        else:
+            _SHARED_BINS[key] = histogram_bin_centres(*settings)
+    return _SHARED_BINS[key]
+
 
 class BlockAmaxHistogramObserver(MergeableObserver):
     """Histogram of the nonzero per-block (16-wide, last dim) amaxes, plus their literal max.
@@ -59,8 +78,9 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         self.num_bins = int(num_bins)
         self.log2_min = float(log2_min)
         self.log2_max = float(log2_max)
-        self._bin_edges = histogram_bin_edges(self.num_bins, self.log2_min, self.log2_max)
-        self._bin_centres = histogram_bin_centres(self.num_bins, self.log2_min, self.log2_max)
+        self._bins = (self.num_bins, self.log2_min, self.log2_max)
+        self._bin_edges = _shared_bins("edges", self._bins, torch.device("cpu"))
+        self._bin_centres = _shared_bins("centres", self._bins, torch.device("cpu"))
 
     def _merge_config(self) -> tuple:
         return (self.num_bins, self.log2_min, self.log2_max)
@@ -75,7 +95,7 @@ class BlockAmaxHistogramObserver(MergeableObserver):
                 "literal_max": torch.zeros((), dtype=torch.float32, device=x.device),
             }
         if self._bin_edges.device != x.device:
-            self._bin_edges = self._bin_edges.to(x.device)
+            self._bin_edges = _shared_bins("edges", self._bins, x.device)
 
         def update():
             kernels.collect_block_amax_histogram(

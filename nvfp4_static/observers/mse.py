@@ -18,7 +18,7 @@ from nvfp4_static.numerics import (
 )
 from nvfp4_static.observers.base import MergeableObserver, channel_reduce_dims
 
-__all__ = ["MseCalibrator", "nvfp4_fake_quantize_with_amax", "squared_error"]
+__all__ = ["MseCalibrator", "check_search_grid", "nvfp4_fake_quantize_with_amax", "squared_error"]
 
 
 def nvfp4_fake_quantize_with_amax(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -39,6 +39,15 @@ def nvfp4_fake_quantize_with_amax(x: torch.Tensor, amax: torch.Tensor) -> torch.
 def squared_error(x: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
     """Elementwise ``(x - xq) ** 2``; summed, the calibrator's default loss."""
     return (x - xq) ** 2
+
+
+def check_search_grid(who: str, step_size: float, start_multiplier: float, stop_multiplier: float) -> None:
+    """Refuse a search grid that is empty or runs backwards; ``who`` starts the message."""
+    if not (0.0 < start_multiplier <= stop_multiplier and step_size > 0.0):
+        raise ValueError(
+            f"{who}: need 0 < start_multiplier <= stop_multiplier and step_size > 0; got "
+            f"start={start_multiplier}, stop={stop_multiplier}, step={step_size}"
+        )
 
 
 class MseCalibrator(MergeableObserver):
@@ -81,12 +90,7 @@ class MseCalibrator(MergeableObserver):
         name: Optional[str] = None,
     ):
         super().__init__(name)
-        if not (0.0 < start_multiplier <= stop_multiplier and step_size > 0.0):
-            raise ValueError(
-                f"{self.describe()}: need 0 < start_multiplier <= stop_multiplier and "
-                f"step_size > 0; got start={start_multiplier}, stop={stop_multiplier}, "
-                f"step={step_size}"
-            )
+        check_search_grid(self.describe(), step_size, start_multiplier, stop_multiplier)
         self.initial_amax = torch.as_tensor(amax).detach().to(torch.float32)
         self.axis = axis
         self.quant_func = quant_func if quant_func is not None else nvfp4_fake_quantize_with_amax
