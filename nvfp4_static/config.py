@@ -4,6 +4,7 @@ The handlers that carry the steps out are in ``nvfp4_static.workflow``.
 """
 
 import dataclasses
+import math
 from typing import Optional, Union
 
 import torchao.core.config
@@ -11,6 +12,7 @@ from torchao.core.config import AOBaseConfig
 from torchao.quantization.quantize_.common.quantization_step import QuantizationStep
 
 from nvfp4_static.backends import BACKENDS
+from nvfp4_static.gptq import DEFAULT_DAMPENING
 from nvfp4_static.numerics import E4M3_DYNAMIC_RANGE
 from nvfp4_static.observers import MaxCalibrator, NVFP4BMinCalibrator, PercentileCalibrator
 from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
@@ -29,7 +31,7 @@ ACT_CALIBRATION_KNOBS = {
     "mse": ("mse_start_multiplier", "mse_stop_multiplier", "mse_step_size"),
 }
 ACT_CALIBRATIONS = ("b_min", "max", "percentile", "mse")
-WEIGHT_SCALES = ("mse", "max", "hessian_mse")
+WEIGHT_SCALES = ("mse", "max", "hessian_mse", "gptq")
 
 # config_from_dict looks classes up only in torchao's own modules; registering ours there is
 # what lets a saved config dict name NVFP4StaticActivationConfig.
@@ -53,9 +55,17 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
         percentile: the percentile of block amaxes used by ``act_calibration="percentile"``.
         mse_start_multiplier, mse_stop_multiplier, mse_step_size: the ``"mse"`` search grid.
         weight_scale: per-block FP8 weight scales: ``"mse"`` (126-candidate sweep), ``"max"``
-            (block max, torchao's choice) or ``"hessian_mse"`` (sweep weighted by the layer's
-            input Hessian, gathered during calibration).
+            (block max, torchao's choice), ``"hessian_mse"`` (sweep weighted by the layer's
+            per-block input Hessian, gathered during calibration) or ``"gptq"`` (GPTQ: columns
+            rounded in order under the layer's whole ``K x K`` input Hessian, each block's scale
+            searched when it is reached; ``nvfp4_static.gptq``; the Hessian costs ``K^2 * 4``
+            bytes per layer during calibration).
+        gptq_dampening: ``"gptq"`` adds this fraction of the Hessian's mean diagonal to its
+            diagonal before inverting it.
         strict: raise instead of warning when a linear's dims are not multiples of 16.
+        expert_min_tokens: experts of a mixture-of-experts layer that saw fewer calibration
+            tokens than this take the layer's statistics pooled over all its experts (a warning
+            names them); at least 1.
         backend: force the inference route (``"cpu"``, ``"triton"``, ``"blackwell"``); None
             picks by device.
     """
@@ -74,8 +84,10 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
     mse_stop_multiplier: float = 4.0
     mse_step_size: float = 0.1
     weight_scale: str = "mse"
+    gptq_dampening: float = DEFAULT_DAMPENING
     strict: bool = False
     backend: Optional[str] = None
+    expert_min_tokens: int = 16
 
     def __post_init__(self):
         if isinstance(self.step, QuantizationStep):
@@ -85,9 +97,19 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
         _check_choice("weight_scale", self.weight_scale, WEIGHT_SCALES)
         if self.backend is not None:
             _check_choice("backend", self.backend, BACKENDS)
+        if not 0 < self.gptq_dampening < math.inf:
+            raise ValueError(
+                f"NVFP4StaticActivationConfig: gptq_dampening={self.gptq_dampening} must be a "
+                f"finite value > 0"
+            )
         if not 0 < self.rho < E4M3_DYNAMIC_RANGE:
             raise ValueError(
                 f"NVFP4StaticActivationConfig: rho={self.rho} must lie in (0, {E4M3_DYNAMIC_RANGE:g})"
+            )
+        if not isinstance(self.expert_min_tokens, int) or self.expert_min_tokens < 1:
+            raise ValueError(
+                f"NVFP4StaticActivationConfig: expert_min_tokens={self.expert_min_tokens!r} must "
+                f"be an integer >= 1 (an expert without tokens has no statistics of its own)"
             )
         try:  # the calibrator checks its own knobs; a config that cannot build one is refused now
             self.activation_calibrator()

@@ -18,7 +18,8 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
     Attributes:
         layer_name: fully qualified name of the module, used in every error and warning.
         act_calibrator: collects the activation global amax (``collect`` / ``compute_amax``).
-        hessian_accumulator: optional per-input-block Hessian for ``weight_scale="hessian_mse"``.
+        hessian_accumulator: optional input Hessian: per input block for
+            ``weight_scale="hessian_mse"``, the whole ``K x K`` one for ``"gptq"``.
         activation_recipe: the config's ``activation_recipe()`` the calibrator was built from
             (None when built by hand), which convert checks its own config against.
         tied_weight_global_amax: the fusion group's weight global amax that

@@ -16,6 +16,7 @@ with torchao's default filter a layer is described by its shape.
 """
 
 import weakref
+from typing import Optional
 
 import torch
 from torchao.quantization.transform_module import register_quantize_module_handler
@@ -23,6 +24,7 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 from nvfp4_static.backends import BACKEND_ENV_VAR, has_fp4_scaled_mm
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.convert_progress import ConvertProgress
+from nvfp4_static.gptq import gptq_quantize_nvfp4
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.messages import warn
 from nvfp4_static.numerics import (
@@ -30,9 +32,11 @@ from nvfp4_static.numerics import (
     check_dtype,
     is_usable_act_per_tensor_scale,
     per_tensor_amax_to_scale,
+    times_block_scales,
 )
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers import BlockHessianAccumulator, NVFP4MSECalibrator
+from nvfp4_static.observers.full_hessian import FullHessianAccumulator, block_diagonal
 from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
 from nvfp4_static.tensor import NVFP4StaticTensor
 
@@ -41,6 +45,8 @@ __all__ = ["is_quantizable", "layer_name"]
 _LAYER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 _CONVERT_PROGRESS = ConvertProgress()
 _WEIGHT_HELD_ELSEWHERE: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+# The Hessian each weight recipe reads, gathered during calibration.
+HESSIAN_ACCUMULATORS = {"hessian_mse": BlockHessianAccumulator, "gptq": FullHessianAccumulator}
 # What each step put in place of a module, so that a module two parents hold (visited twice by
 # quantize_) gets one replacement, not two diverging copies.
 _REPLACEMENTS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = (
@@ -107,10 +113,8 @@ def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> to
     check_dtype(module.weight, f"weight of layer '{name}'")
     if _left_float_says_why(module, name, config.strict):
         return module
-    hessian = (
-        BlockHessianAccumulator(module.in_features, name=name)
-        if config.weight_scale == "hessian_mse" else None
-    )
+    hessian_accumulator = HESSIAN_ACCUMULATORS.get(config.weight_scale)
+    hessian = hessian_accumulator(module.in_features, name=name) if hessian_accumulator else None
     observed = NVFP4StaticObservedLinear.from_float(
         module,
         config.activation_calibrator(name),
@@ -188,13 +192,18 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
     _CONVERT_PROGRESS.converting(module, module.layer_name)
     act_amax = _activation_global_amax(module)
     weight_global_amax = _weight_global_amax(module)
+    if config.weight_scale == "gptq":
+        float_weight, block_scales = _gptq_weight(module, config, weight_global_amax)
+    else:
+        float_weight = module.weight
+        block_scales = _weight_block_scales(module, config, weight_global_amax)
     weight = NVFP4StaticTensor.from_float(
-        module.weight,
+        float_weight,
         act_amax,
-        _weight_block_scales(module, config, weight_global_amax),
+        block_scales,
         backend_override=config.backend,
         weight_global_amax=weight_global_amax,
-    )
+    ).to(module.weight.dtype)  # GPTQ's float32 weight; a no-op for the others
     _check_backend_runs_here(weight, module.layer_name)
     stats = dict(getattr(module.act_calibrator, "stats", None) or {"g_amax": float(act_amax)})
     converted = NVFP4StaticLinear(weight, module.bias, config.recipe(), module.layer_name, stats)
@@ -279,6 +288,8 @@ def _weight_block_scales(
                 f"prepare with weight_scale='hessian_mse' to convert with it"
             )
         hessian = module.hessian_accumulator.hessian
+        if isinstance(module.hessian_accumulator, FullHessianAccumulator):  # prepared for gptq
+            hessian = block_diagonal(hessian)
     weight = module.weight.detach()
     blocks = torch.empty(weight.shape[0], weight.shape[1] // BLOCK_SIZE, device="meta")
     calibrator = NVFP4MSECalibrator(blocks, global_amax, hessian=hessian, name=module.layer_name)
@@ -292,6 +303,31 @@ def _weight_block_scales(
         )
         return None
     return calibrator.block_scales_e4m3
+
+
+def _gptq_weight(
+    module: NVFP4StaticObservedLinear,
+    config: NVFP4StaticActivationConfig,
+    global_amax: torch.Tensor,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``weight_scale="gptq"``: the weight GPTQ rounded (dequantized, float32: quantizing it
+    with its block scales gives back GPTQ's codes exactly) and those scales. A weight too small
+    for FP8 scales gets ``_weight_block_scales``'s fallback instead."""
+    name = module.layer_name
+    if not isinstance(module.hessian_accumulator, FullHessianAccumulator):
+        raise ValueError(
+            f"nvfp4_static: layer '{name}' was prepared without a full input Hessian; prepare "
+            f"with weight_scale='gptq' to convert with it"
+        )
+    hessian = module.hessian_accumulator.hessian
+    try:
+        result = gptq_quantize_nvfp4(
+            module.weight, hessian, global_amax, dampening=config.gptq_dampening, name=name
+        )
+    except GlobalAmaxTooSmallError:
+        return module.weight, _weight_block_scales(module, config, global_amax)
+    scales = per_tensor_amax_to_scale(global_amax) * result.block_scales_e4m3.to(torch.float32)
+    return times_block_scales(result.values, scales), result.block_scales_e4m3
 
 
 # --- loading: empty converted layers ------------------------------------------------------------

@@ -125,7 +125,7 @@ def test_convert_refuses_an_activation_amax_too_small_for_nvfp4():
         )
 
 
-@pytest.mark.parametrize("weight_scale", ["mse", "hessian_mse"])
+@pytest.mark.parametrize("weight_scale", ["mse", "hessian_mse", "gptq"])
 def test_weight_too_small_for_the_sweep_gets_block_max_scales_with_a_warning(weight_scale):
     model = make(MLP)
     with torch.no_grad():
@@ -195,7 +195,7 @@ def test_config_round_trips_through_torchao_dict_and_accepts_quantization_step()
     [
         ({"step": "calibrate"}, "step='calibrate'"),
         ({"act_calibration": "minmax"}, "act_calibration='minmax'"),
-        ({"weight_scale": "gptq"}, "weight_scale='gptq'"),
+        ({"weight_scale": "awq"}, "weight_scale='awq'"),
         ({"rho": 30000.0}, "rho=30000"),
         ({"backend": "cuda"}, "backend='cuda'"),
     ],

@@ -48,17 +48,13 @@ class BlockHessianAccumulator(MergeableObserver):
                 f"in_features={self.in_features}"
             )
         if self._state is None:
-            n_blocks = -(-self.in_features // BLOCK_SIZE)
             self._state = {
-                "hessian": torch.zeros(
-                    n_blocks, BLOCK_SIZE, BLOCK_SIZE, dtype=torch.float32, device=x.device
-                ),
+                "hessian": self._zero_hessian(x.device),
                 "num_tokens": torch.zeros((), dtype=torch.int64, device=x.device),
             }
-        padded = pad_to_block_multiple(x, BLOCK_SIZE)
 
         def update():
-            kernels.accumulate_block_hessian(padded, self._state["hessian"])
+            self._add_to_hessian(x, self._state["hessian"])
             self._state["num_tokens"] += x.numel() // self.in_features
 
         # NaN/Inf in x (or squares that overflow) reach the Hessian's diagonal, and a finite
@@ -67,6 +63,13 @@ class BlockHessianAccumulator(MergeableObserver):
         self._update_refusing_non_finite(
             x, update, lambda: self._state["hessian"].diagonal(dim1=-2, dim2=-1).amax()
         )
+
+    def _zero_hessian(self, device: torch.device) -> torch.Tensor:
+        n_blocks = -(-self.in_features // BLOCK_SIZE)
+        return torch.zeros(n_blocks, BLOCK_SIZE, BLOCK_SIZE, dtype=torch.float32, device=device)
+
+    def _add_to_hessian(self, x: torch.Tensor, hessian: torch.Tensor) -> None:
+        kernels.accumulate_block_hessian(pad_to_block_multiple(x, BLOCK_SIZE), hessian)
 
     @property
     def hessian(self) -> torch.Tensor:
