@@ -15,6 +15,7 @@ from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.diagnostics import LayerDiagnostics, format_diagnostics, layer_diagnostics
 from nvfp4_static.distributed import (
     calibrate_in_shards,
+    convert_data_parallel,
     data_parallel_calibration,
     sync_calibration,
     sync_mse_anchors,
@@ -67,5 +68,6 @@ __all__ = [
     "sync_mse_anchors",
     "data_parallel_calibration",
     "calibrate_in_shards",
+    "convert_data_parallel",
     "calibrate_layer_by_layer",
 ]

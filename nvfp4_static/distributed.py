@@ -6,7 +6,7 @@ same observer statistics, hence the same scales at convert.
     with nvfp4_static.data_parallel_calibration(model):              # syncs on exit
         for batch in my_shard:
             model(batch)
-    quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
+    nvfp4_static.convert_data_parallel(model)   # quantize_'s convert, weight sweeps split
 
 ``sync_calibration(model)`` gathers every rank's observer states (as CPU tensors, through
 ``all_gather_object``) and every rank folds them the same way, by each state's
@@ -23,6 +23,11 @@ same observer statistics, hence the same scales at convert.
   process, and what ``calibrate_in_shards`` reproduces: one process calibrating the same shards
   one after another and merging them in the same order. With one shard it is the plain run.
 
+Convert is the same on every rank; its costly part, the FP8 weight sweeps, is split:
+``convert_data_parallel`` has each rank sweep a share of the layers and broadcast the block
+scales (a plain ``quantize_`` convert on every rank gives the same layers, each rank sweeping
+them all).
+
 ``act_calibration="mse"`` searches a grid anchored at the first batch's max, so the ranks must
 share that anchor: the lowest rank with data runs its first batch, then every rank calls
 ``sync_mse_anchors(model)`` (the layer-by-layer driver does this itself).
@@ -35,22 +40,32 @@ others waiting until the process group's timeout (``init_process_group(timeout=.
 """
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 import torch
+from torchao.quantization import quantize_
 
+from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.numerics import BLOCK_SIZE
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
 from nvfp4_static.observers.base import _REDUCE, MergeableObserver
 from nvfp4_static.observers.mse import MseCalibrator
+from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
+from nvfp4_static.workflow import _weight_global_amax, is_quantizable, sweep_weight_block_scales
 
 __all__ = [
     "calibrate_in_shards",
+    "convert_data_parallel",
     "data_parallel_calibration",
     "sync_calibration",
     "sync_mse_anchors",
 ]
+
+# The weight recipes whose convert runs the FP8 scale sweep, which convert_data_parallel splits.
+SWEPT_WEIGHT_SCALES = ("mse", "hessian_mse")
 
 # --- what one process holds: its observers and their states -------------------------------------
 
@@ -235,7 +250,7 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _raise_any_rank_error(gathered: list) -> None:
+def _raise_any_rank_error(gathered: list, step: str = "calibration") -> None:
     """Every rank raises the same error when any rank reported one."""
     failed = [(rank, item["error"]) for rank, item in enumerate(gathered) if item["error"]]
     if not failed:
@@ -243,7 +258,7 @@ def _raise_any_rank_error(gathered: list) -> None:
     rank, text = failed[0]
     others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
     raise RuntimeError(
-        f"nvfp4_static: data-parallel calibration failed on rank {rank}{others}: {text}"
+        f"nvfp4_static: data-parallel {step} failed on rank {rank}{others}: {text}"
     )
 
 
@@ -345,6 +360,115 @@ def _anchor(observer: FirstBatchMseCalibrator) -> Optional[torch.Tensor]:
 
 def _adopt_anchor(observer: FirstBatchMseCalibrator, anchor: torch.Tensor, device) -> None:
     observer.search = MseCalibrator(anchor.to(device), name=observer.name, **observer.search_args)
+
+
+# --- convert: the weight sweeps split across ranks -----------------------------------------------
+
+
+def convert_data_parallel(
+    model: torch.nn.Module,
+    config: Optional[NVFP4StaticActivationConfig] = None,
+    filter_fn: Callable[[torch.nn.Module, str], bool] = is_quantizable,
+    group=None,
+) -> torch.nn.Module:
+    """``quantize_(model, config with step="convert", filter_fn)`` on every rank of ``group``,
+    each rank running the FP8 weight sweeps (``weight_scale`` ``"mse"`` / ``"hessian_mse"``,
+    the costly part of convert) of a disjoint share of the layers and broadcasting them.
+
+    Call it on every rank after ``sync_calibration``, with the same model (weights included),
+    config and filter. Every rank ends with the converted layers a single-process convert
+    gives, bit for bit (the sweep is deterministic; the ranks' statistics are equal). Layers are
+    shared out largest first, each to the least-loaded rank. A rank whose sweep fails, or whose
+    layers differ from rank 0's, makes every rank raise the same error.
+    """
+    config = dataclasses.replace(config or NVFP4StaticActivationConfig(), step="convert")
+    layers = [(fqn, module) for fqn, module in model.named_modules()
+              if isinstance(module, NVFP4StaticObservedLinear) and filter_fn(module, fqn)]
+    if config.weight_scale in SWEPT_WEIGHT_SCALES:
+        _share_weight_sweeps([module for _, module in layers], config, group)
+    try:
+        quantize_(model, config, filter_fn=filter_fn)
+    finally:
+        for _, module in layers:
+            module.swept_block_scales = None
+    return model
+
+
+def _share_weight_sweeps(layers: list, config: NVFP4StaticActivationConfig, group) -> None:
+    """Sweep this rank's share of ``layers``, then give every layer its block scales from the
+    rank that swept it (``swept_block_scales``), one broadcast per rank."""
+    dist = _dist()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    owners = _share_out([layer.weight.numel() for layer in layers], world)
+    local: dict = {"error": None, "swept": [],
+                   "layers": [(layer.layer_name, tuple(layer.weight.shape)) for layer in layers]}
+    mine = {}
+    try:
+        for i, layer in enumerate(layers):
+            if owners[i] != rank:
+                continue
+            try:
+                mine[i] = sweep_weight_block_scales(layer, config, _weight_global_amax(layer))
+            except GlobalAmaxTooSmallError:
+                pass  # every rank's convert finds it too small at once, and warns
+        local["swept"] = sorted(mine)
+    except Exception as caught:
+        local["error"] = _error_text(caught)
+    gathered = _gather(local, group)
+    _raise_any_rank_error(gathered, "convert")
+    _check_same_layers([item["layers"] for item in gathered])
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    for source, item in enumerate(gathered):
+        if not item["swept"]:
+            continue
+        shapes = [(layers[i].weight.shape[0], layers[i].weight.shape[1] // BLOCK_SIZE) for i in item["swept"]]
+        sizes = [rows * blocks for rows, blocks in shapes]
+        if source == rank:
+            flat = torch.cat([mine[i].view(torch.uint8).flatten() for i in item["swept"]]).to(device)
+        else:
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=source if group is None else dist.get_global_rank(group, source), group=group)
+        if source == rank:
+            continue
+        for i, shape, chunk in zip(item["swept"], shapes, flat.split(sizes)):
+            layer = layers[i]
+            # a copy per layer: a view would keep (and a checkpoint save) the whole broadcast
+            scales = chunk.view(shape).view(torch.float8_e4m3fn)
+            layer.swept_block_scales = scales.to(layer.weight.device, copy=True)
+    for i, scales in mine.items():
+        layers[i].swept_block_scales = scales
+
+
+def _share_out(costs: Sequence[int], world: int) -> list[int]:
+    """The rank that sweeps each layer: largest first, each to the least-loaded rank (the
+    lowest on a tie), so that every rank computes the same split."""
+    loads, owners = [0] * world, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owner = min(range(world), key=lambda r: (loads[r], r))
+        owners[i] = owner
+        loads[owner] += costs[i]
+    return owners
+
+
+def _check_same_layers(per_rank: Sequence[list]) -> None:
+    reference = per_rank[0]
+    for rank, layers in enumerate(per_rank[1:], start=1):
+        for ours, theirs in zip(reference, layers):
+            if ours != theirs:
+                raise ValueError(
+                    f"nvfp4_static: rank {rank} converts layer '{theirs[0]}' (weight "
+                    f"{theirs[1]}) where rank 0 converts '{ours[0]}' (weight {ours[1]}); every "
+                    f"rank must convert the same model with the same filter_fn"
+                )
+        if len(layers) != len(reference):
+            longer, rank_of_longer = (layers, rank) if len(layers) > len(reference) else (reference, 0)
+            unmatched = longer[min(len(layers), len(reference))][0]
+            raise ValueError(
+                f"nvfp4_static: rank {rank} converts {len(layers)} layers, rank 0 "
+                f"{len(reference)}; the first unmatched is layer '{unmatched}' on rank "
+                f"{rank_of_longer}; every rank must convert the same model with the same filter_fn"
+            )
 
 
 # --- the single-process reference ----------------------------------------------------------------

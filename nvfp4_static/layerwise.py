@@ -18,9 +18,9 @@ layer's outputs instead (llm-compressor's error propagation), which runs every b
 each layer twice.
 
 With ``group`` (a ``torch.distributed`` group; every rank calls it with its own batches) each
-layer's statistics are synchronised across ranks before it is converted
-(``nvfp4_static.distributed``), which gives the scales ``calibrate_in_shards`` gives on the
-whole model.
+layer's statistics are synchronised across ranks before it is converted, and its weight sweeps
+are split across the ranks (``nvfp4_static.distributed``); the scales are those
+``calibrate_in_shards`` gives on the whole model.
 """
 
 import dataclasses
@@ -32,6 +32,7 @@ from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.distributed import _gather, convert_data_parallel, sync_calibration, sync_mse_anchors
 from nvfp4_static.workflow import is_quantizable
 
 __all__ = ["calibrate_layer_by_layer", "find_decoder_layers"]
@@ -220,8 +221,6 @@ def calibrate_layer_by_layer(
     group = None if group is True else group
     rank = anchor_source = 0
     if data_parallel:
-        from nvfp4_static.distributed import _gather
-
         import torch.distributed as dist
 
         rank = dist.get_rank(group)
@@ -264,7 +263,10 @@ def calibrate_layer_by_layer(
                 else:
                     for b in range(len(hidden)):
                         outputs[b] = run(b)
-                quantize_(layer, convert, filter_fn=layer_filter)
+                if data_parallel:
+                    convert_data_parallel(layer, convert, layer_filter, group)
+                else:
+                    quantize_(layer, convert, filter_fn=layer_filter)
                 if propagate_quantized:
                     outputs = [run(b) for b in range(len(hidden))]
             hidden = outputs
@@ -279,8 +281,6 @@ def calibrate_layer_by_layer(
 def _calibrate_data_parallel(layer, run, outputs, group, runs_first_batch: bool, mse: bool) -> None:
     """This rank's batches through ``layer``, its statistics synchronised with the other ranks'
     (for the MSE recipe, the anchoring first batch first); errors reach every rank."""
-    from nvfp4_static.distributed import sync_calibration, sync_mse_anchors
-
     order = list(range(len(outputs)))
     if mse:
         error = None

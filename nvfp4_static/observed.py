@@ -24,6 +24,8 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
             (None when built by hand), which convert checks its own config against.
         tied_weight_global_amax: the fusion group's weight global amax that
             ``tie_fused_layers`` set (None: convert uses the weight's own ``max |w|``).
+        swept_block_scales: the weight's FP8 block scales as another rank swept them, set by
+            ``convert_data_parallel`` for its convert (None: convert runs the sweep).
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
         self.layer_name = layer_name
         self.activation_recipe = activation_recipe
         self.tied_weight_global_amax: Optional[torch.Tensor] = None
+        self.swept_block_scales: Optional[torch.Tensor] = None
 
     @classmethod
     def from_float(

@@ -40,7 +40,7 @@ from nvfp4_static.observers.full_hessian import FullHessianAccumulator, block_di
 from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
 from nvfp4_static.tensor import NVFP4StaticTensor
 
-__all__ = ["is_quantizable", "layer_name"]
+__all__ = ["is_quantizable", "layer_name", "sweep_weight_block_scales"]
 
 _LAYER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 _CONVERT_PROGRESS = ConvertProgress()
@@ -276,10 +276,31 @@ def _weight_block_scales(
     global_amax: torch.Tensor,
 ):
     """FP8 block scales of the weight from ``NVFP4MSECalibrator``, swept against the weight
-    global amax the tensor will store; None (block max, as torchao computes them) for
-    ``weight_scale="max"`` and for a weight too small for the sweep."""
+    global amax the tensor will store (or as another rank swept them, see
+    ``nvfp4_static.distributed.convert_data_parallel``); None (block max, as torchao computes
+    them) for ``weight_scale="max"`` and for a weight too small for the sweep."""
     if config.weight_scale == "max":
         return None
+    if module.swept_block_scales is not None:
+        return module.swept_block_scales
+    try:
+        return sweep_weight_block_scales(module, config, global_amax)
+    except GlobalAmaxTooSmallError:
+        warn(
+            f"nvfp4_static: layer '{module.layer_name}': weight amax {float(global_amax):.3g} is too "
+            f"small for the FP8 scale sweep (float32 reciprocals overflow); its block scales are "
+            f"block max, as torchao computes them"
+        )
+        return None
+
+
+def sweep_weight_block_scales(
+    module: NVFP4StaticObservedLinear,
+    config: NVFP4StaticActivationConfig,
+    global_amax: torch.Tensor,
+) -> torch.Tensor:
+    """The sweep convert runs for ``weight_scale`` ``"mse"`` or ``"hessian_mse"``: the FP8
+    block scales ``[N, K/16]``. Raises ``GlobalAmaxTooSmallError`` for a weight too small."""
     hessian = None
     if config.weight_scale == "hessian_mse":
         if module.hessian_accumulator is None:
@@ -293,15 +314,7 @@ def _weight_block_scales(
     weight = module.weight.detach()
     blocks = torch.empty(weight.shape[0], weight.shape[1] // BLOCK_SIZE, device="meta")
     calibrator = NVFP4MSECalibrator(blocks, global_amax, hessian=hessian, name=module.layer_name)
-    try:
-        calibrator.collect(weight)
-    except GlobalAmaxTooSmallError:
-        warn(
-            f"nvfp4_static: layer '{module.layer_name}': weight amax {float(global_amax):.3g} is too "
-            f"small for the FP8 scale sweep (float32 reciprocals overflow); its block scales are "
-            f"block max, as torchao computes them"
-        )
-        return None
+    calibrator.collect(weight)
     return calibrator.block_scales_e4m3
 
 

@@ -17,8 +17,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_llama import all_but_lm_head, tiny_llama, token_ids  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 
-from nvfp4_static import NVFP4StaticActivationConfig  # noqa: E402
-from nvfp4_static.distributed import data_parallel_calibration, sync_mse_anchors  # noqa: E402
+from nvfp4_static import NVFP4StaticActivationConfig, distributed, workflow  # noqa: E402
+from nvfp4_static.distributed import (  # noqa: E402
+    convert_data_parallel,
+    data_parallel_calibration,
+    sync_mse_anchors,
+)
 from nvfp4_static.layerwise import calibrate_layer_by_layer  # noqa: E402
 from nvfp4_static.linear import NVFP4StaticLinear  # noqa: E402
 
@@ -43,9 +47,13 @@ def converted_scales(model) -> dict:
     }
 
 
-def data_parallel_run(batches, act, weight, filter_fn=all_but_lm_head, forward=None):
+def quantize_convert(model, config, filter_fn):
+    quantize_(model, config, filter_fn=filter_fn)
+
+
+def data_parallel_run(batches, act, weight, filter_fn=all_but_lm_head, forward=None, convert=quantize_convert):
     """Prepare, calibrate this rank's ``batches`` data-parallel (the MSE protocol: the lowest
-    rank with data runs its first batch, anchors shared, then the rest), convert."""
+    rank with data runs its first batch, anchors shared, then the rest), ``convert``."""
     forward = forward or (lambda model, batch: model(batch))
     config = dict(act_calibration=act, weight_scale=weight)
     model = tiny_llama()
@@ -62,10 +70,29 @@ def data_parallel_run(batches, act, weight, filter_fn=all_but_lm_head, forward=N
         with data_parallel_calibration(model):
             for batch in rest:
                 forward(model, batch)
-    quantize_(model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=filter_fn)
+    convert(model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn)
     with torch.no_grad():
         logits = model(token_ids(PROBE)).logits
     return {"scales": converted_scales(model), "logits": logits}
+
+
+def split_sweeps_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_head) -> dict:
+    """``data_parallel_run`` converted by ``convert_data_parallel``, with the names of the
+    layers whose weight sweep this rank ran (``fail_on_rank``: that rank's sweeps raise)."""
+    swept, sweep = [], workflow.sweep_weight_block_scales
+
+    def recorded_sweep(module, config, global_amax):
+        if dist.get_rank() == fail_on_rank:
+            raise RuntimeError(f"sweep of '{module.layer_name}' failed")
+        swept.append(module.layer_name)
+        return sweep(module, config, global_amax)
+
+    distributed.sweep_weight_block_scales = workflow.sweep_weight_block_scales = recorded_sweep
+    try:
+        result = data_parallel_run(batches, "b_min", weight, filter_fn=filter_fn, convert=convert_data_parallel)
+    finally:
+        distributed.sweep_weight_block_scales = workflow.sweep_weight_block_scales = sweep
+    return {**result, "swept": swept}
 
 
 def error_of(fn) -> dict:
@@ -92,6 +119,10 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
     save("no-data", data_parallel_run(mine if rank == 0 else [], "mse", "hessian_mse"))
 
+    for weight in WEIGHT_RECIPES:
+        save(f"split-sweeps-{weight}", split_sweeps_run(mine, weight))
+    save("split-sweeps-failure", error_of(lambda: split_sweeps_run(mine, "mse", fail_on_rank=1)))
+
     save("recipe-mismatch", error_of(
         lambda: data_parallel_run(mine, "b_min" if rank == 0 else "percentile", "mse")))
 
@@ -100,6 +131,12 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
     save("structure-mismatch", error_of(
         lambda: data_parallel_run(mine, "b_min", "mse", filter_fn=skip_down_proj_on_rank_1)))
+
+    def convert_skips_down_proj_on_rank_1(model, config, filter_fn):
+        convert_data_parallel(model, config, skip_down_proj_on_rank_1)
+
+    save("split-sweeps-mismatch", error_of(
+        lambda: data_parallel_run(mine, "b_min", "mse", convert=convert_skips_down_proj_on_rank_1)))
 
     def nan_on_rank_1(model, batch):
         embeds = model.model.embed_tokens(batch)

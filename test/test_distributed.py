@@ -122,6 +122,28 @@ def test_two_ranks_equal_one_process_on_the_same_shards(results, act, weight):
         assert_same(rank0, union, parts=parts, logits=exact_act and exact_weight)
 
 
+@pytest.mark.parametrize("weight", ("mse", "hessian_mse"))
+def test_weight_sweeps_split_across_ranks_equal_the_one_process_convert(results, weight):
+    rank0, rank1 = results(f"split-sweeps-{weight}")
+    assert_same(rank0, rank1)
+    assert_same(rank0, shards_run("b_min", weight, SHARDS))
+    assert rank0["swept"] and rank1["swept"] and set(rank0["swept"]).isdisjoint(rank1["swept"])
+    assert sorted(rank0["swept"] + rank1["swept"]) == sorted(rank0["scales"])
+
+
+def test_a_failed_weight_sweep_raises_the_same_error_on_every_rank(results):
+    errors = [r["error"] for r in results("split-sweeps-failure")]
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("RuntimeError: nvfp4_static: data-parallel convert failed on rank 1")
+    assert "sweep of 'model.layers." in errors[0]
+
+
+def test_ranks_converting_different_layers_raise_the_same_error_naming_rank_and_layer(results):
+    errors = [r["error"] for r in results("split-sweeps-mismatch")]
+    assert errors[0] == errors[1]
+    assert "rank 1" in errors[0] and "'model.layers.1.mlp.down_proj'" in errors[0]
+
+
 def test_a_rank_without_data_contributes_nothing(results):
     rank0, rank1 = results("no-data")
     assert_same(rank0, rank1)
