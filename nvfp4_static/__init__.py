@@ -20,6 +20,7 @@ from nvfp4_static.distributed import (
     sync_calibration,
     sync_mse_anchors,
 )
+from nvfp4_static.experts import ExpertsLayout, NVFP4StaticExperts, NVFP4StaticObservedExperts, register_experts
 from nvfp4_static.export import export_checkpoint
 from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups, tie_fused_layers
 from nvfp4_static.layerwise import calibrate_layer_by_layer
@@ -50,6 +51,10 @@ __all__ = [
     "NVFP4StaticLinear",
     "NVFP4StaticObservedLinear",
     "NVFP4StaticTensor",
+    "register_experts",
+    "ExpertsLayout",
+    "NVFP4StaticExperts",
+    "NVFP4StaticObservedExperts",
     "NVFP4BMinCalibrator",
     "NVFP4ActMaxCalibrator",
     "MaxCalibrator",

@@ -10,6 +10,7 @@ from typing import Optional, Union
 
 import torch
 
+from nvfp4_static.experts import NVFP4StaticExperts, experts_layout
 from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear, check_checkpoint_scales
 from nvfp4_static.tensor import NVFP4StaticTensor
 
@@ -28,8 +29,9 @@ def load_quantized(
     into ``model``, built as the float model it was converted from.
 
     Each ``nn.Linear`` the checkpoint records as converted becomes an ``NVFP4StaticLinear`` with
-    the recorded recipe, then the whole ``state_dict`` is loaded strictly. If anything is refused
-    (a missing layer, a shape mismatch), ``model`` is left as it was.
+    the recorded recipe (a registered experts module, ``NVFP4StaticExperts``), then the whole
+    ``state_dict`` is loaded strictly. If anything is refused (a missing layer, a shape
+    mismatch), ``model`` is left as it was.
 
     Args:
         model: the float model (e.g. ``AutoModelForCausalLM.from_config(config)``).
@@ -47,14 +49,17 @@ def load_quantized(
         for name, recipe in _converted_layers(checkpoint).items():
             check_checkpoint_scales(checkpoint.get(f"{name}.weight"), name)
             module = _submodule(model, name)
-            if isinstance(module, NVFP4StaticLinear):
+            if isinstance(module, (NVFP4StaticLinear, NVFP4StaticExperts)):
                 continue
-            if not isinstance(module, torch.nn.Linear):
+            if experts_layout(module) is not None:
+                converted = NVFP4StaticExperts.placeholder(module, experts_layout(module), recipe, name)
+            elif isinstance(module, torch.nn.Linear):
+                converted = NVFP4StaticLinear.placeholder(module, recipe, name, backend)
+            else:
                 raise ValueError(
                     f"nvfp4_static: the checkpoint holds a converted linear '{name}', but the "
                     f"model has a {type(module).__name__} there"
                 )
-            converted = NVFP4StaticLinear.placeholder(module, recipe, name, backend)
             replace_submodule(model, name, converted)
             swapped.append((name, module))
         _check_loadable(model, checkpoint)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale
 from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
 
-__all__ = ["NVFP4StaticLinear", "check_checkpoint_scales"]
+__all__ = ["NVFP4StaticLinear", "check_checkpoint_scales", "check_checkpoint_scale_values"]
 
 CHECKPOINT_FORMAT = "nvfp4_static"
 CHECKPOINT_VERSION = 1
@@ -19,7 +19,11 @@ def check_checkpoint_scales(weight: torch.Tensor, layer_name: str) -> None:
     small for NVFP4): loaded, they would give garbage outputs without an error."""
     if not isinstance(weight, NVFP4StaticTensor) or weight.act_per_tensor_scale.is_meta:
         return
-    act_scale, weight_scale = weight.act_per_tensor_scale, weight.per_tensor_scale
+    check_checkpoint_scale_values(weight.act_per_tensor_scale, weight.per_tensor_scale, layer_name)
+
+
+def check_checkpoint_scale_values(act_scale: torch.Tensor, weight_scale: torch.Tensor, layer_name: str) -> None:
+    """``check_checkpoint_scales`` for one weight's two global scales (scalars)."""
     if not is_usable_act_per_tensor_scale(act_scale):
         raise ValueError(
             f"nvfp4_static: checkpoint for layer '{layer_name}' has activation scale "

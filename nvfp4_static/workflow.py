@@ -24,6 +24,12 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 from nvfp4_static.backends import BACKEND_ENV_VAR, has_fp4_scaled_mm
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.convert_progress import ConvertProgress
+from nvfp4_static.experts import (
+    NVFP4StaticExperts,
+    NVFP4StaticObservedExperts,
+    experts_layout,
+)
+from nvfp4_static.experts.layouts import why_experts_left_float
 from nvfp4_static.gptq import gptq_quantize_nvfp4
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.messages import warn
@@ -56,7 +62,8 @@ _REPLACEMENTS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = (
 
 def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
     """``quantize_``'s ``filter_fn`` for this config: selects ``nn.Linear`` layers, as torchao's
-    default does, and records ``fqn`` so that every message names the layer.
+    default does, and the experts of mixture-of-experts layers registered with
+    ``register_experts``, and records ``fqn`` so that every message names the layer.
 
     Combine it with your own rule, e.g. to keep ``lm_head`` in float::
 
@@ -65,7 +72,14 @@ def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
     if fqn == "":  # quantize_ asks about the root first: the one time the whole model is seen
         _record_weights_held_elsewhere(module)
     _LAYER_NAMES[module] = fqn
-    return isinstance(module, torch.nn.Linear)
+    return isinstance(module, torch.nn.Linear) or _is_experts(module)
+
+
+def _is_experts(module: torch.nn.Module) -> bool:
+    """A registered experts module, or what prepare or convert made of one."""
+    return experts_layout(module) is not None or isinstance(
+        module, (NVFP4StaticObservedExperts, NVFP4StaticExperts)
+    )
 
 
 def _record_weights_held_elsewhere(model: torch.nn.Module) -> None:
@@ -86,6 +100,8 @@ def layer_name(module: torch.nn.Module) -> str:
     """The name ``is_quantizable`` recorded for ``module``, else a description of its shape."""
     if module in _LAYER_NAMES:
         return _LAYER_NAMES[module]
+    if not isinstance(module, torch.nn.Linear):
+        return type(module).__name__
     return f"{type(module).__name__}({module.in_features} -> {module.out_features})"
 
 
@@ -93,6 +109,11 @@ def layer_name(module: torch.nn.Module) -> str:
 def _nvfp4_static_transform(
     module: torch.nn.Module, config: NVFP4StaticActivationConfig
 ) -> torch.nn.Module:
+    if _is_experts(module):
+        # Imported here: the experts' steps are built on this module's steps for linears.
+        from nvfp4_static.experts.handlers import transform_experts
+
+        return transform_experts(module, config)
     if config.step == "prepare":
         return _prepare(module, config)
     if config.step == "convert":
@@ -138,6 +159,8 @@ def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> to
 def _why_left_float(module: torch.nn.Linear):
     """Why prepare leaves ``module`` float (None: it quantizes it): a quantized copy would
     change what the layer computes, untie a shared weight, or NVFP4 cannot hold its shape."""
+    if experts_layout(module) is not None:
+        return why_experts_left_float(module)
     own_parameters = {n for n, _ in module.named_parameters(recurse=False)} - {"weight", "bias"}
     overrides_forward = type(module).forward is not torch.nn.Linear.forward
     if overrides_forward or own_parameters or any(True for _ in module.children()):

@@ -42,3 +42,34 @@ def static_nvfp4_linear(
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype)
+
+
+def grouped_static_nvfp4_linear(
+    x: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    weight_per_tensor_scales: torch.Tensor,
+    act_per_tensor_scales: torch.Tensor,
+) -> torch.Tensor:
+    """The experts of a mixture-of-experts layer: ``static_nvfp4_linear`` of each expert's rows.
+
+    ``x [R, K]`` is sorted by expert: rows ``expert_offsets[e]`` to ``expert_offsets[e + 1]`` go
+    to expert ``e``, whose weight is ``weight_qdata[e]``, ``weight_block_scales[e]`` with global
+    scales ``weight_per_tensor_scales[e]`` and ``act_per_tensor_scales[e]``. Returns ``[R, N]`` in
+    ``x.dtype``; rows from ``expert_offsets[-1]`` on are left unwritten. The torch reference of
+    the grouped Triton GEMM (``kernels.grouped_gemm``).
+    """
+    out = x.new_empty((x.shape[0], weight_qdata.shape[1]))
+    bounds = expert_offsets.tolist()
+    for expert, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end > first:
+            out[first:end] = static_nvfp4_linear(
+                x[first:end],
+                weight_qdata[expert],
+                weight_block_scales[expert],
+                weight_per_tensor_scales[expert],
+                act_per_tensor_scales[expert],
+                None,
+            )
+    return out

@@ -2,8 +2,8 @@
 
 - ``ops``: the ``torch.library`` ops, their fakes and the torch fallbacks; the ops below.
 - ``histogram``, ``scale_sweep``, ``block_hessian``: the calibration kernels and launchers.
-- ``act_quantize``, ``gemm``: the inference kernels and launchers (``gemm`` also holds the tile
-  table, ``GEMM_CONFIGS``).
+- ``act_quantize``, ``gemm``, ``grouped_gemm``: the inference kernels and launchers (``gemm`` also
+  holds the tile table, ``GEMM_CONFIGS``; ``grouped_gemm`` runs the experts of an MoE layer).
 - ``launch``: what the launchers share (tracing a launch, grid arithmetic).
 
 Each op runs a Triton kernel on CUDA tensors and the plain-torch reference in
@@ -18,6 +18,7 @@ from nvfp4_static.kernels.ops import (
     collect_block_amax_histogram,
     fp8_scale_sweep,
     gemm_activation_operand,
+    grouped_static_nvfp4_linear,
     nvfp4_gemm,
     quantize_activation_nvfp4,
     quantizing_nvfp4_gemm,
@@ -31,4 +32,5 @@ __all__ = [
     "gemm_activation_operand",
     "nvfp4_gemm",
     "quantizing_nvfp4_gemm",
+    "grouped_static_nvfp4_linear",
 ]

@@ -1,7 +1,7 @@
 """The kernel ops: every ``torch.library`` registration, fake and torch fallback of the package.
 
-The kernel files (``histogram``, ``scale_sweep``, ``block_hessian``, ``act_quantize``, ``gemm``)
-hold Triton kernels and their launchers; this module turns those launchers into ops. The
+The kernel files (``histogram``, ``scale_sweep``, ``block_hessian``, ``act_quantize``, ``gemm``,
+``grouped_gemm``) hold Triton kernels and their launchers; this module turns those launchers into ops. The
 calibrators, the backends and the tensor subclass call the ops (``nvfp4_static.kernels``
 re-exports them), never a launcher.
 
@@ -17,7 +17,9 @@ Inference ops, ``torch.library.triton_op``s while ``torch.compile`` traces and p
 eager mode (``traced_op``): ``quantize_activation_nvfp4`` and ``gemm_activation_operand`` run the
 torch reference on non-CUDA tensors (a ``triton_op`` body is traced for every device, so the
 branch lives in the body); ``nvfp4_gemm`` and ``quantizing_nvfp4_gemm`` are CUDA only (the torch
-route of the same product is ``backends.cpu``).
+route of the same product is ``backends.cpu``). ``grouped_static_nvfp4_linear``, the experts of a
+mixture-of-experts layer, is a ``custom_op`` like the calibration ops: its torch fallback loops
+over the experts with data-dependent row counts, which a traced body could not.
 
 Without the ``triton`` package (CPU-only installs: it comes with torch's CUDA wheels, not with
 this package) every op keeps its name, schema and torch fallback, so the CPU workflow runs as
@@ -76,6 +78,7 @@ if HAS_TRITON:
         table_config,
         taking_operand,
     )
+    from nvfp4_static.kernels.grouped_gemm import launch_grouped_nvfp4_gemm
     from nvfp4_static.kernels.histogram import launch_block_amax_histogram
     from nvfp4_static.kernels.scale_sweep import launch_fp8_scale_sweep
 else:
@@ -87,6 +90,7 @@ else:
     launch_nvfp4_gemm = _without_triton("the NVFP4 GEMM on a CUDA tensor")
     check_operands = cublas_with_fused_epilogue = fuses_epilogue_into_cublas = launch_nvfp4_gemm
     table_config = taking_operand = launch_nvfp4_gemm
+    launch_grouped_nvfp4_gemm = _without_triton("the grouped NVFP4 GEMM of experts on a CUDA tensor")
 
 
 # --- When to skip an op's dispatch ---------------------------------------------------------------
@@ -337,6 +341,62 @@ def quantizing_nvfp4_gemm(
         raw_activation=True,
     )
     return out
+
+
+@torch.library.custom_op("nvfp4_static::grouped_static_nvfp4_linear", mutates_args=())
+def _grouped_static_nvfp4_linear_op(
+    x: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    weight_per_tensor_scales: torch.Tensor,
+    act_per_tensor_scales: torch.Tensor,
+) -> torch.Tensor:
+    # Imported here: nvfp4_static.backends imports this module.
+    from nvfp4_static.backends.cpu import grouped_static_nvfp4_linear
+
+    return grouped_static_nvfp4_linear(
+        x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales
+    )
+
+
+@_grouped_static_nvfp4_linear_op.register_kernel("cuda")
+def _grouped_static_nvfp4_linear_cuda(
+    x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales
+):
+    out = torch.empty((x.shape[0], weight_qdata.shape[1]), dtype=x.dtype, device=x.device)
+    launch_grouped_nvfp4_gemm(
+        x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales, out
+    )
+    return out
+
+
+@_grouped_static_nvfp4_linear_op.register_fake
+def _grouped_static_nvfp4_linear_fake(
+    x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales
+):
+    return x.new_empty((x.shape[0], weight_qdata.shape[1]))
+
+
+def grouped_static_nvfp4_linear(
+    x: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    weight_per_tensor_scales: torch.Tensor,
+    act_per_tensor_scales: torch.Tensor,
+) -> torch.Tensor:
+    """Each expert's static NVFP4 linear on its rows: ``x [R, K]`` sorted by expert, rows
+    ``expert_offsets[e]`` to ``expert_offsets[e + 1]`` (int ``[E + 1]``) times expert ``e``'s
+    ``[N, K]`` weight (``weight_qdata [E, N, K/2]``, ``weight_block_scales [E, N, K/16]``, global
+    scales ``[E]``), quantized under ``act_per_tensor_scales[e]``; ``[R, N]`` in ``x``'s dtype,
+    rows from ``expert_offsets[-1]`` on unwritten. CUDA: the Triton grouped GEMM
+    (``kernels.grouped_gemm``); elsewhere ``backends.cpu.grouped_static_nvfp4_linear``. An opaque
+    custom op, so that a compiled graph does not depend on how many rows each expert gets."""
+    operands = (x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales)
+    if x.is_cuda and runs_eagerly(*operands):  # skip the op's dispatch, as the collect ops do
+        return _grouped_static_nvfp4_linear_cuda(*operands)
+    return _grouped_static_nvfp4_linear_op(*operands)
 
 
 def _require_cuda(a: torch.Tensor, op_name: str) -> None:

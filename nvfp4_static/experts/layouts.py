@@ -1,0 +1,99 @@
+"""Which modules hold a mixture-of-experts layer's experts, and where their weights are.
+
+Hugging Face transformers 5.x keeps all experts of an MoE layer in one module with fused 3-D
+parameters rather than one ``nn.Linear`` per expert: ``gate_up_proj [E, 2I, H]`` (each expert's
+gate rows, then its up rows) and ``down_proj [E, H, I]``. ``quantize_`` with
+``filter_fn=is_quantizable`` selects the classes registered here; the quantized experts take over
+their ``forward``, so a class may be registered only if its forward is transformers' eager one::
+
+    forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]
+
+Token ``t`` goes to expert ``top_k_index[t, j]`` (an index equal to ``E`` sends it nowhere) with
+weight ``top_k_weights[t, j]``; expert ``e`` computes ``down[e] @ (act_fn(gate) * up)`` with
+``gate, up = (gate_up[e] @ x).chunk(2)``, no biases; each token's outputs are summed in
+ascending expert order. Register another architecture's module that keeps this contract::
+
+    nvfp4_static.register_experts(MyExperts, ExpertsLayout(gate_up="w13", down="w2"))
+
+Classes are matched exactly (a subclass may change the forward), by qualified name, so that
+registering costs no import of the model's code.
+"""
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+from nvfp4_static.numerics import BLOCK_SIZE
+
+__all__ = ["ExpertsLayout", "register_experts", "experts_layout", "why_experts_left_float"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsLayout:
+    """Attribute names of an experts module's parts.
+
+    Args:
+        gate_up: the ``[E, 2I, H]`` parameter, gate rows first.
+        down: the ``[E, H, I]`` parameter.
+        act_fn: the activation applied to the gate (a module or function).
+    """
+
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+    act_fn: str = "act_fn"
+
+    def weights(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up, down)`` of ``module``."""
+        return getattr(module, self.gate_up), getattr(module, self.down)
+
+
+_LAYOUTS: dict[str, ExpertsLayout] = {
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts": ExpertsLayout(),
+    "transformers.models.mixtral.modeling_mixtral.MixtralExperts": ExpertsLayout(),
+}
+
+
+def _qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_experts(experts_class: Union[type, str], layout: ExpertsLayout = ExpertsLayout()) -> None:
+    """Let ``is_quantizable`` select ``experts_class`` (a class, or its ``module.QualName``)
+    and quantize its experts as ``layout`` describes; see this module's docstring for the
+    forward the class must have."""
+    if not isinstance(layout, ExpertsLayout):
+        raise TypeError(f"nvfp4_static: register_experts takes an ExpertsLayout, got {type(layout).__name__}")
+    name = experts_class if isinstance(experts_class, str) else _qualified_name(experts_class)
+    _LAYOUTS[name] = layout
+
+
+def experts_layout(module: torch.nn.Module) -> Optional[ExpertsLayout]:
+    """The layout registered for ``module``'s exact class, or None."""
+    return _LAYOUTS.get(_qualified_name(type(module)))
+
+
+def why_experts_left_float(module: torch.nn.Module) -> Optional[str]:
+    """Why prepare leaves the registered experts ``module`` float (None: it quantizes them):
+    weights missing or of shapes that do not fit the layout, or dims NVFP4 cannot block."""
+    layout = experts_layout(module)
+    parts = [getattr(module, name, None) for name in (layout.gate_up, layout.down)]
+    if not all(isinstance(part, torch.Tensor) and part.dim() == 3 for part in parts):
+        return (
+            f"its '{layout.gate_up}' and '{layout.down}' are not both 3-D tensors, as its "
+            f"registered ExpertsLayout says"
+        )
+    gate_up, down = parts
+    num_experts, double_intermediate, hidden = gate_up.shape
+    if double_intermediate % 2 or tuple(down.shape) != (num_experts, hidden, double_intermediate // 2):
+        return (
+            f"its {layout.gate_up} {tuple(gate_up.shape)} and {layout.down} {tuple(down.shape)} "
+            f"are not [E, 2I, H] and [E, H, I]"
+        )
+    intermediate = double_intermediate // 2
+    if hidden % BLOCK_SIZE or intermediate % BLOCK_SIZE:
+        return (
+            f"NVFP4 needs the hidden size and the expert intermediate size divisible by "
+            f"{BLOCK_SIZE}, and they are {hidden} and {intermediate}"
+        )
+    return None
