@@ -422,13 +422,16 @@ def _share_weight_sweeps(layers: list, config: NVFP4StaticActivationConfig, grou
     for source, item in enumerate(gathered):
         if not item["swept"]:
             continue
-        shapes = [(layers[i].weight.shape[0], layers[i].weight.shape[1] // BLOCK_SIZE) for i in item["swept"]]
+        shapes = [(layers[i].weight.shape[0], layers[i].weight.shape[1] // BLOCK_SIZE)
+                  for i in item["swept"]]
         sizes = [rows * blocks for rows, blocks in shapes]
         if source == rank:
-            flat = torch.cat([mine[i].view(torch.uint8).flatten() for i in item["swept"]]).to(device)
+            flat = torch.cat([mine[i].view(torch.uint8).flatten() for i in item["swept"]])
+            flat = flat.to(device)
         else:
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        dist.broadcast(flat, src=source if group is None else dist.get_global_rank(group, source), group=group)
+        global_source = source if group is None else dist.get_global_rank(group, source)
+        dist.broadcast(flat, src=global_source, group=group)
         if source == rank:
             continue
         for i, shape, chunk in zip(item["swept"], shapes, flat.split(sizes)):

@@ -21,9 +21,13 @@ With ``group`` (a ``torch.distributed`` group; every rank calls it with its own 
 layer's statistics are synchronised across ranks before it is converted, and its weight sweeps
 are split across the ranks (``nvfp4_static.distributed``); the scales are those
 ``calibrate_in_shards`` gives on the whole model.
+
+With ``resume_dir`` each converted layer is saved as it finishes, and a rerun after a crash
+loads the finished layers instead of calibrating them (``nvfp4_static.layerwise_resume``).
 """
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -32,7 +36,15 @@ from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
-from nvfp4_static.distributed import _gather, convert_data_parallel, sync_calibration, sync_mse_anchors
+from nvfp4_static.distributed import (
+    _error_text,
+    _gather,
+    _raise_any_rank_error,
+    convert_data_parallel,
+    sync_calibration,
+    sync_mse_anchors,
+)
+from nvfp4_static.layerwise_resume import FinishedLayers, layer_fingerprint, run_fingerprint
 from nvfp4_static.workflow import is_quantizable
 
 __all__ = ["calibrate_layer_by_layer", "find_decoder_layers"]
@@ -183,6 +195,7 @@ def calibrate_layer_by_layer(
     offload: bool = True,
     group=None,
     progress: bool = True,
+    resume_dir: Union[str, os.PathLike, None] = None,
 ) -> torch.nn.Module:
     """Prepare, calibrate and convert ``model``'s decoder layers one at a time on ``device``.
 
@@ -205,6 +218,11 @@ def calibrate_layer_by_layer(
         group: a ``torch.distributed`` process group (or ``True`` for the default group):
             data-parallel calibration, each rank passing its own batches.
         progress: show a bar over the layers (on rank 0 only, with a group).
+        resume_dir: a folder where each layer is saved once converted; a rerun with the same
+            folder checks that it holds layers of the same model, data and config (else
+            raises, changing nothing) and loads them instead of calibrating them again
+            (``nvfp4_static.layerwise_resume``). With ``group``, rank 0 writes it and every
+            rank reads it: a folder all ranks share.
 
     Returns:
         ``model``, its decoder layers' selected linears converted.
@@ -227,6 +245,14 @@ def calibrate_layer_by_layer(
         counts = _gather(len(batches), group)
         anchor_source = next((r for r, n in enumerate(counts) if n), 0)
 
+    def layer_filter_of(name):
+        return lambda module, fqn: filter_fn(module, f"{name}.{fqn}" if fqn else name)
+
+    finished = None
+    if resume_dir is not None:
+        finished = _finished_layers(resume_dir, model, prefix, layers, layer_filter_of, config,
+                                    propagate_quantized, batches, data_parallel, group, rank)
+
     _move_outside(model, layers, device)
     try:
         records = _capture_first_layer_inputs(model, layers, batches, forward, device, cache_device)
@@ -244,11 +270,7 @@ def calibrate_layer_by_layer(
             bar.set_postfix_str(name)
             layer_home = _home_device(layer)
             layer.to(device)
-
-            def layer_filter(module, fqn, name=name):
-                return filter_fn(module, f"{name}.{fqn}" if fqn else name)
-
-            quantize_(layer, prepare, filter_fn=layer_filter)
+            layer_filter = layer_filter_of(name)
 
             def run(b, layer=layer):
                 args, kwargs = _with_hidden_states(*inputs[b], hidden[b])
@@ -256,26 +278,68 @@ def calibrate_layer_by_layer(
                 return _hidden_states(layer(*args, **kwargs)).detach().to(cache_device)
 
             outputs = [None] * len(hidden)
+            resumed = finished is not None and index < finished.done
             with torch.no_grad():
-                if data_parallel:
-                    _calibrate_data_parallel(layer, run, outputs, group, rank == anchor_source,
-                                             config.act_calibration == "mse")
+                if resumed:  # the outputs the interrupted run computed, from the same layer
+                    if not propagate_quantized:
+                        outputs = [run(b) for b in range(len(hidden))]
+                    finished.load(index, layer, name, config.backend)
                 else:
-                    for b in range(len(hidden)):
-                        outputs[b] = run(b)
-                if data_parallel:
-                    convert_data_parallel(layer, convert, layer_filter, group)
-                else:
-                    quantize_(layer, convert, filter_fn=layer_filter)
+                    fingerprint = None
+                    if finished is not None:
+                        fingerprint = layer_fingerprint(layer, name, layer_filter)
+                    quantize_(layer, prepare, filter_fn=layer_filter)
+                    if data_parallel:
+                        _calibrate_data_parallel(layer, run, outputs, group, rank == anchor_source,
+                                                 config.act_calibration == "mse")
+                        convert_data_parallel(layer, convert, layer_filter, group)
+                    else:
+                        for b in range(len(hidden)):
+                            outputs[b] = run(b)
+                        quantize_(layer, convert, filter_fn=layer_filter)
                 if propagate_quantized:
                     outputs = [run(b) for b in range(len(hidden))]
             hidden = outputs
             if offload:
                 layer.to(layer_home)
+            if finished is not None and not resumed:
+                finished.save(index, layer, fingerprint)
             bar.update()
     finally:
         bar.close()
     return model
+
+
+def _finished_layers(folder, model, prefix, layers, layer_filter_of, config, propagate_quantized,
+                     batches, data_parallel, group, rank) -> FinishedLayers:
+    """The resume folder's finished layers, checked against this run; data-parallel, checked
+    on every rank, and every rank raises if any rank's check failed or found another count."""
+    def gather(digest):
+        return _gather(digest, group) if data_parallel else [digest]
+
+    run = run_fingerprint(model, len(layers), config, propagate_quantized, batches, gather)
+
+    def fingerprint(index):
+        name = f"{prefix}.{index}"
+        return layer_fingerprint(layers[index], name, layer_filter_of(name))
+
+    if not data_parallel:
+        return FinishedLayers(folder, run, fingerprint)
+    local = {"error": None, "done": None}
+    try:
+        finished = FinishedLayers(folder, run, fingerprint, writes=rank == 0)
+        local["done"] = finished.done
+    except Exception as caught:
+        local["error"] = _error_text(caught)
+    gathered = _gather(local, group)
+    _raise_any_rank_error(gathered, "resume")
+    counts = [item["done"] for item in gathered]
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"nvfp4_static: the ranks find different numbers of finished layers in the resume "
+            f"folder '{folder}' ({counts}, by rank): every rank must see the same folder"
+        )
+    return finished
 
 
 def _calibrate_data_parallel(layer, run, outputs, group, runs_first_batch: bool, mse: bool) -> None:

@@ -146,11 +146,24 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
     save("nan", error_of(lambda: data_parallel_run(mine, "b_min", "mse", forward=nan_on_rank_1)))
 
-    model = calibrate_layer_by_layer(
-        tiny_llama(), mine, NVFP4StaticActivationConfig(act_calibration="mse", weight_scale="hessian_mse"),
-        filter_fn=all_but_lm_head, group=True, progress=False, device="cpu",
-    )
-    save("layerwise-dp", {"scales": converted_scales(model)})
+    def layerwise(**options):
+        options.setdefault("filter_fn", all_but_lm_head)
+        config = NVFP4StaticActivationConfig(act_calibration="mse", weight_scale="hessian_mse")
+        model = calibrate_layer_by_layer(tiny_llama(), mine, config, group=True, progress=False,
+                                         device="cpu", **options)
+        return {"scales": converted_scales(model)}
+
+    save("layerwise-dp", layerwise())
+
+    def interrupted_after_layer_0(module, fqn):
+        if fqn.startswith("model.layers.1."):
+            raise RuntimeError("interrupted")
+        return all_but_lm_head(module, fqn)
+
+    folder = os.path.join(out, "resume")  # one folder: rank 0 writes it, both read it
+    save("layerwise-dp-interrupted", error_of(
+        lambda: layerwise(resume_dir=folder, filter_fn=interrupted_after_layer_0)))
+    save("layerwise-dp-resumed", layerwise(resume_dir=folder))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -177,6 +177,13 @@ def test_layer_by_layer_data_parallel_equals_whole_model_shards(results):
     assert_same(rank0, reference, logits=False)
 
 
+def test_layer_by_layer_data_parallel_resumes_from_the_folder_rank_0_wrote(results):
+    assert [r["error"] for r in results("layerwise-dp-interrupted")] == ["RuntimeError: interrupted"] * 2
+    resumed, uninterrupted = results("layerwise-dp-resumed"), results("layerwise-dp")
+    for rank in range(WORLD):
+        assert_same(resumed[rank], uninterrupted[rank], logits=False)
+
+
 # --- in one process ------------------------------------------------------------------------------
 
 

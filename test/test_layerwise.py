@@ -6,7 +6,7 @@ import torch
 from distributed_worker import converted_scales
 from tiny_llama import all_but_lm_head, convert_llama, logits, prepared_and_calibrated, tiny_llama, token_ids
 
-from nvfp4_static import NVFP4StaticActivationConfig, calibrate_layer_by_layer
+from nvfp4_static import NVFP4StaticActivationConfig, calibrate_layer_by_layer, workflow
 from nvfp4_static.layerwise import find_decoder_layers
 from nvfp4_static.linear import NVFP4StaticLinear
 
@@ -18,13 +18,12 @@ def whole_model(act, weight):
     return convert_llama(prepared_and_calibrated(tiny_llama(), **config), **config)
 
 
-def layer_by_layer(act, weight, **options):
+def layer_by_layer(act, weight, model=None, seeds=BATCHES, **options):
     config = NVFP4StaticActivationConfig(act_calibration=act, weight_scale=weight)
-    batches = [token_ids(seed) for seed in BATCHES]
+    batches = [token_ids(seed) for seed in seeds]
     options.setdefault("device", "cpu")  # the whole-model runs it is compared with are on CPU
-    return calibrate_layer_by_layer(
-        tiny_llama(), batches, config, filter_fn=all_but_lm_head, progress=False, **options
-    )
+    options.setdefault("filter_fn", all_but_lm_head)
+    return calibrate_layer_by_layer(model or tiny_llama(), batches, config, progress=False, **options)
 
 
 @pytest.mark.parametrize(
@@ -84,3 +83,84 @@ def test_calibrate_large_example_checks_its_scales(capsys):
     out = capsys.readouterr().out
     assert "layer by layer in" in out
     assert "scales equal to one process calibrating the whole model (28 layers): True" in out
+
+
+# --- resuming from a folder of finished layers ---------------------------------------------------
+
+
+class Interrupted(Exception):
+    pass
+
+
+def interrupted_after_layer_0(module, fqn):
+    if fqn.startswith("model.layers.1."):
+        raise Interrupted  # as a crash would, after layer 0 is converted and saved
+    return all_but_lm_head(module, fqn)
+
+
+def converted_layers(model) -> dict:
+    return {name: m for name, m in model.named_modules() if isinstance(m, NVFP4StaticLinear)}
+
+
+@pytest.mark.parametrize("propagate", [False, True], ids=["float outputs", "propagated"])
+def test_a_run_resumed_after_a_crash_equals_one_that_never_stopped(tmp_path, monkeypatch, propagate):
+    recipe = ("b_min", "hessian_mse")
+    uninterrupted = layer_by_layer(*recipe, propagate_quantized=propagate)
+    with pytest.raises(Interrupted):
+        layer_by_layer(*recipe, propagate_quantized=propagate, resume_dir=tmp_path,
+                       filter_fn=interrupted_after_layer_0)
+    swept = []
+    sweep = workflow.sweep_weight_block_scales
+    monkeypatch.setattr(workflow, "sweep_weight_block_scales",
+                        lambda module, *args: swept.append(module.layer_name) or sweep(module, *args))
+    resumed = layer_by_layer(*recipe, propagate_quantized=propagate, resume_dir=tmp_path)
+    assert len(swept) == 7 and all(name.startswith("model.layers.1.") for name in swept)
+    ours, theirs = converted_scales(resumed), converted_scales(uninterrupted)
+    assert ours.keys() == theirs.keys() and len(ours) == 14
+    for name in ours:
+        assert all(torch.equal(x, y) for x, y in zip(ours[name], theirs[name])), name
+    for (name, a), (_, b) in zip(converted_layers(resumed).items(), converted_layers(uninterrupted).items()):
+        assert (a.layer_name, a.calibration_stats) == (b.layer_name, b.calibration_stats)
+    assert torch.equal(logits(resumed, seed=7), logits(uninterrupted, seed=7))
+
+
+def without_q_proj(module, fqn):
+    return all_but_lm_head(module, fqn) and not fqn.endswith("q_proj")
+
+
+@pytest.mark.parametrize(
+    "rerun, names",
+    [
+        (dict(act="percentile"), "'config.act_calibration' is 'b_min' there and 'percentile' now"),
+        (dict(weight="hessian_mse"), "'config.weight_scale' is 'mse' there and 'hessian_mse' now"),
+        (dict(seeds=(0, 2)), "'batches of each rank[0]'"),
+        (dict(propagate_quantized=True), "'propagate_quantized' is False there and True now"),
+        (dict(model_seed=1), "layer 0 (model.layers.0) differs at 'tensors.mlp.down_proj.weight.sampled sha256'"),
+        (dict(filter_fn=without_q_proj), "layer 0 (model.layers.0) differs at 'selected"),
+    ],
+    ids=["act recipe", "weight recipe", "data", "propagation", "weights", "filter"],
+)
+def test_a_resume_folder_of_another_run_is_refused_and_nothing_changes(tmp_path, rerun, names):
+    with pytest.raises(Interrupted):
+        layer_by_layer("b_min", "mse", resume_dir=tmp_path, filter_fn=interrupted_after_layer_0)
+    saved = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    options = {"act": "b_min", "weight": "mse", **rerun}
+    model = tiny_llama(seed=options.pop("model_seed", 0))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="holds layers of another run") as refused:
+        layer_by_layer(options.pop("act"), options.pop("weight"), model=model, resume_dir=tmp_path, **options)
+    assert names in str(refused.value)
+    assert not converted_layers(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == saved
+
+
+def test_a_damaged_resume_folder_is_refused_clearly(tmp_path):
+    with pytest.raises(Interrupted):
+        layer_by_layer("b_min", "mse", resume_dir=tmp_path, filter_fn=interrupted_after_layer_0)
+    (tmp_path / "layer_00000.pt").unlink()
+    with pytest.raises(ValueError, match="layer_00000.pt, which progress.json lists, is missing"):
+        layer_by_layer("b_min", "mse", resume_dir=tmp_path)
+    (tmp_path / "progress.json").write_text("{not json")
+    with pytest.raises(ValueError, match="its progress.json cannot be read"):
+        layer_by_layer("b_min", "mse", resume_dir=tmp_path)
