@@ -12,6 +12,8 @@ they store the two per-tensor scales (docs/design.md, "Checkpoints"):
   ``weight`` (packed), ``weight_scale``, ``weight_scale_2`` and ``input_scale`` (our per-tensor
   scales as they are, float32 scalars), plus ``hf_quant_config.json`` and a ``config.json`` block.
 
+The experts of a mixture-of-experts layer are written as one such layer per expert and
+projection, under the names the architecture's checkpoints use (``nvfp4_static.experts.serving``).
 Everything else in the state dict is written as it is (unquantized tensors in their own dtype),
 in safetensors shards with an index. Everything is checked before anything is written, and the
 files are assembled in a temporary folder beside the target and moved in at the end, so a
@@ -29,6 +31,8 @@ from typing import Union
 import torch
 from safetensors.torch import save_file
 
+from nvfp4_static.experts import NVFP4StaticExperts, NVFP4StaticObservedExperts
+from nvfp4_static.experts.serving import as_saved, converted_expert_linears, saved_module_names
 from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.numerics import BLOCK_SIZE, E2M1_MAX, E4M3_MAX
@@ -113,8 +117,9 @@ def export_checkpoint(
     if fusion_groups:
         _check_fusion_groups_tied(model, fusion_groups)
     tensors = _tensors_to_write(model, converted, format)
-    shards = _shards(tensors, max_shard_bytes)
     exact_scales = _exact_per_tensor_scales(converted) if format == "compressed-tensors" else {}
+    tensors, exact_scales = as_saved(model, tensors, exact_scales)
+    shards = _shards(tensors, max_shard_bytes)
     quantization_config = _quantization_config(model, converted, format)
     config = _model_config(model, converted)
     config["quantization_config"] = quantization_config
@@ -132,8 +137,13 @@ def export_checkpoint(
 
 
 def _converted_layers(model: torch.nn.Module) -> dict:
-    """``{name: NVFP4StaticLinear}``, refusing models a format cannot describe."""
-    observed = [n for n, m in model.named_modules() if isinstance(m, NVFP4StaticObservedLinear)]
+    """``{name: NVFP4StaticLinear}``, each expert projection of converted experts one of them,
+    refusing models a format cannot describe."""
+    observed = [
+        n for n, m in model.named_modules()
+        if isinstance(m, (NVFP4StaticObservedLinear, NVFP4StaticObservedExperts))
+    ]
+    observed = [n for n in observed if not any(n.startswith(f"{o}.") for o in observed)]  # experts: once
     if observed:
         raise ValueError(
             f"nvfp4_static: cannot export: {len(observed)} layer(s) are prepared but not "
@@ -141,6 +151,7 @@ def _converted_layers(model: torch.nn.Module) -> dict:
             f"NVFP4StaticActivationConfig(step='convert'), filter_fn=...) first"
         )
     converted = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4StaticLinear)}
+    converted.update(converted_expert_linears(model))
     if not converted:
         raise ValueError(
             "nvfp4_static: cannot export: the model has no NVFP4StaticLinear layer; prepare, "
@@ -196,8 +207,16 @@ def _tensors_to_write(model: torch.nn.Module, converted: dict, format: str) -> d
     becomes the format's tensors; later names for an already-listed tensor (tied embeddings)
     are left out, as ``save_pretrained`` does."""
     tensors, seen = {}, set()
+    experts = {n: False for n, m in model.named_modules() if isinstance(m, NVFP4StaticExperts)}
     for key, value in model.state_dict().items():
         layer, _, leaf = key.rpartition(".")
+        owner = next((name for name in experts if key.startswith(f"{name}.")), None)
+        if owner is not None:  # the experts' stacked tensors: their per-expert linears instead
+            if not experts[owner]:
+                experts[owner] = True
+                for name in [n for n in converted if n.startswith(f"{owner}.")]:
+                    tensors.update(_layer_tensors(name, converted[name].weight, format))
+            continue
         if layer in converted and leaf == "_extra_state":
             continue
         if layer in converted and leaf == "weight":
@@ -283,11 +302,15 @@ def _nvfp4_args(dynamic) -> dict:
 
 
 def _quantization_config(model: torch.nn.Module, converted: dict, format: str) -> dict:
-    """The ``config.json`` block, naming every linear left in float as not quantized."""
-    unquantized = sorted(
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and name not in converted
+    """The ``config.json`` block, naming every linear left in float, and the routers of
+    converted experts, as not quantized."""
+    unquantized = saved_module_names(
+        model,
+        [
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and name not in converted
+        ],
     )
     if format == "modelopt":
         return {

@@ -3,9 +3,10 @@
 Checkpoints made by llm-compressor, by NVIDIA ModelOpt or by ``export_checkpoint`` carry
 everything an ``NVFP4StaticLinear`` holds: packed E2M1 weights, FP8 block scales, a weight
 per-tensor scale and a static activation per-tensor scale. ``import_checkpoint`` turns each
-quantized linear of the folder into an ``NVFP4StaticLinear`` that runs with the checkpoint's own
-activation scale, on every backend of this package (engines on Hopper ignore that scale and run
-W4A16). The two formats' per-tensor scales are converted as docs/design.md ("Checkpoints")
+quantized linear of the folder into an ``NVFP4StaticLinear`` (the per-expert linears of an MoE
+layer into an ``NVFP4StaticExperts``, ``nvfp4_static.experts.serving``) that runs with the
+checkpoint's own activation scale, on every backend of this package (engines on Hopper ignore
+that scale and run W4A16). The two formats' per-tensor scales are converted as docs/design.md ("Checkpoints")
 describes: ModelOpt's are ours; compressed-tensors stores their reciprocals.
 
 Only what this package runs is accepted: W4A4 NVFP4 with 16-element blocks, FP8 E4M3 block
@@ -26,6 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from nvfp4_static.checkpoint import replace_submodule
+from nvfp4_static.experts import NVFP4StaticExperts
+from nvfp4_static.experts.serving import as_loaded, expert_linear_stubs, stack_imported_experts
 from nvfp4_static.export import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -90,19 +93,26 @@ def import_checkpoint(
     checkpoint, exact_scales = _read_tensors(folder)
     if model is None:
         model = _model_from_config(folder)
-    converted = [n for n, m in model.named_modules() if isinstance(m, NVFP4StaticLinear)]
+    converted = [
+        n for n, m in model.named_modules() if isinstance(m, (NVFP4StaticLinear, NVFP4StaticExperts))
+    ]
     if converted:
         raise ValueError(
             f"nvfp4_static: the model already holds converted layers (first: '{converted[0]}'); "
             f"import into the float model the checkpoint was made from"
         )
+    fields = [_FIELDS[format][key] for key in _TENSOR_KEYS]
+    checkpoint, exact_scales = as_loaded(model, checkpoint, exact_scales, fields)
+    # The model's modules and, for MoE layers, one linear per expert and projection.
+    expert_linears = expert_linear_stubs(model)
+    candidates = {**dict(model.named_modules()), **expert_linears}
     if format == "compressed-tensors":
-        quantized = _compressed_tensors_layers(model, quantization_config)
+        quantized = _compressed_tensors_layers(candidates, quantization_config)
     else:
-        quantized = _modelopt_layers(model, quantization_config)
+        quantized = _modelopt_layers(candidates, quantization_config)
     layers = {
         name: _layer_from_checkpoint(
-            name, model.get_submodule(name), checkpoint, exact_scales, format, backend
+            name, candidates[name], checkpoint, exact_scales, format, backend
         )
         for name in quantized
     }
@@ -110,8 +120,10 @@ def import_checkpoint(
         raise ValueError(
             "nvfp4_static: the model is itself a linear; import into a model that holds it"
         )
-    remainder = _remaining_tensors(model, checkpoint, layers, format)
-    for name, layer in layers.items():
+    experts = stack_imported_experts(model, layers)
+    remainder = _remaining_tensors(model, checkpoint, layers, format, experts)
+    linears = {name: layer for name, layer in layers.items() if name not in expert_linears}
+    for name, layer in {**linears, **experts}.items():
         replace_submodule(model, name, layer)
     model.load_state_dict(remainder, strict=False)
     return model
@@ -186,8 +198,9 @@ def _model_from_config(folder: pathlib.Path) -> torch.nn.Module:
 # --- which layers are quantized ------------------------------------------------------------------
 
 
-def _compressed_tensors_layers(model: torch.nn.Module, block: dict) -> list:
-    """The linears the config groups target, each group checked to be NVFP4 as we run it."""
+def _compressed_tensors_layers(modules: dict, block: dict) -> list:
+    """The linears among ``modules`` (``{name: module}``) the config groups target, each group
+    checked to be NVFP4 as we run it."""
     fmt = block.get("format")
     _refuse_extras(
         "compressed-tensors",
@@ -212,7 +225,7 @@ def _compressed_tensors_layers(model: torch.nn.Module, block: dict) -> list:
             )
         layers = [
             name
-            for name, module in model.named_modules()
+            for name, module in modules.items()
             if _ct_matches(name, module, scheme.get("targets") or [])
             and not _ct_matches(name, module, ignore)
         ]
@@ -282,8 +295,9 @@ _DYNAMIC_EXPLAINED = (
 )
 
 
-def _modelopt_layers(model: torch.nn.Module, block: dict) -> list:
-    """Every linear not excluded, after checking the algorithm is W4A4 NVFP4."""
+def _modelopt_layers(modules: dict, block: dict) -> list:
+    """Every linear among ``modules`` (``{name: module}``) not excluded, after checking the
+    algorithm is W4A4 NVFP4."""
     algo = str(block.get("quant_algo", "")).upper()
     if algo != "NVFP4":
         hint = " (weight-only: no activation scale)" if algo == "W4A16_NVFP4" else ""
@@ -300,7 +314,7 @@ def _modelopt_layers(model: torch.nn.Module, block: dict) -> list:
     excluded = block.get("ignore") or block.get("exclude_modules") or []
     return [
         name
-        for name, module in model.named_modules()
+        for name, module in modules.items()
         if isinstance(module, torch.nn.Linear)
         and not any(fnmatch.fnmatchcase(name, pattern) for pattern in excluded)
     ]
@@ -431,12 +445,16 @@ def _bias(name: str, module: torch.nn.Linear, checkpoint: dict) -> Optional[torc
     return torch.nn.Parameter(value.to(module.bias.device, module.bias.dtype), requires_grad=False)
 
 
-def _remaining_tensors(model: torch.nn.Module, checkpoint: dict, layers: dict, format: str) -> dict:
+def _remaining_tensors(
+    model: torch.nn.Module, checkpoint: dict, layers: dict, format: str, experts: dict
+) -> dict:
     """The checkpoint's other tensors, checked to be exactly the model's other tensors (a name
-    the model ties to another, such as a tied ``lm_head.weight``, may be absent)."""
+    the model ties to another, such as a tied ``lm_head.weight``, may be absent); the state of
+    the ``experts`` modules is replaced whole."""
     layer_fields = [_FIELDS[format][key] for key in _TENSOR_KEYS] + ["bias"]
     consumed = {f"{name}.{field}" for name in layers for field in layer_fields}
     replaced = {f"{name}.{leaf}" for name in layers for leaf in ("weight", "bias")}
+    replaced |= {key for key in model.state_dict() if any(key.startswith(f"{name}.") for name in experts)}
     expected = {k: v for k, v in model.state_dict().items() if k not in replaced}
     remainder = {k: v for k, v in checkpoint.items() if k not in consumed}
     unexpected = sorted(set(remainder) - set(expected))

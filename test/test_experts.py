@@ -7,8 +7,11 @@ from the tokens the test routed to it, and a converted layer's output is recompu
 transformers' eager forward loops over experts, with one ``NVFP4StaticLinear`` per expert.
 """
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torchao.quantization import quantize_
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
@@ -22,16 +25,22 @@ from nvfp4_static import (
     NVFP4StaticExperts,
     NVFP4StaticLinear,
     NVFP4StaticObservedExperts,
+    export_checkpoint,
+    import_checkpoint,
     is_quantizable,
     load_quantized,
     register_experts,
+    tie_fused_layers,
 )
 from nvfp4_static.backends.cpu import grouped_static_nvfp4_linear
 from nvfp4_static.kernels.grouped_gemm import GroupedGemmConfig
-from nvfp4_static.numerics import per_tensor_amax_to_scale, quantize_nvfp4
+from nvfp4_static.numerics import dequantize_nvfp4, per_tensor_amax_to_scale, quantize_nvfp4
 from nvfp4_static.observers import MaxCalibrator
 from nvfp4_static.references import block_hessian, fp8_scale_sweep
 from nvfp4_static.tensor import NVFP4StaticTensor
+
+compressed_tensors = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor  # noqa: E402
 
 VOCAB = 128
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 32, 8, 2
@@ -75,12 +84,15 @@ def token_ids(seed: int, batch: int = 4, length: int = 16) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def quantized_model(architecture: str, **config):
-    """The tiny model prepared, calibrated on three batches and converted with ``config``."""
+def quantized_model(architecture: str, tie: bool = False, **config):
+    """The tiny model prepared, calibrated on three batches, its fused linears tied if ``tie``
+    (as serving needs), and converted with ``config``."""
     model = prepare(tiny_model(architecture), **config)
     with torch.no_grad():
         for seed in range(3):
             model(token_ids(seed))
+    if tie:
+        tie_fused_layers(model)
     return convert(model, **config)
 
 
@@ -481,6 +493,140 @@ def test_a_checkpoint_of_another_recipe_is_refused(converted_model):
     quantize_(fresh, NVFP4StaticActivationConfig(step="prepare_for_loading", weight_scale="mse"), filter_fn=is_quantizable)
     with pytest.raises(ValueError, match="recipe"):
         fresh.load_state_dict(converted_model.state_dict())
+
+
+# --- serving checkpoints -----------------------------------------------------------------------
+
+FORMATS = ("compressed-tensors", "modelopt")
+# Each format's four tensors per linear, and the per-expert linear names (gate, up, down).
+FIELDS = {
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+    "modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+}
+CHECKPOINT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+@pytest.fixture(scope="module")
+def served_models():
+    """Each architecture quantized as serving needs it: fused linears tied."""
+    return {arch: quantized_model(arch, tie=True, weight_scale="max") for arch in ARCHITECTURES}
+
+
+def folder_tensors(folder):
+    from test_export import read_folder
+
+    return read_folder(folder)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_export_writes_each_expert_under_the_names_save_pretrained_gives_its_float_weights(
+    served_models, architecture, format, tmp_path
+):
+    export_checkpoint(served_models[architecture], tmp_path / "export", format)
+    tiny_model(architecture).save_pretrained(tmp_path / "float")  # transformers' own names
+    ours, float_names = folder_tensors(tmp_path / "export"), set(load_file(tmp_path / "float" / "model.safetensors"))
+    gate, up, _ = CHECKPOINT_NAMES[architecture]
+    expert_linears = {n.removesuffix(".weight") for n in float_names if ".experts." in n}
+    assert len(expert_linears) == 2 * EXPERTS * 3
+    # Every expert linear of the float checkpoint is there with the format's four tensors, and
+    # each tensor of ours is a tensor of the float checkpoint or one of a linear of it.
+    assert {f"{name}.{field}" for name in expert_linears for field in FIELDS[format]} <= set(ours)
+    for name in ours:
+        module, _, field = name.rpartition(".")
+        assert name in float_names or (field in FIELDS[format] and f"{module}.weight" in float_names), name
+    config = json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"]
+    router = "block_sparse_moe.gate" if architecture == "mixtral" else "mlp.gate"
+    assert {f"model.layers.{i}.{router}" for i in range(2)} <= set(config["ignore"])
+    experts = [name.rpartition(".")[0] for name in expert_linears if name.endswith(f".{gate}")]
+    assert len(experts) == 2 * EXPERTS
+    for expert in experts:  # gate and up: one GEMM, one weight and one input scale
+        for field in FIELDS[format][2:]:
+            assert torch.equal(ours[f"{expert}.{gate}.{field}"], ours[f"{expert}.{up}.{field}"])
+
+
+def test_compressed_tensors_decompressor_reads_every_expert(served_models, tmp_path):
+    from test_export import ct_scheme
+
+    model = served_models["qwen3_moe"]
+    export_checkpoint(model, tmp_path / "ct")
+    tensors, scheme = folder_tensors(tmp_path / "ct"), ct_scheme(tmp_path / "ct")
+    experts = model.model.layers[1].mlp.experts
+    for expert in range(EXPERTS):
+        for projection, grouped, rows in (
+            ("gate_proj", experts.gate_up_proj, slice(0, INTERMEDIATE)),
+            ("up_proj", experts.gate_up_proj, slice(INTERMEDIATE, None)),
+            ("down_proj", experts.down_proj, slice(None)),
+        ):
+            prefix = f"model.layers.1.mlp.experts.{expert}.{projection}."
+            state = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+            decompressed = NVFP4PackedCompressor.decompress(state, scheme)
+            ours = dequantize_nvfp4(
+                grouped.qdata[expert, rows], grouped.scale[expert, rows], grouped.per_tensor_scale[expert]
+            )
+            # It multiplies by s / G where we multiply by s * p, then rounds to bf16: within one
+            # bf16 ulp (test_export.py says why).
+            torch.testing.assert_close(decompressed["weight"].float(), ours, rtol=2.0**-7, atol=0)
+            assert torch.equal(decompressed["weight_scale"].float(), grouped.scale[expert, rows].float())
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_export_then_import_is_bit_identical(served_models, architecture, format, tmp_path):
+    model = served_models[architecture]
+    export_checkpoint(model, tmp_path / "export", format)
+    imported = import_checkpoint(tmp_path / "export")
+    for layer in range(2):
+        ours, theirs = model.model.layers[layer].mlp.experts, imported.model.layers[layer].mlp.experts
+        assert isinstance(theirs, NVFP4StaticExperts)
+        for name, buffer in ours.state_dict().items():
+            if name != "_extra_state":
+                assert torch.equal(theirs.state_dict()[name].view(torch.uint8), buffer.view(torch.uint8)), name
+    with torch.no_grad():
+        assert torch.equal(imported(token_ids(8)).logits, model(token_ids(8)).logits)
+
+
+def edit_folder(folder, config_edit=None, tensor_edit=None):
+    if config_edit is not None:
+        path = folder / "config.json"
+        config = json.loads(path.read_text())
+        config_edit(config["quantization_config"])
+        path.write_text(json.dumps(config))
+    if tensor_edit is not None:
+        for shard in folder.glob("*.safetensors"):
+            tensors = load_file(shard)
+            tensor_edit(tensors)
+            save_file(tensors, shard)
+
+
+def test_import_refuses_experts_only_partly_quantized(served_models, tmp_path):
+    export_checkpoint(served_models["qwen3_moe"], tmp_path / "ct")
+    edit_folder(tmp_path / "ct", lambda q: q["ignore"].append("model.layers.1.mlp.experts.3.up_proj"))
+    with pytest.raises(ValueError, match=r"experts 'model.layers.1.mlp.experts' are partly quantized.*3.up_proj"):
+        import_checkpoint(tmp_path / "ct")
+
+
+def test_import_refuses_an_expert_whose_gate_and_up_scales_differ(served_models, tmp_path):
+    export_checkpoint(served_models["mixtral"], tmp_path / "ct")
+    key = "model.layers.0.block_sparse_moe.experts.5.w3.weight_global_scale"
+
+    def double(tensors):
+        if key in tensors:
+            tensors[key] = tensors[key] * 2
+
+    edit_folder(tmp_path / "ct", tensor_edit=double)
+    fresh = tiny_model("mixtral", seed=3)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=r"experts 'model.layers.0.mlp.experts': expert 5's w1 and w3 have different weight global"):
+        import_checkpoint(tmp_path / "ct", fresh)
+    assert type(fresh.model.layers[0].mlp.experts) is MixtralExperts  # left as it was
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_model_with_experts_prepared_but_not_converted_is_not_exported(tmp_path):
+    model = prepare(tiny_model("qwen3_moe"), filter_fn=lambda m, fqn: is_quantizable(m, fqn) and fqn.endswith("experts"))
+    with pytest.raises(ValueError, match=r"2 layer\(s\) are prepared but not converted \(first: 'model.layers.0.mlp.experts'\)"):
+        export_checkpoint(model, tmp_path / "ct", fusion_groups=())
 
 
 # --- bad input ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from nvfp4_static.experts import NVFP4StaticExperts, NVFP4StaticGroupedLinear
+from nvfp4_static.experts import ExpertsLayout, NVFP4StaticExperts, NVFP4StaticGroupedLinear
 from nvfp4_static.experts.routing import route
 from nvfp4_static.kernels import grouped_static_nvfp4_linear
 from nvfp4_static.numerics import per_tensor_amax_to_scale, quantize_nvfp4
@@ -85,6 +85,8 @@ def main():
         nvfp4_grouped(bf16.gate_up_proj.detach(), HIDDEN_AMAX),
         nvfp4_grouped(bf16.down_proj.detach(), INTERMEDIATE_AMAX),
         bf16.act_fn,
+        ExpertsLayout(),
+        torch.bfloat16,
         {"act_calibration": "max", "weight_scale": "max"},
         "bench",
     )

@@ -9,6 +9,7 @@ from nvfp4_static.experts.routing import combine, route
 from nvfp4_static.kernels.ops import grouped_static_nvfp4_linear, require_triton
 from nvfp4_static.linear import NVFP4StaticLinear, _InferenceOnly, check_checkpoint_scale_values
 from nvfp4_static.numerics import BLOCK_SIZE
+from nvfp4_static.tensor import NVFP4StaticTensor
 
 __all__ = ["NVFP4StaticGroupedLinear", "NVFP4StaticExperts"]
 
@@ -78,6 +79,19 @@ class NVFP4StaticGroupedLinear(torch.nn.Module):
         for expert, (act_scale, weight_scale) in enumerate(zip(act_scales.cpu(), weight_scales.cpu())):
             check_checkpoint_scale_values(act_scale, weight_scale, f"{layer_name}.{expert}")
 
+    def expert_weight(self, expert: int, rows: slice, orig_dtype: torch.dtype) -> NVFP4StaticTensor:
+        """Rows ``rows`` of expert ``expert``'s weight, as the weight of an ``NVFP4StaticLinear``:
+        views of the codes and block scales, copies of the two global scales (the gate and the
+        up rows of an expert share them, and a file may not hold one tensor twice)."""
+        return NVFP4StaticTensor(
+            self.qdata[expert, rows],
+            self.scale[expert, rows],
+            BLOCK_SIZE,
+            orig_dtype,
+            self.per_tensor_scale[expert].clone(),
+            self.act_per_tensor_scale[expert].clone(),
+        )
+
     def _apply(self, fn, recurse=True):
         # NVFP4 data keeps its dtypes under model.to(dtype) / .half(), as NVFP4StaticTensor does:
         # Module.to casts every floating buffer, FP8 scales and float32 global scales included.
@@ -106,6 +120,8 @@ class NVFP4StaticExperts(torch.nn.Module):
             global scale and one activation global scale per expert).
         down_proj: ``[H, I]`` per expert.
         act_fn: the float module's activation.
+        layout: the ``ExpertsLayout`` of the float module (its checkpoint names).
+        orig_dtype: the float weights' dtype.
         recipe, layer_name, loaded: as ``NVFP4StaticLinear``'s.
         calibration_stats: ``tokens_per_expert`` and ``pooled_experts`` (the experts that took
             the layer's pooled statistics), not saved.
@@ -116,6 +132,8 @@ class NVFP4StaticExperts(torch.nn.Module):
         gate_up_proj: NVFP4StaticGroupedLinear,
         down_proj: NVFP4StaticGroupedLinear,
         act_fn,
+        layout: ExpertsLayout,
+        orig_dtype: torch.dtype,
         recipe: dict,
         layer_name: str = "",
         calibration_stats: Optional[dict] = None,
@@ -126,6 +144,8 @@ class NVFP4StaticExperts(torch.nn.Module):
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.act_fn = act_fn
+        self.layout = layout
+        self.orig_dtype = orig_dtype
         self.recipe = dict(recipe)
         self.layer_name = layer_name
         self.calibration_stats = calibration_stats or {}
@@ -142,6 +162,8 @@ class NVFP4StaticExperts(torch.nn.Module):
             NVFP4StaticGroupedLinear.empty(num_experts, double_intermediate, hidden, gate_up.device),
             NVFP4StaticGroupedLinear.empty(num_experts, hidden, double_intermediate // 2, down.device),
             getattr(experts, layout.act_fn),
+            layout,
+            gate_up.dtype,
             recipe,
             layer_name,
         )
@@ -151,6 +173,29 @@ class NVFP4StaticExperts(torch.nn.Module):
     @property
     def num_experts(self) -> int:
         return self.gate_up_proj.num_experts
+
+    def expert_linears(self) -> dict[str, NVFP4StaticLinear]:
+        """Every expert's gate, up and down projections as ``NVFP4StaticLinear``s sharing this
+        module's data, by their names in the architecture's checkpoints relative to this
+        module (``"{e}.gate_proj"``): what serving formats store per expert. Gate and up
+        carry their expert's one pair of global scales."""
+        gate, up, down = self.layout.checkpoint_names
+        intermediate = self.down_proj.in_features
+        parts = (
+            (gate, self.gate_up_proj, slice(0, intermediate)),
+            (up, self.gate_up_proj, slice(intermediate, 2 * intermediate)),
+            (down, self.down_proj, slice(None)),
+        )
+        return {
+            f"{expert}.{name}": NVFP4StaticLinear(
+                grouped.expert_weight(expert, rows, self.orig_dtype),
+                None,
+                self.recipe,
+                f"{self.layer_name}.{expert}.{name}",
+            )
+            for expert in range(self.num_experts)
+            for name, grouped, rows in parts
+        }
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -37,11 +37,17 @@ class ExpertsLayout:
         gate_up: the ``[E, 2I, H]`` parameter, gate rows first.
         down: the ``[E, H, I]`` parameter.
         act_fn: the activation applied to the gate (a module or function).
+        checkpoint_names: the names of an expert's gate, up and down linears in the
+            architecture's checkpoints (``experts.{e}.<name>``), which serving engines load.
+        router: the experts module's sibling that routes the tokens; engines keep it in float,
+            and an export lists it as unquantized.
     """
 
     gate_up: str = "gate_up_proj"
     down: str = "down_proj"
     act_fn: str = "act_fn"
+    checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    router: str = "gate"
 
     def weights(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gate_up, down)`` of ``module``."""
@@ -50,7 +56,7 @@ class ExpertsLayout:
 
 _LAYOUTS: dict[str, ExpertsLayout] = {
     "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts": ExpertsLayout(),
-    "transformers.models.mixtral.modeling_mixtral.MixtralExperts": ExpertsLayout(),
+    "transformers.models.mixtral.modeling_mixtral.MixtralExperts": ExpertsLayout(checkpoint_names=("w1", "w3", "w2")),
 }
 
 

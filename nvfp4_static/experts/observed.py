@@ -4,6 +4,7 @@ from typing import Optional
 
 import torch
 
+from nvfp4_static.experts.layouts import ExpertsLayout
 from nvfp4_static.experts.routing import combine, route
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 
@@ -25,6 +26,7 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
         gate_up_proj, down_proj: ``ModuleList`` of ``E`` observed linears, ``[2I, H]`` and
             ``[H, I]``; gate and up of an expert are one linear, so they share its scales.
         act_fn: the float module's activation.
+        layout: the float module's ``ExpertsLayout``.
         pooled_gate_up_calibrator, pooled_down_calibrator: the layer's pooled statistics.
         tokens_per_expert: calibration tokens each expert saw.
         layer_name, activation_recipe: as ``NVFP4StaticObservedLinear``'s.
@@ -35,6 +37,7 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
         gate_up_proj: list[NVFP4StaticObservedLinear],
         down_proj: list[NVFP4StaticObservedLinear],
         act_fn,
+        layout: ExpertsLayout,
         pooled_gate_up_calibrator,
         pooled_down_calibrator,
         layer_name: str = "",
@@ -44,6 +47,7 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
         self.gate_up_proj = torch.nn.ModuleList(gate_up_proj)
         self.down_proj = torch.nn.ModuleList(down_proj)
         self.act_fn = act_fn
+        self.layout = layout
         self.pooled_gate_up_calibrator = pooled_gate_up_calibrator
         self.pooled_down_calibrator = pooled_down_calibrator
         self.tokens_per_expert = [0] * len(gate_up_proj)
