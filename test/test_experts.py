@@ -35,7 +35,7 @@ from nvfp4_static import (
 from nvfp4_static.backends.cpu import grouped_static_nvfp4_linear
 from nvfp4_static.kernels.grouped_gemm import GroupedGemmConfig
 from nvfp4_static.numerics import dequantize_nvfp4, per_tensor_amax_to_scale, quantize_nvfp4
-from nvfp4_static.observers import MaxCalibrator
+from nvfp4_static.observers.full_hessian import block_diagonal
 from nvfp4_static.references import block_hessian, fp8_scale_sweep
 from nvfp4_static.tensor import NVFP4StaticTensor
 
@@ -267,15 +267,18 @@ def test_convert_gives_each_expert_its_own_scales_by_the_linear_recipe():
     assert experts.calibration_stats["pooled_experts"] == []
 
 
-def test_experts_without_enough_tokens_take_the_pooled_statistics_with_one_warning():
+@pytest.mark.parametrize("prepared_for", ["hessian_mse", "gptq"])  # per-block, or whole Hessians
+def test_experts_without_enough_tokens_take_the_pooled_statistics_with_one_warning(prepared_for):
     # Experts 0-5 only, then one batch in which expert 6 gets a few tokens; expert 7 none.
     batches = [routed_batch(64, seed, experts=range(6)) for seed in range(2)]
     few = routed_batch(4, seed=7, experts=[5, 6])
-    holder = calibrated_experts([*batches, few], weight_scale="hessian_mse", act_calibration="max")
+    holder = calibrated_experts([*batches, few], weight_scale=prepared_for, act_calibration="max")
     observed = holder.experts
     assert observed.tokens_per_expert[6:] == [4, 0]
     pooled_hessian = sum(linear.hessian_accumulator.hessian for linear in observed.gate_up_proj
                          if linear.hessian_accumulator._state is not None)
+    if prepared_for == "gptq":  # the hessian_mse sweep reads a whole Hessian's diagonal blocks
+        pooled_hessian = block_diagonal(pooled_hessian)
     weight = observed.gate_up_proj[7].weight.detach().clone()
     with pytest.warns(UserWarning, match=r"layer 'experts': experts 6, 7 saw fewer than 16 calibration tokens \(4, 0\)"):
         convert(holder, weight_scale="hessian_mse", act_calibration="max")

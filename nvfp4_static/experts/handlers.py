@@ -146,11 +146,13 @@ def _pooled_statistics_for(module: NVFP4StaticObservedExperts, starved: list[int
 
 
 def _summed_hessian(linears, name: str) -> Optional[BlockHessianAccumulator]:
-    """The sum of the Hessians of ``linears`` (None without Hessians): each expert's own
-    Hessian is a sum over its tokens, so this is the Hessian of all the layer's tokens."""
-    if linears[0].hessian_accumulator is None:
+    """The sum of the Hessians of ``linears`` (None without Hessians), of their accumulators'
+    kind (per block, or whole for GPTQ): each expert's own Hessian is a sum over its tokens, so
+    this is the Hessian of all the layer's tokens."""
+    accumulator = linears[0].hessian_accumulator
+    if accumulator is None:
         return None
-    pooled = BlockHessianAccumulator(linears[0].in_features, name=name)
+    pooled = type(accumulator)(linears[0].in_features, name=name)
     for linear in linears:
         pooled.merge(linear.hessian_accumulator)
     return pooled
