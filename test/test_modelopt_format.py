@@ -118,11 +118,12 @@ def test_a_checkpoint_written_by_modelopt_imports_and_runs_as_ours(modelopt_fold
 
 @requires_cuda
 def test_modelopt_fake_quant_forward_agrees_with_our_converted_model_on_cuda():
-    """ModelOpt's fake quantizer (CUDA only) against our converted layers' real NVFP4 GEMM: the
-    same scales, so the logits differ by accumulation order alone."""
+    """ModelOpt's fake quantizer (CUDA only) against our converted layers' real NVFP4 GEMM. Its
+    forward gives each fused layer its own scales (it ties them only when exporting), so ours is
+    converted untied here; with the same scales the logits differ by accumulation order alone."""
     theirs = modelopt_quantized_llama().cuda()
-    ours = converted_llama(torch.float32, act_calibration="max", weight_scale="max").cuda()
+    ours = converted_llama(torch.float32, tie=False, act_calibration="max", weight_scale="max")
     ids = token_ids(5).cuda()
     with torch.no_grad():
-        a, b = theirs(ids).logits, ours(ids).logits
-    assert ((a - b).norm() / a.norm()).item() < 1e-4
+        a, b = theirs(ids).logits, ours.cuda()(ids).logits
+    assert ((a - b).norm() / a.norm()).item() < 1e-5
