@@ -1,16 +1,22 @@
 """Calibrate a random-weight Llama layer by layer, and data-parallel under torchrun.
 
     python examples/calibrate_large.py                        # small, CPU, about a minute
-    python examples/calibrate_large.py --device cuda --preset 8b --cache-device cpu
+    python examples/calibrate_large.py --device cuda --preset 8b --dtype bfloat16 \
+        --batches 16 --batch-size 4 --seq-len 2048            # one GPU, 131k tokens
     torchrun --nproc-per-node 2 examples/calibrate_large.py   # data-parallel (gloo on CPU, NCCL on CUDA)
 
-The model is built from a Llama config with random weights and stays on CPU; one decoder layer
-at a time moves to ``--device`` (nvfp4_static.calibrate_layer_by_layer). Under torchrun each
-rank calibrates every WORLD_SIZE-th batch and the ranks' statistics are synchronised layer by
-layer (nvfp4_static.distributed). The script prints the time, the peak memory (GPU memory on
-CUDA) and, unless the model is too large (``--check`` forces it), checks that the scales equal
-one process calibrating the whole model on the same data split into the same shards
-(``calibrate_in_shards``; with one rank, the plain whole-model run).
+The model is built from a Llama config with random weights (on ``--device``, then moved to CPU)
+and stays on CPU; one decoder layer at a time moves to ``--device``
+(nvfp4_static.calibrate_layer_by_layer). Under torchrun each rank calibrates every WORLD_SIZE-th
+batch, the ranks' statistics are synchronised layer by layer and the weight sweeps are split
+across them (nvfp4_static.distributed). Printed: the layer-by-layer time and peak memory (GPU
+memory on CUDA, against the budget one decoder layer's weights + the cached layer inputs + 2 GiB).
+
+Then, in one process (``--check``, the default there and for small models), the same model
+calibrated whole on ``--device``: its float forward over the same tokens (the decoder, not
+``lm_head``), and its prepare, calibrate and convert times, timed on a model already on the
+device; and a check that its scales equal the layer-by-layer ones bit for bit (under torchrun,
+one process calibrating the same shards, ``calibrate_in_shards``).
 """
 
 import argparse
@@ -38,22 +44,32 @@ PRESETS = {
     "1b": (2048, 8192, 16, 32, 8, 128256),
     "8b": (4096, 14336, 32, 32, 8, 128256),
 }
-CHECK_LIMIT = 2e9  # parameters above which the whole-model check is skipped unless --check
+CHECK_LIMIT = 2e9  # parameters above which a data-parallel run skips the check unless --check
+SPARE_GPU_MEMORY = 2 * 2**30  # the layer-by-layer budget's allowance above layer + cached inputs
 
 
-def build(preset: str, dtype: torch.dtype) -> LlamaForCausalLM:
+def build(preset: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The preset's Llama with random weights, initialised on ``device`` (fast on a GPU); every
+    rank builds the same weights."""
     hidden, intermediate, layers, heads, kv_heads, vocab = PRESETS[preset]
     config = LlamaConfig(
         hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
         max_position_embeddings=4096,
     )
-    torch.manual_seed(0)  # every rank builds the same weights
-    return LlamaForCausalLM._from_config(config, dtype=dtype).eval()
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM._from_config(config, dtype=dtype).eval()
 
 
 def not_lm_head(module, fqn):
     return is_quantizable(module, fqn) and fqn != "lm_head"
+
+
+def decoder_forward(model, batch):
+    """The decoder layers' forward, without ``lm_head`` (which stays float): what calibration
+    needs, and no logits over a 128k vocabulary."""
+    return model.model(batch, use_cache=False)
 
 
 def scales(model) -> dict:
@@ -62,6 +78,45 @@ def scales(model) -> dict:
                m.weight.qdata.cpu(), m.weight.scale.view(torch.uint8).cpu())
         for name, m in model.named_modules() if isinstance(m, NVFP4StaticLinear)
     }
+
+
+def timed(fn, device: torch.device) -> float:
+    """Seconds ``fn()`` takes, its GPU work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def whole_model_run(args, config, shards, device, dtype) -> tuple[dict, dict]:
+    """The model calibrated whole on ``device`` on the same shards: its scales, and the seconds
+    of its float forward and of each step (one shard: the plain run; several: calibrate_in_shards,
+    what the ranks' synchronised statistics equal)."""
+    model = build(args.preset, dtype, device)
+    batches = [[b.to(device) for b in shard] for shard in shards]
+
+    @torch.no_grad()
+    def forward_all():
+        for shard in batches:
+            for batch in shard:
+                decoder_forward(model, batch)
+
+    def calibrate():
+        if len(batches) == 1:
+            forward_all()
+        else:
+            calibrate_in_shards(model, batches, forward=decoder_forward)
+
+    seconds = {"float forward": timed(forward_all, device)}
+    prepare = dataclasses.replace(config, step="prepare")
+    seconds["prepare"] = timed(lambda: quantize_(model, prepare, filter_fn=not_lm_head), device)
+    seconds["calibrate"] = timed(calibrate, device)
+    convert = dataclasses.replace(config, step="convert")
+    seconds["convert"] = timed(lambda: quantize_(model, convert, filter_fn=not_lm_head), device)
+    return scales(model), seconds
 
 
 def main(argv=None) -> None:
@@ -76,8 +131,10 @@ def main(argv=None) -> None:
     parser.add_argument("--act", default="b_min", help="act_calibration")
     parser.add_argument("--weight", default="mse", help="weight_scale")
     parser.add_argument("--propagate", action="store_true", help="feed each layer the quantized outputs")
+    parser.add_argument("--resume-dir", default=None, help="save finished layers there; resume from it")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
-                        help="compare with one process calibrating the whole model (default: small models)")
+                        help="also calibrate the whole model on --device: times and a bitwise check "
+                             "(default: one process, or a small model)")
     args = parser.parse_args(argv)
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -91,7 +148,7 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     config = NVFP4StaticActivationConfig(act_calibration=args.act, weight_scale=args.weight)
 
-    model = build(args.preset, dtype)
+    model = build(args.preset, dtype, device).to("cpu")
     params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(1)
@@ -102,33 +159,40 @@ def main(argv=None) -> None:
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    calibrate_layer_by_layer(
+    layer_by_layer = timed(lambda: calibrate_layer_by_layer(
         model, shards[rank], config, device=device, cache_device=args.cache_device,
         filter_fn=not_lm_head, propagate_quantized=args.propagate, group=True if distributed else None,
-    )
-    elapsed = time.perf_counter() - start
+        resume_dir=args.resume_dir,
+    ), device)
     tokens = args.batches * args.batch_size * args.seq_len
     if rank == 0:
         print(f"{args.preset} Llama, {params / 1e6:.0f}M parameters, {world} rank(s), {tokens} tokens "
               f"({args.act}+{args.weight}{', propagated' if args.propagate else ''}): "
-              f"layer by layer in {elapsed:.1f} s")
+              f"layer by layer in {layer_by_layer:.1f} s")
         if device.type == "cuda":
-            cached = len(shards[rank]) * args.batch_size * args.seq_len * model.config.hidden_size * dtype.itemsize
-            print(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB "
-                  f"(one float decoder layer {layer_bytes / 2**30:.2f} GiB, cached layer inputs "
-                  f"{cached / 2**30:.2f} GiB{' on the GPU' if args.cache_device in (None, 'cuda') else ''})")
+            peak = torch.cuda.max_memory_allocated(device)
+            tokens_here = len(shards[rank]) * args.batch_size * args.seq_len
+            cached = tokens_here * model.config.hidden_size * dtype.itemsize
+            cached_on_gpu = torch.device(args.cache_device or device).type == "cuda"
+            budget = layer_bytes + cached * cached_on_gpu + SPARE_GPU_MEMORY
+            print(f"peak GPU memory {peak / 2**30:.2f} GiB, budget {budget / 2**30:.2f} GiB = one float "
+                  f"decoder layer {layer_bytes / 2**30:.2f} + cached layer inputs "
+                  f"{cached / 2**30:.2f}{'' if cached_on_gpu else ' (on the CPU: 0)'} + 2 GiB: "
+                  f"{'within' if peak <= budget else 'OVER'}")
         else:
             print(f"peak resident memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
-    check = args.check if args.check is not None else params <= CHECK_LIMIT
+    check = args.check if args.check is not None else (world == 1 or params <= CHECK_LIMIT)
     if rank == 0 and check and not args.propagate:
-        reference = build(args.preset, dtype).to(device)
-        quantize_(reference, config, filter_fn=not_lm_head)  # config's step is "prepare"
-        calibrate_in_shards(reference, [[b.to(device) for b in shard] for shard in shards],
-                            forward=lambda m, batch: m(batch, use_cache=False))
-        quantize_(reference, dataclasses.replace(config, step="convert"), filter_fn=not_lm_head)
-        ours, theirs = scales(model), scales(reference)
+        theirs, seconds = whole_model_run(args, config, shards, device, dtype)
+        steps = seconds["prepare"] + seconds["calibrate"] + seconds["convert"]
+        print(f"whole model on {device.type}: prepare {seconds['prepare']:.2f} s + calibrate "
+              f"{seconds['calibrate']:.2f} s + convert {seconds['convert']:.2f} s = {steps:.2f} s; float "
+              f"forward over the same tokens {seconds['float forward']:.2f} s: "
+              f"{steps / seconds['float forward']:.2f}x the float forward (target <= 2x)")
+        if world == 1:
+            print(f"layer by layer / whole model: {layer_by_layer / steps:.2f}x (target <= 1.5x)")
+        ours = scales(model)
         equal = ours.keys() == theirs.keys() and all(
             torch.equal(a, b) for name in ours for a, b in zip(ours[name], theirs[name]))
         print(f"scales equal to one process calibrating the whole model ({len(ours)} layers): {equal}")

@@ -272,17 +272,24 @@ def calibrate_layer_by_layer(
             layer.to(device)
             layer_filter = layer_filter_of(name)
 
-            def run(b, layer=layer):
+            def run(b, last_use, layer=layer):
+                """Batch ``b`` through the layer; its input is dropped after its last use, so
+                that the cache holds about one copy of the activations, not two."""
                 args, kwargs = _with_hidden_states(*inputs[b], hidden[b])
+                if last_use:
+                    hidden[b] = None
                 args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(device))
                 return _hidden_states(layer(*args, **kwargs)).detach().to(cache_device)
+
+            def calibration_run(b):
+                return run(b, last_use=not propagate_quantized)
 
             outputs = [None] * len(hidden)
             resumed = finished is not None and index < finished.done
             with torch.no_grad():
                 if resumed:  # the outputs the interrupted run computed, from the same layer
                     if not propagate_quantized:
-                        outputs = [run(b) for b in range(len(hidden))]
+                        outputs = [calibration_run(b) for b in range(len(hidden))]
                     finished.load(index, layer, name, config.backend)
                 else:
                     fingerprint = None
@@ -290,15 +297,15 @@ def calibrate_layer_by_layer(
                         fingerprint = layer_fingerprint(layer, name, layer_filter)
                     quantize_(layer, prepare, filter_fn=layer_filter)
                     if data_parallel:
-                        _calibrate_data_parallel(layer, run, outputs, group, rank == anchor_source,
-                                                 config.act_calibration == "mse")
+                        _calibrate_data_parallel(layer, calibration_run, outputs, group,
+                                                 rank == anchor_source, config.act_calibration == "mse")
                         convert_data_parallel(layer, convert, layer_filter, group)
                     else:
                         for b in range(len(hidden)):
-                            outputs[b] = run(b)
+                            outputs[b] = calibration_run(b)
                         quantize_(layer, convert, filter_fn=layer_filter)
                 if propagate_quantized:
-                    outputs = [run(b) for b in range(len(hidden))]
+                    outputs = [run(b, last_use=True) for b in range(len(hidden))]
             hidden = outputs
             if offload:
                 layer.to(layer_home)
