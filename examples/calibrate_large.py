@@ -48,10 +48,11 @@ CHECK_LIMIT = 2e9  # parameters above which a data-parallel run skips the check 
 SPARE_GPU_MEMORY = 2 * 2**30  # the layer-by-layer budget's allowance above layer + cached inputs
 
 
-def build(preset: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """The preset's Llama with random weights, initialised on ``device`` (fast on a GPU); every
-    rank builds the same weights."""
-    hidden, intermediate, layers, heads, kv_heads, vocab = PRESETS[preset]
+def build(preset: str, dtype: torch.dtype, device: torch.device, layers=None) -> LlamaForCausalLM:
+    """The preset's Llama (``layers`` decoder layers if given) with random weights, initialised
+    on ``device`` (fast on a GPU); every rank builds the same weights."""
+    hidden, intermediate, preset_layers, heads, kv_heads, vocab = PRESETS[preset]
+    layers = layers or preset_layers
     config = LlamaConfig(
         hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
@@ -157,7 +158,9 @@ def main(argv=None) -> None:
     shards = [everything[r::world] for r in range(world)]
 
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-    if device.type == "cuda":
+    if device.type == "cuda":  # untimed: Triton compiles its kernels, cuBLAS starts, on one layer
+        calibrate_layer_by_layer(build(args.preset, dtype, device, layers=1), everything[:1], config,
+                                 device=device, filter_fn=not_lm_head, progress=False)
         torch.cuda.reset_peak_memory_stats(device)
     layer_by_layer = timed(lambda: calibrate_layer_by_layer(
         model, shards[rank], config, device=device, cache_device=args.cache_device,
