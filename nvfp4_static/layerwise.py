@@ -136,15 +136,29 @@ def _holds(module, target) -> bool:
     return any(m is target for m in module.modules())
 
 
-def _move_outside(model, layers, device) -> None:
+def _move_outside(model, layers, device, on_first_call: bool = False) -> list:
+    """Move what lies outside ``layers`` to ``device``: the own tensors of the modules on the
+    path to them at once, the other modules whole. With ``on_first_call`` each of those moves
+    only when the forward calls it (the returned hooks do it; remove them after), so that what
+    runs after the layers (``lm_head``: a GiB or more at a 128k vocabulary) never reaches the
+    device while the first layer's inputs are recorded."""
     whole, path = _outside(model, layers)
-    for module in whole:
+
+    def move(module, args) -> None:  # a pre-hook's return value would replace the arguments
         module.to(device)
+
+    hooks = []
+    for module in whole:
+        if on_first_call:
+            hooks.append(module.register_forward_pre_hook(move))
+        else:
+            module.to(device)
     for module in path:
         for name, param in list(module.named_parameters(recurse=False)):
             param.data = param.data.to(device)
         for name, buffer in list(module.named_buffers(recurse=False)):
             module._buffers[name] = buffer.to(device)
+    return hooks
 
 
 def _capture_first_layer_inputs(model, layers, batches, forward, device, cache_device) -> list:
@@ -253,10 +267,12 @@ def calibrate_layer_by_layer(
         finished = _finished_layers(resume_dir, model, prefix, layers, layer_filter_of, config,
                                     propagate_quantized, batches, data_parallel, group, rank)
 
-    _move_outside(model, layers, device)
+    moves = _move_outside(model, layers, device, on_first_call=True)
     try:
         records = _capture_first_layer_inputs(model, layers, batches, forward, device, cache_device)
     finally:
+        for move in moves:
+            move.remove()
         _move_outside(model, layers, home)
     hidden = [_hidden_states_of_call(args, kwargs) for args, kwargs in records]
     inputs = [_with_hidden_states(args, kwargs, None) for args, kwargs in records]  # no 2nd copy

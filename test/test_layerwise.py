@@ -7,7 +7,12 @@ from distributed_worker import converted_scales
 from tiny_llama import all_but_lm_head, convert_llama, logits, prepared_and_calibrated, tiny_llama, token_ids
 
 from nvfp4_static import NVFP4StaticActivationConfig, calibrate_layer_by_layer, workflow
-from nvfp4_static.layerwise import find_decoder_layers
+from nvfp4_static.layerwise import (
+    _capture_first_layer_inputs,
+    _default_forward,
+    _move_outside,
+    find_decoder_layers,
+)
 from nvfp4_static.linear import NVFP4StaticLinear
 
 BATCHES = (0, 1)  # the token_ids seeds prepared_and_calibrated feeds the whole model
@@ -64,6 +69,20 @@ def test_a_model_without_decoder_layers_is_refused_clearly():
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
     with pytest.raises(ValueError, match="ModuleList named 'layers'"):
         calibrate_layer_by_layer(model, [torch.randn(2, 32)], progress=False, device="cpu")
+
+
+def test_recording_the_first_layer_inputs_moves_only_what_runs_before_it(monkeypatch):
+    """lm_head (a GiB at a 128k vocabulary) must not reach the device for the recording."""
+    model, cpu = tiny_llama(), torch.device("cpu")
+    _, layers = find_decoder_layers(model)
+    moved, to = [], torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(self) or to(self, *a, **k))
+    moves = _move_outside(model, layers, cpu, on_first_call=True)
+    _capture_first_layer_inputs(model, layers, [token_ids(0)], _default_forward, cpu, cpu)
+    for move in moves:
+        move.remove()
+    assert {name for name, m in model.named_modules() if any(m is x for x in moved)} == {
+        "model.embed_tokens", "model.rotary_emb"}
 
 
 def test_finds_hugging_face_decoder_layers():
