@@ -29,13 +29,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from nvfp4_static.numerics import (
-    BLOCK_SIZE,
-    E2M1_MAX,
-    E4M3_MIN_NORMAL,
-    e4m3_positive_values,
-    round_to_e2m1,
-)
+from nvfp4_static import kernels
+from nvfp4_static.numerics import BLOCK_SIZE, E4M3_MIN_NORMAL, e4m3_positive_values
 from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
 from nvfp4_static.references import (
     sweep_candidate_factors,
@@ -49,8 +44,6 @@ DEFAULT_DAMPENING = 0.01
 # Columns whose errors are applied to the rest of the weight in one matrix product (the paper's
 # lazy batch updates); inside the batch, each 16-column block updates the batch's later columns.
 LAZY_BATCH_COLUMNS = 128
-# Weight rows per step of the block-scale search: its temporaries are 126 candidates x rows x 16.
-SEARCH_ROWS_PER_CHUNK = 1024
 
 
 class GPTQResult(NamedTuple):
@@ -104,48 +97,6 @@ def damped_inverse_hessian_cholesky(
     inverse = torch.cholesky_inverse(factor)
     upper = torch.linalg.cholesky(inverse, upper=True)
     return upper.to(torch.float32)
-
-
-def _round_block_columns(
-    block: torch.Tensor, upper_block: torch.Tensor, reciprocal: torch.Tensor, dequant_scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ's 16 steps over one block of columns, ``block`` ``[..., R, 16]`` updated in place.
-
-    ``reciprocal`` and ``dequant_scale`` (``[..., R, 1]``) are each row's ``(1 / p) / s`` and
-    ``p * s``. Returns the E2M1 values ``[..., R, 16]`` and the scaled errors
-    ``e_j = (w_j - q_j p s) / U_jj``, whose product with ``U``'s block rows carries the error on.
-    """
-    values = torch.empty_like(block)
-    errors = torch.empty_like(block)
-    for j in range(BLOCK_SIZE):
-        column = block[..., j : j + 1]
-        q = round_to_e2m1((column * reciprocal).clamp(-E2M1_MAX, E2M1_MAX))
-        error = (column - q * dequant_scale) / upper_block[j, j]
-        block[..., j + 1 :] -= error * upper_block[j, j + 1 :]
-        values[..., j : j + 1] = q
-        errors[..., j : j + 1] = error
-    return values, errors
-
-
-def _search_block_scales(
-    block: torch.Tensor, upper_block: torch.Tensor, reciprocals: torch.Tensor, dequant_scales: torch.Tensor
-) -> torch.Tensor:
-    """The index of each row's FP8 candidate whose 16 GPTQ steps leave the least error."""
-    n_candidates = reciprocals.numel()
-    best = torch.empty(block.shape[0], dtype=torch.int64, device=block.device)
-    for start in range(0, block.shape[0], SEARCH_ROWS_PER_CHUNK):
-        rows = block[start : start + SEARCH_ROWS_PER_CHUNK]
-        trial = rows.unsqueeze(0).repeat(n_candidates, 1, 1)
-        _, errors = _round_block_columns(
-            trial, upper_block, reciprocals.view(-1, 1, 1), dequant_scales.view(-1, 1, 1)
-        )
-        loss = torch.zeros(trial.shape[:2], dtype=torch.float32, device=block.device)
-        for j in range(BLOCK_SIZE):  # additions in one fixed order
-            loss = loss + errors[..., j] * errors[..., j]
-        # NaN never wins; among equal losses the first (smallest) candidate does.
-        loss = torch.nan_to_num(loss, nan=float("inf"))
-        best[start : start + SEARCH_ROWS_PER_CHUNK] = loss.argmin(dim=0)
-    return best
 
 
 def gptq_quantize_nvfp4(
@@ -218,13 +169,9 @@ def _round_columns_in_order(
         batch_errors = torch.empty(n_rows, batch_end - batch_start, dtype=torch.float32, device=w.device)
         for start in range(batch_start, batch_end, BLOCK_SIZE):
             end = start + BLOCK_SIZE
-            upper_block = upper[start:end, start:end]
-            block = w[:, start:end]
-            choice = _search_block_scales(block, upper_block, reciprocals, dequant_scales)
-            values[:, start:end], errors = _round_block_columns(
-                block, upper_block, reciprocals[choice].unsqueeze(1), dequant_scales[choice].unsqueeze(1)
+            values[:, start:end], errors, choices[:, start // BLOCK_SIZE] = kernels.gptq_block(
+                w[:, start:end], upper[start:end, start:end], reciprocals, dequant_scales
             )
-            choices[:, start // BLOCK_SIZE] = choice
             batch_errors[:, start - batch_start : end - batch_start] = errors
             w[:, end:batch_end] -= errors @ upper[start:end, end:batch_end]
         w[:, batch_end:] -= batch_errors @ upper[batch_start:batch_end, batch_end:]

@@ -6,7 +6,9 @@ exactly, and the implementation used on CPU:
 - ``block_amax_histogram``: per-16-block amaxes binned on a base-2 log scale;
 - ``fp8_scale_sweep``: the 126-candidate FP8 block-scale search for a weight (plain or
   Hessian-weighted squared error);
-- ``block_hessian``: ``sum_tokens x_b x_b^T`` per 16-wide input block.
+- ``block_hessian``: ``sum_tokens x_b x_b^T`` per 16-wide input block;
+- ``gptq_block``: GPTQ's scale search and rounding of one 16-column block (``nvfp4_static.gptq``
+  runs it block by block).
 """
 
 import contextlib
@@ -32,6 +34,7 @@ __all__ = [
     "upper_triangular_hessian",
     "fp8_scale_sweep",
     "block_hessian",
+    "gptq_block",
 ]
 
 # Weight elements per step of the reference sweep, by device: on a CPU the step's temporaries
@@ -239,3 +242,72 @@ def block_hessian(x: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     tokens = x.reshape(-1, k // BLOCK_SIZE, BLOCK_SIZE).to(torch.float32)
     return torch.einsum("tbi,tbj->bij", tokens, tokens)
+
+
+# Weight rows per step of ``gptq_block``'s scale search, by device: its temporaries are 126
+# candidates x rows x 16 floats (8 MiB per temporary at 1024 rows). Each step runs ~300 small
+# ops, so a GPU takes every row of an 8B-sized layer at once (115 MiB per temporary at 14336).
+GPTQ_SEARCH_ROWS_PER_CHUNK = {"cpu": 1024, "other": 16384}
+
+
+def _gptq_block_steps(
+    block: torch.Tensor, upper_block: torch.Tensor, reciprocal: torch.Tensor, dequant_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's 16 steps over one block of columns ``[..., R, 16]`` (not changed), each row with
+    its own ``reciprocal = (1 / p) / s`` and ``dequant_scale = p * s`` (``[..., R, 1]``).
+
+    Step ``j`` rounds column ``j`` as it stands, ``q_j = e2m1(clamp(w_j * reciprocal, -6, 6))``,
+    and moves its scaled error ``e_j = (w_j - q_j * dequant_scale) / U_jj`` onto the later
+    columns, ``w_i -= e_j * U_ji``. Returns the E2M1 values and the errors ``e``.
+    """
+    block = block.clone()
+    values = torch.empty_like(block)
+    errors = torch.empty_like(block)
+    for j in range(BLOCK_SIZE):
+        column = block[..., j : j + 1]
+        q = round_to_e2m1((column * reciprocal).clamp(-E2M1_MAX, E2M1_MAX))
+        error = (column - q * dequant_scale) / upper_block[j, j]
+        block[..., j + 1 :] -= error * upper_block[j, j + 1 :]
+        values[..., j : j + 1] = q
+        errors[..., j : j + 1] = error
+    return values, errors
+
+
+def gptq_block(
+    block: torch.Tensor, upper_block: torch.Tensor, reciprocals: torch.Tensor, dequant_scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ on one 16-column block of a weight: choose each row's FP8 block scale, then round.
+
+    Every candidate ``c`` (``reciprocals[c]``, ``dequant_scales[c]`` from
+    ``sweep_candidate_factors``) runs the block's 16 GPTQ steps (``_gptq_block_steps``); each
+    row keeps the one whose errors have the least ``sum_j e_j^2``, added in order ``j = 0..15``
+    (ties: the lowest candidate; a NaN sum never wins).
+
+    Args:
+        block: float32 ``[N, 16]``, the block's columns as the earlier blocks' errors left them.
+        upper_block: float32 ``[16, 16]``, the block's diagonal block of ``U`` (upper triangular,
+            ``U^T U`` the damped inverse Hessian).
+        reciprocals, dequant_scales: float32 ``[126]``.
+
+    Returns:
+        ``(values, errors, choices)``: E2M1 values ``[N, 16]``, errors ``e`` ``[N, 16]`` (their
+        product with ``U``'s rows carries the block's error onto the later columns) and each
+        row's candidate index ``[N]`` (int64).
+    """
+    n_candidates = reciprocals.numel()
+    choices = torch.empty(block.shape[0], dtype=torch.int64, device=block.device)
+    rows_per_chunk = GPTQ_SEARCH_ROWS_PER_CHUNK["cpu" if block.device.type == "cpu" else "other"]
+    for start in range(0, block.shape[0], rows_per_chunk):
+        trial = block[start : start + rows_per_chunk].unsqueeze(0).expand(n_candidates, -1, -1)
+        _, errors = _gptq_block_steps(
+            trial, upper_block, reciprocals.view(-1, 1, 1), dequant_scales.view(-1, 1, 1)
+        )
+        loss = errors[..., 0] * errors[..., 0]
+        for j in range(1, BLOCK_SIZE):
+            loss = loss + errors[..., j] * errors[..., j]
+        loss = torch.nan_to_num(loss, nan=float("inf"))
+        choices[start : start + rows_per_chunk] = loss.argmin(dim=0)  # the first of equal minima
+    values, errors = _gptq_block_steps(
+        block, upper_block, reciprocals[choices].unsqueeze(1), dequant_scales[choices].unsqueeze(1)
+    )
+    return values, errors, choices

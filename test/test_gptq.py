@@ -1,13 +1,17 @@
-"""gptq.py and the full-Hessian observer: GPTQ rounds a layer with less output error than
-round-to-nearest with the same scales, stays valid NVFP4, reduces to round-to-nearest under an
-identity Hessian, refuses bad input, and its converted models save and load like the others."""
+"""gptq.py, its kernel and the full-Hessian observer: GPTQ rounds a layer with less output error
+than round-to-nearest with the same scales, stays valid NVFP4, reduces to round-to-nearest under
+an identity Hessian, refuses bad input, and its converted models save and load like the others.
+The Triton kernel of one block (kernels/gptq_block.py) equals ``references.gptq_block`` bit for
+bit, under Triton's interpreter on CPU (``LAUNCHES``, run in one child process) and on CUDA."""
 
 import pytest
 import torch
 
 from conftest import DIM, calibration_batches, convert, make, prepare, quantized, requires_cuda
 from models import MLP
-from nvfp4_static import NVFP4StaticActivationConfig, NVFP4StaticLinear, load_quantized
+from triton_interpreter import run_interpreted
+
+from nvfp4_static import NVFP4StaticActivationConfig, NVFP4StaticLinear, kernels, load_quantized, references
 from nvfp4_static.gptq import damped_inverse_hessian_cholesky, gptq_quantize_nvfp4
 from nvfp4_static.numerics import (
     E2M1_VALUES,
@@ -20,7 +24,16 @@ from nvfp4_static.numerics import (
 from nvfp4_static.observers import BlockHessianAccumulator, FullHessianAccumulator
 from nvfp4_static.observers.full_hessian import block_diagonal
 from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
-from nvfp4_static.references import fp8_scale_sweep
+from nvfp4_static.references import fp8_scale_sweep, sweep_candidate_factors
+
+GPTQ_BLOCK = "nvfp4_static.kernels.gptq_block:launch_gptq_block"
+# Every interpreted launch of this file, by name: (launcher, args).
+LAUNCHES: dict[str, tuple[str, tuple]] = {}
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(LAUNCHES)
 
 
 def correlated_layer(n: int = 32, k: int = 64, tokens: int = 256, seed: int = 0, device: str = "cpu"):
@@ -300,3 +313,58 @@ def test_gptq_on_cuda_beats_round_to_nearest_and_converts():
     assert output_error(x, weight, dequantized(*result, global_amax)) < 0.85 * output_error(x, weight, rtn)
     model = quantized(make(MLP).cuda(), batches=[b.cuda() for b in calibration_batches()], weight_scale="gptq")
     assert model.up.weight.qdata.is_cuda
+
+
+# --- the kernel of one block --------------------------------------------------------------------
+
+
+def block_operands(n_rows: int, seed: int, block_index: int = 1, candidates=slice(None), device: str = "cpu"):
+    """``references.gptq_block``'s operands for block ``block_index`` of a ``[n_rows, 48]``
+    correlated layer: the block as a strided view of the weight (rows 48 apart), its 16x16 block
+    of ``U``, and the factors of the FP8 candidates ``candidates`` (a slice keeps interpreted
+    runs short). Some rows are edge cases: an outlier (later columns saturate), zeros of both
+    signs (every candidate ties: the first wins), tiny values."""
+    weight, x = correlated_layer(n=n_rows, k=48, seed=seed)
+    weight[1, 16:24] *= 50.0
+    weight[2, 16:32] = 0.0
+    weight[3, 16:32:2] = -0.0
+    weight[4, 16:32] *= 1e-6
+    global_amax = weight[:, 20:].abs().amax()  # some rows of the block lie above it and clip
+    upper = damped_inverse_hessian_cholesky(x.T @ x)
+    start = 16 * block_index
+    reciprocals, dequant_scales = sweep_candidate_factors(global_amax, torch.device(device))
+    return (weight.to(device)[:, start : start + 16], upper[start : start + 16, start : start + 16].to(device),
+            reciprocals[candidates], dequant_scales[candidates])
+
+
+# name: (rows, seed, block, candidates): all 126 candidates on one program; 24 of them on two
+# programs, the second partial, in the last block. (The interpreter takes about 0.05 s per
+# candidate and program.)
+BLOCK_CASES = {
+    "6-rows-all-candidates": (6, 11, 1, slice(None)),
+    "37-rows-last-block": (37, 13, 2, slice(80, 104)),
+}
+LAUNCHES.update({f"gptq-block-{name}": (GPTQ_BLOCK, block_operands(*case)) for name, case in BLOCK_CASES.items()})
+
+
+def assert_same_block_result(got, expected):
+    for ours, theirs in zip(got, expected):
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        # bit for bit: -0.0 and +0.0 are different E2M1 codes
+        assert torch.equal(ours.view(torch.int32) if ours.is_floating_point() else ours,
+                           theirs.view(torch.int32) if theirs.is_floating_point() else theirs)
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_gptq_block_kernel_equals_the_reference_interpreted(interpreted, case):
+    launched = interpreted[f"gptq-block-{case}"]
+    expected = references.gptq_block(*launched.args)
+    assert len(set(expected[2].tolist())) > 1  # rows choose different scales
+    assert_same_block_result(launched.returned, expected)
+
+
+@requires_cuda
+def test_gptq_block_op_equals_the_reference_on_cuda():
+    for rows in (37, 1000, 4100):
+        operands = block_operands(rows, seed=14, device="cuda")
+        assert_same_block_result(kernels.gptq_block(*operands), references.gptq_block(*operands))

@@ -1,7 +1,8 @@
 """Triton kernels for calibration and inference, and the ops that run them on every device.
 
 - ``ops``: the ``torch.library`` ops, their fakes and the torch fallbacks; the ops below.
-- ``histogram``, ``scale_sweep``, ``block_hessian``: the calibration kernels and launchers.
+- ``histogram``, ``scale_sweep``, ``block_hessian``: the calibration kernels and launchers;
+  ``gptq_block``: GPTQ's per-block scale search and rounding (``weight_scale="gptq"``).
 - ``act_quantize``, ``gemm``, ``grouped_gemm``: the inference kernels and launchers (``gemm`` also
   holds the tile table, ``GEMM_CONFIGS``; ``grouped_gemm`` runs the experts of an MoE layer).
 - ``launch``: what the launchers share (tracing a launch, grid arithmetic).
@@ -18,6 +19,7 @@ from nvfp4_static.kernels.ops import (
     collect_block_amax_histogram,
     fp8_scale_sweep,
     gemm_activation_operand,
+    gptq_block,
     grouped_static_nvfp4_linear,
     nvfp4_gemm,
     quantize_activation_nvfp4,
@@ -28,6 +30,7 @@ __all__ = [
     "collect_block_amax_histogram",
     "fp8_scale_sweep",
     "accumulate_block_hessian",
+    "gptq_block",
     "quantize_activation_nvfp4",
     "gemm_activation_operand",
     "nvfp4_gemm",

@@ -6,12 +6,12 @@ calibrators, the backends and the tensor subclass call the ops (``nvfp4_static.k
 re-exports them), never a launcher.
 
 Calibration ops, ``torch.library.custom_op``s: ``collect_block_amax_histogram``,
-``fp8_scale_sweep`` and ``accumulate_block_hessian``. Each op's CUDA kernel is the launcher and
-its kernel on every other device the torch reference in ``nvfp4_static.references``; both give
-identical results. Being custom ops, a calibration forward compiles with
-``torch.compile(fullgraph=True)``; run eagerly on CUDA, the two collect ops call their launchers
-directly, because the custom op's dispatch costs as much host time as the launch itself and
-calibration runs them at every observed layer.
+``fp8_scale_sweep``, ``accumulate_block_hessian`` and ``gptq_block`` (GPTQ at convert). Each
+op's CUDA kernel is the launcher and its kernel on every other device the torch reference in
+``nvfp4_static.references``; both give identical results. Being custom ops, a calibration
+forward compiles with ``torch.compile(fullgraph=True)``; run eagerly on CUDA, the two collect
+ops call their launchers directly, because the custom op's dispatch costs as much host time as
+the launch itself and calibration runs them at every observed layer.
 
 Inference ops, ``torch.library.triton_op``s while ``torch.compile`` traces and plain calls in
 eager mode (``traced_op``): ``quantize_activation_nvfp4`` and ``gemm_activation_operand`` run the
@@ -78,6 +78,7 @@ if HAS_TRITON:
         table_config,
         taking_operand,
     )
+    from nvfp4_static.kernels.gptq_block import launch_gptq_block
     from nvfp4_static.kernels.grouped_gemm import launch_grouped_nvfp4_gemm
     from nvfp4_static.kernels.histogram import launch_block_amax_histogram
     from nvfp4_static.kernels.scale_sweep import launch_fp8_scale_sweep
@@ -86,6 +87,7 @@ else:
     launch_block_amax_histogram = _without_triton("collect_block_amax_histogram on a CUDA tensor")
     launch_fp8_scale_sweep = _without_triton("fp8_scale_sweep on a CUDA tensor")
     launch_block_hessian = _without_triton("accumulate_block_hessian on a CUDA tensor")
+    launch_gptq_block = _without_triton("GPTQ (weight_scale='gptq') on a CUDA tensor")
     launch_activation_quantize = _without_triton("NVFP4 activation quantization on a CUDA tensor")
     launch_nvfp4_gemm = _without_triton("the NVFP4 GEMM on a CUDA tensor")
     check_operands = cublas_with_fused_epilogue = fuses_epilogue_into_cublas = launch_nvfp4_gemm
@@ -207,6 +209,31 @@ def fp8_scale_sweep(
 ) -> torch.Tensor:
     """Best FP8 block scale per 16-element block of ``weight``; see ``references.fp8_scale_sweep``."""
     return _fp8_scale_sweep_op(weight, global_amax, hessian)
+
+
+@torch.library.custom_op("nvfp4_static::gptq_block", mutates_args=())
+def _gptq_block_op(
+    block: torch.Tensor, upper_block: torch.Tensor, reciprocals: torch.Tensor, dequant_scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return references.gptq_block(block, upper_block, reciprocals, dequant_scales)
+
+
+@_gptq_block_op.register_kernel("cuda")
+def _gptq_block_cuda(block, upper_block, reciprocals, dequant_scales):
+    return launch_gptq_block(block, upper_block, reciprocals, dequant_scales)
+
+
+@_gptq_block_op.register_fake
+def _gptq_block_fake(block, upper_block, reciprocals, dequant_scales):
+    values = block.new_empty(block.shape, dtype=torch.float32)
+    return values, torch.empty_like(values), block.new_empty(block.shape[0], dtype=torch.int64)
+
+
+def gptq_block(
+    block: torch.Tensor, upper_block: torch.Tensor, reciprocals: torch.Tensor, dequant_scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's scale search and rounding of one 16-column block; see ``references.gptq_block``."""
+    return _gptq_block_op(block, upper_block, reciprocals, dequant_scales)
 
 
 @torch.library.custom_op("nvfp4_static::accumulate_block_hessian", mutates_args=("hessian",))

@@ -42,20 +42,25 @@ _E2M1_SNAP = tl.constexpr(6291456.0)
 
 
 @triton.jit
-def _quantization_steps(w_abs, reciprocal, dequant_scale):
-    """``|q| * d`` for each of the 16 ``|w|``, ``q = e2m1(clamp(w * reciprocal, -6, 6))``.
+def round_to_e2m1_magnitude(a):
+    """``numerics.round_to_e2m1`` of ``a`` in [0, 6].
 
-    ``a = min(|w| * reciprocal, 6)`` is rounded onto the E2M1 grid (step 0.5 below 2, 1 below 4,
-    then 2) by adding and subtracting ``1.5 * 2**22 * binade(max(a, 1))``, a float whose ulp is
-    that step: round to nearest, ties to even, as the reference's thresholds. Both FMAs are an
-    exact product plus one rounding, i.e. a plain add.
+    ``a`` is rounded onto the E2M1 grid (step 0.5 below 2, 1 below 4, then 2) by adding and
+    subtracting ``1.5 * 2**22 * binade(max(a, 1))``, a float whose ulp is that step: round to
+    nearest, ties to even, as the reference's thresholds. Both FMAs are an exact product plus
+    one rounding, i.e. a plain add.
     """
+    one_or_more = tl.maximum(a, 1.0).to(tl.int32, bitcast=True)
+    binade = (one_or_more & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.fma(binade, -_E2M1_SNAP, tl.fma(binade, _E2M1_SNAP, a))
+
+
+@triton.jit
+def _quantization_steps(w_abs, reciprocal, dequant_scale):
+    """``|q| * d`` for each of the 16 ``|w|``, ``q = e2m1(clamp(w * reciprocal, -6, 6))``."""
     steps = ()
     for j in tl.static_range(16):
-        a = tl.minimum(w_abs[j] * reciprocal, 6.0)
-        one_or_more = tl.maximum(a, 1.0).to(tl.int32, bitcast=True)
-        binade = (one_or_more & 0x7F800000).to(tl.float32, bitcast=True)
-        q = tl.fma(binade, -_E2M1_SNAP, tl.fma(binade, _E2M1_SNAP, a))
+        q = round_to_e2m1_magnitude(tl.minimum(w_abs[j] * reciprocal, 6.0))
         steps = steps + (q * dequant_scale,)
     return steps
 
