@@ -14,7 +14,10 @@ the last ``--n-eval`` are held out for perplexity, so the two never overlap.
 Every ``nn.Linear`` but ``lm_head`` is quantized. Recipes are ``<activation>+<weight>`` names
 (``b_min+mse``, ``max+hessian_mse``, ...; see ``NVFP4StaticActivationConfig``), plus
 ``torchao`` (= ``max+max``: torchao's own NVFP4 numerics with a max-calibrated static scale)
-and ``w4a16`` (torchao's ``NVFP4WeightOnlyConfig``: NVFP4 weights, float activations).
+and ``w4a16`` (torchao's ``NVFP4WeightOnlyConfig``: NVFP4 weights, float activations). A
+Hessian recipe may end in ``@upstream`` or ``@quantized``: after calibration, a second pass
+gathers its Hessians under quantized activations, from each layer's input before or after its
+own quantization (``nvfp4_static.calibrate_hessians_under_quantized_activations``).
 
 ``--export DIR`` writes each W4A4 recipe's model to ``DIR/<recipe>`` as a folder serving engines
 load (``--format compressed-tensors`` for ``vllm serve DIR/<recipe>``, or ``modelopt``), with
@@ -35,6 +38,8 @@ from typing import Optional
 DEFAULT_RECIPES = "torchao,b_min+mse,b_min+hessian_mse,w4a16"
 RECIPE_ALIASES = {"torchao": "max+max"}
 WEIGHT_ONLY = "w4a16"
+# Recipe suffix -> own_input_quantized of the quantized-activation Hessian pass.
+HESSIAN_PASSES = {"upstream": False, "quantized": True}
 EXPORT_FORMATS = ("compressed-tensors", "modelopt")  # nvfp4_static.export.FORMATS (a test checks)
 
 
@@ -87,6 +92,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from nvfp4_static import (  # noqa: E402
     NVFP4StaticActivationConfig,
+    calibrate_hessians_under_quantized_activations,
     export_checkpoint,
     is_quantizable,
     tie_fused_layers,
@@ -149,7 +155,8 @@ def parse_recipe(name: str, b_min_options: dict):
     """
     if name == WEIGHT_ONLY:
         return None
-    act, _, weight = RECIPE_ALIASES.get(name, name).partition("+")
+    base, _, hessian_pass = name.partition("@")
+    act, _, weight = RECIPE_ALIASES.get(base, base).partition("+")
     recipe = {"act_calibration": act, "weight_scale": weight}
     if act == "b_min":
         recipe.update(b_min_options)
@@ -160,6 +167,13 @@ def parse_recipe(name: str, b_min_options: dict):
             f"recipe {name!r}: {error}; name recipes '<act_calibration>+<weight_scale>', "
             f"'torchao' or '{WEIGHT_ONLY}'"
         ) from error
+    if hessian_pass:
+        if hessian_pass not in HESSIAN_PASSES or weight in ("max", "mse"):
+            raise SystemExit(
+                f"recipe {name!r}: a Hessian weight recipe (e.g. 'max+hessian_mse') may end in "
+                f"{' or '.join('@' + suffix for suffix in HESSIAN_PASSES)}"
+            )
+        recipe["hessian_pass"] = hessian_pass
     return recipe
 
 
@@ -216,15 +230,22 @@ def quantize(float_model, recipe: dict, calib_batches, name: str, tie: bool = Fa
     if recipe is None:
         quantize_(model, NVFP4WeightOnlyConfig(), filter_fn=all_but_lm_head)
         return model
-    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **recipe), filter_fn=all_but_lm_head)
+    config = {key: value for key, value in recipe.items() if key != "hessian_pass"}
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=all_but_lm_head)
     calibrate(model, calib_batches, f"calibrate {name}")
     if tie:
         tie_fused_layers(model)
+    if "hessian_pass" in recipe:
+        calibrate_hessians_under_quantized_activations(
+            model,
+            lambda m: calibrate(m, calib_batches, f"Hessians of {name}"),
+            own_input_quantized=HESSIAN_PASSES[recipe["hessian_pass"]],
+        )
     with warnings.catch_warnings():
         # The diagnostics table lists every layer whose block amaxes span more than FP8 holds.
         warnings.filterwarnings("ignore", message=".*B_max / B_min")
         quantize_(
-            model, NVFP4StaticActivationConfig(step="convert", **recipe), filter_fn=all_but_lm_head
+            model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=all_but_lm_head
         )
     return model
 

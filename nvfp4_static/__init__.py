@@ -35,6 +35,7 @@ from nvfp4_static.observers import (
     NVFP4MSECalibrator,
     PercentileCalibrator,
 )
+from nvfp4_static.quantized_activation_hessian import calibrate_hessians_under_quantized_activations
 from nvfp4_static.serving_import import import_checkpoint
 from nvfp4_static.tensor import NVFP4StaticTensor
 from nvfp4_static.workflow import is_quantizable
@@ -75,4 +76,5 @@ __all__ = [
     "calibrate_in_shards",
     "convert_data_parallel",
     "calibrate_layer_by_layer",
+    "calibrate_hessians_under_quantized_activations",
 ]

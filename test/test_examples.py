@@ -133,6 +133,49 @@ def test_propagation_study_without_propagation_scores_what_the_llm_example_score
 
 
 @pytest.mark.skipif(
+    bool(missing_llm_deps),
+    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
+)
+def test_compare_recipes_summarises_its_draws_and_each_draw_is_the_llm_example_run():
+    """The table's means, standard errors and paired differences are those of the per-draw
+    values; a draw scores what ``quantize_llm.py`` scores on those calibration sequences (the
+    Hessian pass and tying included); ModelOpt's recipes are listed as skipped without CUDA."""
+    tiny = ["--num-layers", "1", "--n-eval", "2", "--seq-len", "32", "--batch-size", "2"]
+    ours = ["torchao", "max+hessian_mse@upstream"]
+    stdout = run_script(
+        "examples/compare_recipes.py", *tiny, "--draws", "2", "--draw-sizes", "1",
+        "--recipes", ",".join(["w4a16", *ours, "modelopt:local_hessian"]), "--tie-fused-layers",
+        "--device", "cpu", timeout=900,
+    )
+    assert "skipped: modelopt:local_hessian: ModelOpt's NVFP4 fake quantization needs CUDA" in stdout
+    draws = [
+        dict(item.rsplit(" ", 1) for item in line.split(": ", 1)[1].split(", "))
+        for line in stdout.splitlines() if line.startswith("draw ")
+    ]
+    rows = ours + [name + " tied" for name in ours]
+    assert len(draws) == 2 and all(list(draw) == rows for draw in draws)
+    table = stdout.split("2 draws of 1 calibration sequences:\n", 1)[1].splitlines()[2:]
+    summary = {line[:32].strip(): line[32:].split() for line in table if line.strip()}
+    assert list(summary) == ["float", "w4a16", *rows]
+    for name in rows:
+        values = [float(draw[name]) for draw in draws]
+        n, mean, error = summary[name][:3]
+        assert int(n) == 2
+        assert float(mean) == pytest.approx(sum(values) / 2, rel=1e-6, abs=1e-3)
+        assert float(error) == pytest.approx(abs(values[0] - values[1]) / 2, rel=1e-6, abs=1e-3)
+        if name != "torchao":  # the baseline without ModelOpt; the others are paired with it
+            gaps = [v - float(draw["torchao"]) for v, draw in zip(values, draws)]
+            assert float(summary[name][3]) == pytest.approx(sum(gaps) / 2, rel=1e-6, abs=1e-3)
+
+    example = results_table(run_script(
+        "examples/quantize_llm.py", *tiny, "--n-calib", "1", "--calib-start", "1",
+        "--recipes", ",".join(ours), "--tie-fused-layers", "--diagnostics-rows", "0", timeout=600,
+    ))
+    for name in ours:
+        assert float(draws[1][name + " tied"]) == example[name]
+
+
+@pytest.mark.skipif(
     bool(missing_encoder_deps),
     reason=f"the encoder example needs pip install -e '.[examples]' (missing: {', '.join(missing_encoder_deps)})",
 )
@@ -151,7 +194,10 @@ def test_encoder_example_keeps_embeddings_close():
 
 @pytest.mark.parametrize(
     "script",
-    ["examples/quickstart.py", "examples/quantize_llm.py", "examples/perplexity_over_draws.py", "examples/encoder.py"],
+    [
+        "examples/quickstart.py", "examples/quantize_llm.py", "examples/perplexity_over_draws.py",
+        "examples/compare_recipes.py", "examples/encoder.py",
+    ],
 )
 def test_example_help_answers_before_the_slow_imports(script):
     """``--help`` is answered before torch, torchao, transformers and this package are imported
