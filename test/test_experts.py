@@ -398,13 +398,26 @@ def grouped_operands(counts, N, K, seed, tail=2):
 
 
 # Tiny tiles so that the interpreter sees several row tiles per expert, a ragged K (48 with 32-wide
-# K tiles), a ragged N, experts with no rows, and tiles of one row.
+# K tiles), a ragged N, experts with no rows, tiles of one row, and transposed tiles.
 KERNEL_CASES = {
     "16x16x32-ragged": ((5, 0, 19, 1), 40, 48, GroupedGemmConfig(16, 16, 32, 4, 1)),
     "16x32x64-one-expert": ((0, 0, 33), 32, 64, GroupedGemmConfig(16, 32, 64, 4, 1)),
     "32x16x32-single-rows": ((1, 1, 1, 1, 1), 16, 32, GroupedGemmConfig(32, 16, 32, 4, 1)),
+    "16x32x32-transposed": ((3, 17, 0, 2), 48, 64, GroupedGemmConfig(16, 32, 32, 4, 1, weight_as_mma_a=True)),
 }
 LAUNCHER = "nvfp4_static.kernels.grouped_gemm:launch_grouped_nvfp4_gemm"
+QUANTIZE_LAUNCHER = "nvfp4_static.kernels.grouped_gemm:launch_routed_rows_quantize"
+
+
+def gathered(operands, seed):
+    """The operands with ``x`` replaced by a shuffled ``x`` with spare rows, and the index
+    ``source_rows`` that reads the original rows back out of it."""
+    x = operands[0]
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.cat((x, torch.randn(3, x.shape[1], generator=generator).to(x.dtype)))
+    order = torch.randperm(len(source), generator=generator)
+    source_rows = torch.argsort(order)[: len(x)]
+    return (source[order], *operands[1:]), source_rows
 
 
 @pytest.fixture(scope="module")
@@ -418,11 +431,18 @@ def interpreted_grouped_gemms():
             operands[case] = args
             out = torch.full((args[0].shape[0], N), float("nan"), dtype=dtype)
             launches[case] = (LAUNCHER, (*args, out, config))
+        # The same rows read through source_rows, from a shuffled x with rows no row reads.
+        shuffled, source_rows = gathered(operands[f"{name}-{torch.float32}"], seed=index)
+        out = torch.full((len(source_rows), N), float("nan"))
+        launches[f"{name}-gathered"] = (LAUNCHER, (*shuffled, out, config, source_rows))
+        operands[f"{name}-gathered"] = operands[f"{name}-{torch.float32}"]
     results = run_interpreted(launches)
     return {case: (operands[case], results[case].args[6]) for case in launches}
 
 
-@pytest.mark.parametrize("case", [f"{n}-{d}" for n in KERNEL_CASES for d in (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "case", [f"{n}-{d}" for n in KERNEL_CASES for d in (torch.float32, torch.bfloat16, "gathered")]
+)
 def test_interpreted_grouped_gemm_equals_the_per_expert_torch_reference(interpreted_grouped_gemms, case):
     operands, out = interpreted_grouped_gemms[case]
     routed = int(operands[1][-1])
@@ -431,6 +451,36 @@ def test_interpreted_grouped_gemm_equals_the_per_expert_torch_reference(interpre
     tolerance = gpu_tolerance(operands[0].shape[1], out.dtype)
     assert relative_error(out[:routed], expected) <= tolerance
     assert out[routed:].isnan().all()  # rows routed nowhere are not written
+
+
+@pytest.fixture(scope="module")
+def interpreted_routed_quantizations():
+    """The quantize kernel alone on three routings, straight and through ``source_rows``."""
+    launches, operands = {}, {}
+    for index, (counts, K) in enumerate((((5, 0, 19, 1), 48), ((0, 0, 33), 2048 + 64), ((1, 1, 1), 16))):
+        x, offsets, _, _, _, act_scales = grouped_operands(counts, 16, K, seed=10 + index)
+        for gather in (False, True):
+            case = f"{counts}-{K}-{'gathered' if gather else 'straight'}"
+            args, source_rows = gathered((x, offsets, act_scales), seed=index) if gather else ((x, offsets, act_scales), None)
+            qdata = torch.full((len(x), K // 2), 0xAA, dtype=torch.uint8)
+            scales = torch.full((len(x), K // 16), 0xAA, dtype=torch.uint8)
+            launches[case] = (QUANTIZE_LAUNCHER, (*args, qdata, scales, source_rows))
+            operands[case] = (x, offsets, act_scales)
+    results = run_interpreted(launches)
+    return {case: (operands[case], results[case].args[3], results[case].args[4]) for case in launches}
+
+
+@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("gather", ["straight", "gathered"])
+def test_interpreted_routed_rows_quantize_equals_quantize_nvfp4_per_expert(interpreted_routed_quantizations, index, gather):
+    case = [c for c in interpreted_routed_quantizations if c.endswith(gather)][index]
+    (x, offsets, act_scales), qdata, scales = interpreted_routed_quantizations[case]
+    bounds = offsets.tolist()
+    for expert, (first, end) in [(e, b) for e, b in enumerate(zip(bounds[:-1], bounds[1:])) if b[1] > b[0]]:
+        expected_qdata, expected_scales = quantize_nvfp4(x[first:end], act_scales[expert])
+        assert torch.equal(qdata[first:end], expected_qdata)
+        assert torch.equal(scales[first:end], expected_scales.view(torch.uint8))
+    assert (qdata[bounds[-1]:] == 0xAA).all() and (scales[bounds[-1]:] == 0xAA).all()  # not written
 
 
 def test_grouped_gemm_refuses_operands_that_do_not_fit_together():
@@ -444,6 +494,9 @@ def test_grouped_gemm_refuses_operands_that_do_not_fit_together():
         launch_grouped_nvfp4_gemm(x, offsets, qdata[:, :, :8], scales, weight_scales, act_scales, out)
     with pytest.raises(ValueError, match=r"K = 24"):
         launch_grouped_nvfp4_gemm(x[:, :24], offsets, qdata[:, :, :12], scales[:, :, :1], weight_scales, act_scales, out)
+    for source_rows in (torch.zeros(len(x), 1, dtype=torch.int64), torch.zeros(len(x)), torch.tensor(0)):
+        with pytest.raises(ValueError, match=r"source_rows .* \(want 1-D integers\)"):
+            launch_grouped_nvfp4_gemm(x, offsets, qdata, scales, weight_scales, act_scales, out, None, source_rows)
 
 
 # --- save and load -----------------------------------------------------------------------------

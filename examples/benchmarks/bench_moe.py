@@ -6,7 +6,8 @@ One Qwen3-30B-A3B-shaped experts layer (128 experts, top-8, hidden 2048, expert 
 - ``gemm``: the layer's two grouped GEMMs (gate/up ``[1536, 2048]`` and down ``[2048, 768]`` per
   expert) on the same T * 8 expert-sorted rows: ``bf16`` is ``torch.nn.functional.grouped_mm``
   with the bf16 weights (what transformers' ``grouped_mm`` experts run), ``ours`` the op
-  ``grouped_static_nvfp4_linear`` (the activation quantized in the kernel);
+  ``grouped_static_nvfp4_linear`` (the routed rows quantized once, then the grouped GEMM on the
+  packed rows);
 - ``layer``: the whole experts forward (routing, both GEMMs, the activation, the weighted sum):
   ``bf16`` transformers' ``Qwen3MoeExperts`` with ``experts_implementation="grouped_mm"``,
   ``ours`` ``NVFP4StaticExperts`` holding the same weights in NVFP4.
@@ -99,7 +100,7 @@ def main():
             top_k_weights, top_k_index = torch.topk(torch.randn(tokens, EXPERTS, device="cuda").softmax(-1), TOP_K)
             top_k_weights = top_k_weights.to(torch.bfloat16)
             routing = route(top_k_index, EXPERTS)
-            rows = hidden[routing.token_of_row(TOP_K)]
+            rows = hidden[routing.token_of_row()]
             ends = routing.expert_offsets[1:].to(torch.int32)
             intermediate = torch.randn(rows.shape[0], INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
 

@@ -21,8 +21,9 @@ class NVFP4StaticGroupedLinear(torch.nn.Module):
 
     Buffers, per expert what an ``NVFP4StaticTensor`` holds: ``qdata`` uint8 ``[E, N, K/2]``,
     ``scale`` float8_e4m3fn ``[E, N, K/16]``, ``per_tensor_scale`` and ``act_per_tensor_scale``
-    float32 ``[E]``. ``forward(x, expert_offsets)`` runs ``kernels.ops.grouped_static_nvfp4_linear``:
-    for each expert's rows, exactly the converted ``NVFP4StaticLinear`` of that expert.
+    float32 ``[E]``. ``forward(x, expert_offsets, source_rows=None)`` runs
+    ``kernels.ops.grouped_static_nvfp4_linear``: for each expert's rows (``x[source_rows]`` where
+    given), exactly the converted ``NVFP4StaticLinear`` of that expert.
     """
 
     def __init__(self, qdata, scale, per_tensor_scale, act_per_tensor_scale):
@@ -65,9 +66,11 @@ class NVFP4StaticGroupedLinear(torch.nn.Module):
         """Each expert's static activation global amax, ``[E]``."""
         return self.act_per_tensor_scale * 448 * 6
 
-    def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, expert_offsets: torch.Tensor, source_rows: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         return grouped_static_nvfp4_linear(
-            x, expert_offsets, self.qdata, self.scale, self.per_tensor_scale, self.act_per_tensor_scale
+            x, expert_offsets, self.qdata, self.scale, self.per_tensor_scale, self.act_per_tensor_scale, source_rows
         )
 
     def check_scales(self, state_dict: dict, prefix: str, layer_name: str) -> None:
@@ -212,10 +215,10 @@ class NVFP4StaticExperts(torch.nn.Module):
                 f"{self.gate_up_proj.in_features}, got shape {tuple(hidden_states.shape)}"
             )
         routing = route(top_k_index, self.num_experts)
-        x = hidden_states[routing.token_of_row(top_k_index.shape[1])]
-        gate, up = self.gate_up_proj(x, routing.expert_offsets).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(hidden_states, routing.expert_offsets, routing.token_of_row())
+        gate, up = gate_up.chunk(2, dim=-1)
         expert_rows = self.down_proj(self.act_fn(gate) * up, routing.expert_offsets)
-        out = combine(expert_rows, routing, top_k_index, top_k_weights, self.num_experts, hidden_states.dtype)
+        out = combine(expert_rows, routing, top_k_weights, hidden_states.dtype)
         return _InferenceOnly.apply(out) if out.requires_grad else out
 
     # The checkpoint record and its check on load are a converted linear's.

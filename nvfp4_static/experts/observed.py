@@ -62,7 +62,7 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         routing = route(top_k_index, self.num_experts)
-        x = hidden_states[routing.token_of_row(top_k_index.shape[1])]
+        x = hidden_states[routing.token_of_row()]
         bounds = routing.expert_offsets.tolist()
         expert_rows = x.new_zeros(x.shape[0], hidden_states.shape[-1])
         if bounds[-1]:
@@ -79,7 +79,7 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
         if intermediates:
             with torch.no_grad():
                 self.pooled_down_calibrator.collect(torch.cat(intermediates).detach())
-        return combine(expert_rows, routing, top_k_index, top_k_weights, self.num_experts, hidden_states.dtype)
+        return combine(expert_rows, routing, top_k_weights, hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -4,8 +4,9 @@
 the order transformers' loop gives each expert its tokens (by slot, then by token), so each
 expert's linear sees exactly the rows it sees there. ``combine`` adds each token's weighted
 expert outputs in ascending expert order, the order of transformers' ``index_add_`` over experts,
-so the sums round as they do there. Both use only shape-static torch ops: a compiled forward does
-not depend on how many tokens each expert gets.
+so the sums round as they do there. Both use only shape-static torch ops, few of them (each is a
+launch on the GPU, and an eager layer pays host time for every one): a compiled forward does not
+depend on how many tokens each expert gets.
 """
 
 from typing import NamedTuple
@@ -19,56 +20,55 @@ class Routing(NamedTuple):
     """Rows of the experts' GEMMs.
 
     Attributes:
-        pair_of_row: ``[T * k]``: row ``r`` holds the pair ``t * k + j`` (token ``t``, slot ``j``).
+        pair_of_row: ``[T * k]``: row ``r`` holds the pair ``j * T + t`` (slot ``j`` of token
+            ``t``: ``top_k_index.t()`` flattened).
         expert_offsets: ``[E + 1]`` int64: expert ``e`` owns rows ``expert_offsets[e]`` to
             ``expert_offsets[e + 1]``; rows from ``expert_offsets[E]`` on go to no expert.
+        tokens: ``T``.
     """
 
     pair_of_row: torch.Tensor
     expert_offsets: torch.Tensor
+    tokens: int
 
-    def token_of_row(self, top_k: int) -> torch.Tensor:
-        return torch.div(self.pair_of_row, top_k, rounding_mode="floor")
+    def token_of_row(self) -> torch.Tensor:
+        """``[T * k]``: the token whose hidden state row ``r`` takes."""
+        return self.pair_of_row % self.tokens
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     """Group the pairs of ``top_k_index [T, k]`` by expert (an index outside ``[0, E)``: by no
     expert, after all the others)."""
-    tokens, top_k = top_k_index.shape
-    pairs = tokens * top_k
-    expert = top_k_index.reshape(-1).to(torch.int64)
-    expert = torch.where((expert >= 0) & (expert < num_experts), expert, num_experts)
-    pair = torch.arange(pairs, device=expert.device)
-    slot, token = pair % top_k, torch.div(pair, top_k, rounding_mode="floor")
-    pair_of_row = torch.argsort(expert * pairs + slot * tokens + token)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert.device)
-    counts.scatter_add_(0, expert, torch.ones_like(expert))
-    expert_offsets = torch.cat((counts.new_zeros(1), counts[:num_experts].cumsum(0)))
-    return Routing(pair_of_row, expert_offsets)
+    tokens = top_k_index.shape[0]
+    # Slot-major pairs, so that a stable sort by expert orders each expert's pairs by slot, then
+    # by token. Clamping to [-1, E] and taking the remainder modulo E + 1 sends every index
+    # outside [0, E) to E.
+    expert = top_k_index.t().reshape(-1).clamp(-1, num_experts).remainder(num_experts + 1)
+    sorted_expert, pair_of_row = torch.sort(expert, stable=True)
+    boundaries = torch.arange(num_experts + 1, dtype=sorted_expert.dtype, device=sorted_expert.device)
+    return Routing(pair_of_row, torch.searchsorted(sorted_expert, boundaries), tokens)
 
 
 def combine(
     expert_rows: torch.Tensor,
     routing: Routing,
-    top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    num_experts: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """``[T, H]`` in ``dtype``: each token's rows of ``expert_rows [T * k, H]`` times their routing
     weights, summed in ascending expert order; rows that went to no expert add nothing (they
     may hold anything, even NaN)."""
-    tokens, top_k = top_k_index.shape
+    tokens, top_k = top_k_weights.shape
+    pairs = routing.pair_of_row.shape[0]
     row_of_pair = torch.empty_like(routing.pair_of_row)
-    row_of_pair[routing.pair_of_row] = torch.arange(tokens * top_k, device=row_of_pair.device)
-    slots_by_expert = torch.argsort(top_k_index, dim=1, stable=True)
-    pairs = torch.arange(tokens, device=top_k_index.device)[:, None] * top_k + slots_by_expert
-    rows = row_of_pair[pairs]
-    experts = top_k_index.gather(1, slots_by_expert)
-    weights = top_k_weights.gather(1, slots_by_expert)
+    row_of_pair[routing.pair_of_row] = torch.arange(pairs, device=row_of_pair.device)
+    # Rows are sorted by expert (ties by slot), so each token's rows in ascending order are its
+    # experts in ascending order, rows routed nowhere last.
+    rows, slots = row_of_pair.reshape(top_k, tokens).t().sort(dim=1)
+    weights = top_k_weights.gather(1, slots)
+    contributions = (expert_rows[rows] * weights[..., None]).to(dtype)
+    contributions = torch.where((rows < routing.expert_offsets[-1])[..., None], contributions, 0)
     out = torch.zeros(tokens, expert_rows.shape[-1], dtype=dtype, device=expert_rows.device)
     for j in range(top_k):
-        contribution = (expert_rows[rows[:, j]] * weights[:, j, None]).to(dtype)
-        routed = ((experts[:, j] >= 0) & (experts[:, j] < num_experts))[:, None]
-        out = out + torch.where(routed, contribution, 0)
+        out = out + contributions[:, j]
     return out

@@ -93,6 +93,15 @@ def e2m1_value(magnitude, negative):
 
 
 @triton.jit
+def pack_e2m1(magnitude, negative, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[ROWS, BLOCK_K]`` E2M1 (magnitude code, sign) pairs as packed bytes ``[ROWS, BLOCK_K / 2]``,
+    element ``2i`` in the low nibble, as ``numerics.quantize_nvfp4`` packs them."""
+    codes = tl.reshape(magnitude + negative.to(tl.int32) * 8, (ROWS, BLOCK_K // 2, 2))
+    even, odd = tl.split(codes)
+    return (even | (odd << 4)).to(tl.uint8)
+
+
+@triton.jit
 def quantize_to_operand_halves(x, per_tensor_scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """``q * s_b`` (fp32) of a raw activation tile ``[ROWS, BLOCK_K]`` (whole 16-blocks), as its
     even-K and its odd-K elements, ``[ROWS, BLOCK_K / 2]`` each: the GEMM operand's two halves,
@@ -136,9 +145,7 @@ def _activation_quantize_kernel(
     magnitude, negative = round_to_e2m1(blocks * reciprocal[:, :, None])
 
     if WRITE_PACKED:
-        codes = tl.reshape(magnitude + negative.to(tl.int32) * 8, (BLOCK_M, BLOCK_K // 2, 2))
-        even, odd = tl.split(codes)
-        packed = (even | (odd << 4)).to(tl.uint8)
+        packed = pack_e2m1(magnitude, negative, BLOCK_M, BLOCK_K)
         half_cols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         tl.store(
             qdata_ptr + rows[:, None] * (K // 2) + half_cols[None, :],

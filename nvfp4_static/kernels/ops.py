@@ -378,31 +378,42 @@ def _grouped_static_nvfp4_linear_op(
     weight_block_scales: torch.Tensor,
     weight_per_tensor_scales: torch.Tensor,
     act_per_tensor_scales: torch.Tensor,
+    source_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     # Imported here: nvfp4_static.backends imports this module.
     from nvfp4_static.backends.cpu import grouped_static_nvfp4_linear
 
     return grouped_static_nvfp4_linear(
-        x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales
+        x if source_rows is None else x[source_rows],
+        expert_offsets,
+        weight_qdata,
+        weight_block_scales,
+        weight_per_tensor_scales,
+        act_per_tensor_scales,
     )
 
 
 @_grouped_static_nvfp4_linear_op.register_kernel("cuda")
 def _grouped_static_nvfp4_linear_cuda(
-    x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales
+    x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales,
+    source_rows=None,
 ):
-    out = torch.empty((x.shape[0], weight_qdata.shape[1]), dtype=x.dtype, device=x.device)
+    rows = x.shape[0] if source_rows is None else source_rows.shape[0]
+    out = torch.empty((rows, weight_qdata.shape[1]), dtype=x.dtype, device=x.device)
     launch_grouped_nvfp4_gemm(
-        x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales, out
+        x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales, out,
+        source_rows=source_rows,
     )
     return out
 
 
 @_grouped_static_nvfp4_linear_op.register_fake
 def _grouped_static_nvfp4_linear_fake(
-    x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales
+    x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales,
+    source_rows=None,
 ):
-    return x.new_empty((x.shape[0], weight_qdata.shape[1]))
+    rows = x.shape[0] if source_rows is None else source_rows.shape[0]
+    return x.new_empty((rows, weight_qdata.shape[1]))
 
 
 def grouped_static_nvfp4_linear(
@@ -412,17 +423,26 @@ def grouped_static_nvfp4_linear(
     weight_block_scales: torch.Tensor,
     weight_per_tensor_scales: torch.Tensor,
     act_per_tensor_scales: torch.Tensor,
+    source_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Each expert's static NVFP4 linear on its rows: ``x [R, K]`` sorted by expert, rows
     ``expert_offsets[e]`` to ``expert_offsets[e + 1]`` (int ``[E + 1]``) times expert ``e``'s
     ``[N, K]`` weight (``weight_qdata [E, N, K/2]``, ``weight_block_scales [E, N, K/16]``, global
     scales ``[E]``), quantized under ``act_per_tensor_scales[e]``; ``[R, N]`` in ``x``'s dtype,
-    rows from ``expert_offsets[-1]`` on unwritten. CUDA: the Triton grouped GEMM
-    (``kernels.grouped_gemm``); elsewhere ``backends.cpu.grouped_static_nvfp4_linear``. An opaque
-    custom op, so that a compiled graph does not depend on how many rows each expert gets."""
-    operands = (x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales)
-    if x.is_cuda and runs_eagerly(*operands):  # skip the op's dispatch, as the collect ops do
-        return _grouped_static_nvfp4_linear_cuda(*operands)
+    rows from ``expert_offsets[-1]`` on unwritten. With ``source_rows [R]``, row ``r`` is
+    ``x[source_rows[r]]`` (the gather happens inside the CUDA kernel). CUDA: the Triton
+    kernels of ``kernels.grouped_gemm``; elsewhere ``backends.cpu.grouped_static_nvfp4_linear``.
+    An opaque custom op, so that a compiled graph does not depend on how many rows each expert
+    gets."""
+    operands = (
+        x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales,
+        source_rows,
+    )
+    if x.is_cuda and runs_eagerly(*operands):
+        # Skip the op's dispatch, as the collect ops do, and launch the bare kernels (their
+        # traceable wrappers would dispatch each launch as an operator).
+        with set_wrap_triton_enabled(False):
+            return _grouped_static_nvfp4_linear_cuda(*operands)
     return _grouped_static_nvfp4_linear_op(*operands)
 
 
