@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale
 from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
 
@@ -58,7 +59,8 @@ class NVFP4StaticLinear(torch.nn.Linear):
     """A linear layer quantized to NVFP4 with a static activation global scale.
 
     ``forward`` computes ``F.linear`` (the weight subclass does the quantized GEMM; run eagerly,
-    the layer calls the subclass's linear directly, skipping the dispatch), with two guards: an
+    the layer calls the subclass's linear directly, skipping the dispatch, and on the Triton
+    route replays its kernel launches, see ``backends.triton_eager``), with two guards: an
     empty placeholder from ``prepare_for_loading`` refuses to run before a checkpoint is loaded
     into it, and a backward through the layer raises a clear error. The module adds
     what a user inspects (``extra_repr``, ``calibration_stats``) and a checkpoint guard: the
@@ -89,6 +91,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
         self.calibration_stats = calibration_stats or {}
         self.loaded = True
         self.clip_counters: Optional[dict[str, torch.Tensor]] = None
+        self._eager_launches = EagerTritonLaunches()
 
     @classmethod
     def placeholder(
@@ -123,8 +126,14 @@ class NVFP4StaticLinear(torch.nn.Linear):
             self._count_clipped(x)
         if torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
-        # What F.linear reaches through the subclass's dispatch, without its host cost.
-        out = static_linear(x, self.weight, self.bias)
+        # From the parameters' dict: Module.__getattr__ is reached through a failed attribute
+        # lookup, 1.9 us per name against 0.08 us for the dict read (on a CPU host).
+        parameters = self._parameters
+        weight, bias = parameters["weight"], parameters["bias"]
+        out = self._eager_launches(x, weight, bias)
+        if out is None:
+            # What F.linear reaches through the subclass's dispatch, without its host cost.
+            out = static_linear(x, weight, bias)
         return _InferenceOnly.apply(out) if out.requires_grad else out
 
     def start_clip_monitor(self) -> None:

@@ -23,6 +23,9 @@ from nvfp4_static.kernels.gemm import (
     gemm_config,
     launch_nvfp4_gemm,
     launch_weight_dequantize,
+    quantizes_activation_in_gemm,
+    split_k_for,
+    tile_counts,
 )
 from nvfp4_static.kernels.ops import deinterleave_blocks, gemm_activation_operand, nvfp4_gemm, quantizing_nvfp4_gemm
 from nvfp4_static.numerics import dequantize_nvfp4
@@ -104,6 +107,11 @@ def interpreted_results():
                         launches[name] = (LAUNCHER, (x, *operands[1:], out, config, True))
                     else:
                         launches[name] = (LAUNCHER, (*operands, out, config))
+                    if config.programs_per_sm:  # the split K summed by the epilogue kernel instead
+                        summed_apart = torch.full((M, N), float("nan"), dtype=dtype)
+                        target, args = launches[name]
+                        args = (*args[:6], summed_apart, config, bool(config.activation_rows), False)
+                        launches[f"{name}-epilogue-kernel"] = (target, args)
     weight_qdata, weight_block_scales = gemm_operands(*DEQUANTIZE_SHAPE, seed=5)[1:3]
     for dtype in DEQUANTIZE_DTYPES:
         dequantized = torch.full(DEQUANTIZE_SHAPE[1:], float("nan"), dtype=dtype)
@@ -113,6 +121,8 @@ def interpreted_results():
         )
     results = run_interpreted(launches)
     outputs = {name: (dtype_name, operands, results[name].args[6]) for name, dtype_name, operands in cases}
+    for name in SPLIT_K_CASES:
+        outputs[f"{name}-epilogue-kernel"] = results[f"{name}-epilogue-kernel"].args[6]
     for dtype in DEQUANTIZE_DTYPES:
         outputs[f"dequantize-{dtype}"] = results[f"dequantize-{dtype}"].args[:3]
     return outputs
@@ -139,6 +149,25 @@ INTERPRETER_CASES = [
     for dtype_name in OUT_DTYPES
     for bias in ("bias", "nobias")
 ]
+
+
+SPLIT_K_CASES = [
+    f"{config_name}-{M}x{N}x{K}-{dtype_name}-{bias}"
+    for config_name, config in INTERPRETER_CONFIGS.items()
+    if config.programs_per_sm
+    for M, N, K in INTERPRETER_SHAPES
+    for dtype_name in OUT_DTYPES
+    for bias in ("bias", "nobias")
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_K_CASES)
+def test_interpreted_split_k_summed_in_the_gemm_equals_the_epilogue_kernels_sum(interpreted_results, case):
+    """The last program of each tile sums the splits in the epilogue kernel's order: the same
+    output bit for bit."""
+    in_gemm, apart = interpreted_results[case][2], interpreted_results[f"{case}-epilogue-kernel"]
+    assert not apart.isnan().any()
+    assert torch.equal(in_gemm, apart)
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES)
@@ -268,6 +297,30 @@ def test_gpu_quantizing_gemm_equals_the_two_kernel_route_bit_for_bit(dtype, with
     assert torch.equal(fused, two_kernels)
     reference = reference_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
     assert relative_error(fused, reference) <= gpu_tolerance(K, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (1, 4096, 14336), (4, 4096, 4096), (16, 8192, 8192), (64, 4096, 4096)], ids=str)
+def test_gpu_split_k_summed_in_the_gemm_equals_the_epilogue_kernels_sum(M, N, K, with_bias):
+    """The table's split-K entries, summed by each tile's last program: the epilogue kernel's
+    output bit for bit, on every one of 20 launches (a tile summed before all of its partials
+    had landed would differ), with the stream's counters left zero for the next GEMM."""
+    x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias = raw_gemm_operands(M, N, K, seed=M, device="cuda")
+    x, bias = x.bfloat16(), bias if with_bias else None
+    config = gemm_config(M)
+    assert split_k_for(config, N, K, x.device) > 1
+    raw = quantizes_activation_in_gemm(config)
+    a = x if raw else gemm_activation_operand(x, act_scale)
+    operands = (a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
+    apart = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    launch_nvfp4_gemm(*operands, apart, None, raw, False)
+    assert relative_error(apart, reference_gemm(gemm_activation_operand(x, act_scale), *operands[1:])) <= gpu_tolerance(K, torch.bfloat16)
+    for launch in range(20):
+        in_gemm = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launch_nvfp4_gemm(*operands, in_gemm, None, raw, True)
+        assert torch.equal(in_gemm, apart), launch
+    assert not tile_counts(x.device, 1).any()
 
 
 def test_quantizing_op_names_the_cpu_backend_for_cpu_tensors():

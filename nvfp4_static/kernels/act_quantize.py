@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static.kernels.launch import ceil_div, traceable
+from nvfp4_static.kernels.launch import KernelCall, ceil_div
 from nvfp4_static.numerics import BLOCK_SIZE, E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, check_dtype
 
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
@@ -198,17 +198,18 @@ def launch_activation_quantize(
     M, K = x.shape
     write_packed = gemm_operand is None
     grid = (ceil_div(M, BLOCK_ROWS), ceil_div(K, BLOCK_COLS))
-    traceable(_activation_quantize_kernel)[grid](
-        x,
-        per_tensor_scale.to(torch.float32).reshape(1),
-        qdata if write_packed else x,
-        block_scales.view(torch.uint8) if write_packed else x,
-        x if write_packed else gemm_operand,
-        M,
-        K,
-        x.stride(0),
-        BLOCK_M=BLOCK_ROWS,
-        BLOCK_K=BLOCK_COLS,
-        WRITE_PACKED=write_packed,
-        num_warps=NUM_WARPS,
-    )
+    KernelCall(
+        _activation_quantize_kernel,
+        grid,
+        (
+            x,
+            per_tensor_scale.to(torch.float32).reshape(1),
+            qdata if write_packed else x,
+            block_scales.view(torch.uint8) if write_packed else x,
+            x if write_packed else gemm_operand,
+            M,
+            K,
+            x.stride(0),
+        ),
+        dict(BLOCK_M=BLOCK_ROWS, BLOCK_K=BLOCK_COLS, WRITE_PACKED=write_packed, num_warps=NUM_WARPS),
+    ).launch()

@@ -12,7 +12,9 @@ A byte holds an even-K element (low nibble) and the next odd one (high nibble), 
 is two dots, ``A_even @ W_even^T + A_odd @ W_odd^T``: every thread then keeps its dequantized
 values in K order without shuffles, which matters because at decode sizes the kernel's
 instruction issue, not only memory, bounds the time. Small batches split K over several programs
-and sum the fp32 partials in a second small kernel that applies the epilogue. Large batches
+and sum the fp32 partials in split order: eagerly in the GEMM itself, by the last program to
+finish each tile (one launch; it counts arrivals in the stream's ``tile_counts``), in a traced
+graph in a second small kernel that applies the epilogue (same sums, same output). Large batches
 dequantize the weight once and hand the product to cuBLAS (``CublasAfterDequantize``); the
 numerics are the same. There, when the caller knows the scale product on the host
 (``output_scale``) and the output is bf16 or fp16, both operands take the output's dtype (``q *
@@ -34,7 +36,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_static.kernels.act_quantize import quantize_to_operand_halves
-from nvfp4_static.kernels.launch import ceil_div, traceable
+from nvfp4_static.kernels.launch import KernelCall, ceil_div, runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 # E2M1 code (sign, e1, e0, m) -> FP8 E4M3 byte (sign, 0, 0, e1, e0, m, 0, 0) is the same number
@@ -110,6 +112,8 @@ def _nvfp4_gemm_kernel(
     weight_scale_ptr,
     bias_ptr,
     out_ptr,
+    partials_ptr,
+    tile_counts_ptr,
     M,
     N: tl.constexpr,
     K: tl.constexpr,
@@ -120,6 +124,7 @@ def _nvfp4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
+    SUM_SPLITS: tl.constexpr,
     GROUP_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -215,13 +220,41 @@ def _nvfp4_gemm_kernel(
         n_index = offs_n[None, :]
         out_mask = valid_m[:, None] & (n_index < N)
     if not WRITE_PARTIALS:
-        scale = tl.load(act_scale_ptr) * tl.load(weight_scale_ptr)
-        acc = acc * scale
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_index, mask=n_index < N, other=0.0).to(tl.float32)
+        acc = scaled_and_biased(acc, act_scale_ptr, weight_scale_ptr, bias_ptr, n_index, N, HAS_BIAS)
         tl.store(out_ptr + m_index * stride_om + n_index, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        tl.store(out_ptr + (pid_k * M + m_index) * N + n_index, acc, mask=out_mask)
+        tl.store(partials_ptr + (pid_k * M + m_index) * N + n_index, acc, mask=out_mask)
+        if SUM_SPLITS:
+            # The program that stores a tile's last split sums them all, in split order as
+            # _epilogue_kernel does (the same result bit for bit), and applies the epilogue, so
+            # no second kernel runs. Its count of arrived splits, zero before the launch, is
+            # left zero for the next one. Every thread's partials are stored before the count
+            # goes up (the barrier, then a release) and read after it is seen complete (an
+            # acquire), from L2 (.cg), where other SMs' stores land.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(tile_counts_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == split_k - 1:
+                total = tl.zeros_like(acc)
+                for split in range(split_k):
+                    total += tl.load(
+                        partials_ptr + (split * M + m_index) * N + n_index,
+                        mask=out_mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                total = scaled_and_biased(total, act_scale_ptr, weight_scale_ptr, bias_ptr, n_index, N, HAS_BIAS)
+                tl.store(out_ptr + m_index * stride_om + n_index, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(tile_counts_ptr + pid, 0)
+
+
+@triton.jit
+def scaled_and_biased(acc, act_scale_ptr, weight_scale_ptr, bias_ptr, n_index, N, HAS_BIAS: tl.constexpr):
+    """The GEMM's epilogue on the fp32 product ``acc``: both global scales, then the bias of
+    each element's output column ``n_index``."""
+    acc = acc * (tl.load(act_scale_ptr) * tl.load(weight_scale_ptr))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n_index, mask=n_index < N, other=0.0).to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -245,10 +278,8 @@ def _epilogue_kernel(
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for split in range(split_k):
         acc += tl.load(partials_ptr + split * M * N + offs, mask=mask, other=0.0)
-    acc = acc * (tl.load(act_scale_ptr) * tl.load(weight_scale_ptr))
     n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    acc = scaled_and_biased(acc, act_scale_ptr, weight_scale_ptr, bias_ptr, n, N, HAS_BIAS)
     tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -485,17 +516,12 @@ def launch_weight_dequantize(
     N, K = out.shape
     weight_qdata = weight_qdata.contiguous()
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
-    traceable(_dequantize_weight_kernel)[(ceil_div(N, config.block_n), ceil_div(K, config.block_k))](
-        weight_qdata,
-        weight_block_scales,
-        out,
-        N,
-        K,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        PTX=_use_ptx_dequant(out.device),
-        num_warps=config.num_warps,
-    )
+    KernelCall(
+        _dequantize_weight_kernel,
+        (ceil_div(N, config.block_n), ceil_div(K, config.block_k)),
+        (weight_qdata, weight_block_scales, out, N, K),
+        dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, PTX=_use_ptx_dequant(out.device), num_warps=config.num_warps),
+    ).launch()
 
 
 def cublas_with_fused_epilogue(
@@ -527,12 +553,18 @@ def launch_nvfp4_gemm(
     out: torch.Tensor,
     config: Union[GemmConfig, CublasAfterDequantize, None] = None,
     raw_activation: bool = False,
+    sum_splits_in_gemm: Optional[bool] = None,
 ) -> None:
     """Run the GEMM into ``out [M, N]`` with the epilogue in Triton. ``a`` is the fp16 operand
     from ``gemm_activation_operand``, or with ``raw_activation`` the activation itself (bf16,
     fp16 or fp32), which the kernel quantizes: then the config must have ``activation_rows > 0``,
     and without it ``activation_rows == 0`` (each would misread the other's ``a``). ``config``
-    defaults to the table's tiles for M (an operand taken as given where that entry quantizes)."""
+    defaults to the table's tiles for M (an operand taken as given where that entry quantizes).
+
+    A split K's partial products are summed by the GEMM's last program per tile
+    (``sum_splits_in_gemm``, by default on real tensors outside tracing: it needs the stream's
+    ``tile_counts``, which a traced graph cannot hold) or else by ``_epilogue_kernel``; both sum
+    in the same order, so they give the same output."""
     if config is None:
         config = gemm_config(a.shape[0])
         config = config if raw_activation else taking_operand(config)
@@ -556,6 +588,7 @@ def launch_nvfp4_gemm(
     # examples/benchmarks/RESULTS.md). One compile per layer shape.
     weight_qdata = weight_qdata.contiguous()
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
+    bias_or_unused = bias if bias is not None else act_scale
     ptx = _use_ptx_dequant(a.device)
     if isinstance(config, CublasAfterDequantize):
         split_k = 1
@@ -564,51 +597,71 @@ def launch_nvfp4_gemm(
         partials = torch.mm(a, weight.t(), out_dtype=torch.float32)
     else:
         split_k = split_k_for(config, N, K, a.device)
-        fused_epilogue = split_k == 1
-        partials = out if fused_epilogue else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
         tiles = ceil_div(M, config.rows_per_tile) * ceil_div(N, config.block_n)
-        traceable(_nvfp4_gemm_kernel)[(tiles, split_k)](
-            a,
-            weight_qdata,
-            weight_block_scales,
-            act_scale,
-            weight_scale,
-            bias if bias is not None else act_scale,
-            partials,
-            M,
-            N,
-            K,
-            a.stride(0),
-            out.stride(0),
-            split_k,
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            WRITE_PARTIALS=not fused_epilogue,
-            GROUP_N=config.group_n,
-            HAS_BIAS=bias is not None,
-            EVEN_K=K % config.block_k == 0,
-            PTX=ptx,
-            WEIGHT_AS_A=config.weight_as_mma_a,
-            QUANTIZE_ROWS=quantize_rows,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-        if fused_epilogue:
+        partials = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
+        sum_splits = split_k > 1 and (runs_eagerly(a) if sum_splits_in_gemm is None else sum_splits_in_gemm)
+        counts = tile_counts(a.device, tiles) if sum_splits else act_scale
+        KernelCall(
+            _nvfp4_gemm_kernel,
+            (tiles, split_k),
+            (
+                a,
+                weight_qdata,
+                weight_block_scales,
+                act_scale,
+                weight_scale,
+                bias_or_unused,
+                out,
+                partials,
+                counts,
+                M,
+                N,
+                K,
+                a.stride(0),
+                out.stride(0),
+                split_k,
+            ),
+            dict(
+                BLOCK_M=config.block_m,
+                BLOCK_N=config.block_n,
+                BLOCK_K=config.block_k,
+                WRITE_PARTIALS=split_k > 1,
+                SUM_SPLITS=sum_splits,
+                GROUP_N=config.group_n,
+                HAS_BIAS=bias is not None,
+                EVEN_K=K % config.block_k == 0,
+                PTX=ptx,
+                WEIGHT_AS_A=config.weight_as_mma_a,
+                QUANTIZE_ROWS=quantize_rows,
+                num_warps=config.num_warps,
+                num_stages=config.num_stages,
+            ),
+            workspace=(counts,) if sum_splits else (),
+        ).launch()
+        if split_k == 1 or sum_splits:
             return
-    traceable(_epilogue_kernel)[(ceil_div(M * N, EPILOGUE_BLOCK),)](
-        partials,
-        act_scale,
-        weight_scale,
-        bias if bias is not None else act_scale,
-        out,
-        M,
-        N,
-        out.stride(0),
-        split_k,
-        BLOCK=EPILOGUE_BLOCK,
-        HAS_BIAS=bias is not None,
-    )
+    KernelCall(
+        _epilogue_kernel,
+        (ceil_div(M * N, EPILOGUE_BLOCK),),
+        (partials, act_scale, weight_scale, bias_or_unused, out, M, N, out.stride(0), split_k),
+        dict(BLOCK=EPILOGUE_BLOCK, HAS_BIAS=bias is not None),
+    ).launch()
+
+
+_TILE_COUNTS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` int32 counters, all zero, for a GEMM that sums its K splits itself
+    (it leaves them zero again). On CUDA one buffer per device and stream, kept: the GEMMs of a
+    stream run one after another, so they can share it, and no launch waits on zeroing it."""
+    if device.type != "cuda":
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    counts = _TILE_COUNTS.get(key)
+    if counts is None or counts.numel() < tiles:
+        counts = _TILE_COUNTS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counts
 
 
 def quantizes_activation_in_gemm(config: Union[GemmConfig, CublasAfterDequantize]) -> bool:

@@ -1,4 +1,5 @@
-"""Host-side helpers the launchers share: a kernel launch that tracing can see, and grid arithmetic.
+"""Host-side helpers the launchers share: a kernel launch that tracing can see, a launch kept
+for replaying with little host work, and grid arithmetic.
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are Triton ``constexpr_function``s, about 2 us
 of Python per call on the host; a launch computes several, and calibration launches at every
@@ -6,9 +7,18 @@ observed layer, so grids are computed with the plain-integer versions below (the
 ``torch.SymInt``).
 """
 
+import contextlib
 import os
+import threading
+from typing import Any, NamedTuple, Optional
 
+import torch
 from torch.library import wrap_triton
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def traceable(kernel):
@@ -17,9 +27,124 @@ def traceable(kernel):
     torch 2.11's ``wrap_triton`` rejects the interpreter's kernel objects (2.13 accepts them);
     interpreted kernels only run eagerly on CPU tensors, where tracing does not matter.
     """
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return kernel
     return wrap_triton(kernel)
+
+
+_recorder = threading.local()
+
+
+def runs_eagerly(*args) -> bool:
+    """Whether a call with ``args`` runs on real tensors outside of any tracing, so that it may
+    launch kernels directly: not under dynamo, no dispatch mode (fake tensors, make_fx,
+    functionalization, which is also how dynamo runs a tensor subclass's ops), and every tensor
+    argument a plain ``torch.Tensor``."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and all(type(arg) is torch.Tensor for arg in args if isinstance(arg, torch.Tensor))
+    )
+
+
+class KernelCall(NamedTuple):
+    """One launch of a Triton kernel: ``kernel[grid](*args, **meta)``, ``meta`` holding the
+    constexpr parameters and the launch options (``num_warps``, ``num_stages``). ``workspace``
+    names the tensor arguments the kernel keeps across launches and leaves as it found them
+    (a replay passes them again rather than new buffers)."""
+
+    kernel: Any
+    grid: tuple
+    args: tuple
+    meta: dict
+    workspace: tuple = ()
+
+    def launch(self) -> None:
+        """Launch it (visible to tracing), and add it to the list ``recording_launches`` fills."""
+        traceable(self.kernel)[self.grid](*self.args, **self.meta)
+        recorded = getattr(_recorder, "calls", None)
+        if recorded is not None:
+            recorded.append(self)
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Collect, in order, every ``KernelCall`` this thread launches inside the block."""
+    calls = []
+    outer = getattr(_recorder, "calls", None)
+    _recorder.calls = calls
+    try:
+        yield calls
+    finally:
+        _recorder.calls = outer
+
+
+class PreparedLaunch:
+    """A ``KernelCall`` kept for launching again with other tensors in some of its arguments,
+    at a fraction of the host work of ``kernel[grid](...)``.
+
+    Triton's launch binds the arguments, computes their specialisation key and looks the
+    compiled kernel up on every call; here that is done once, and each call hands the compiled
+    kernel's launcher the arguments in the kernel's order, every tensor as its address.
+    ``per_call`` maps the address of each tensor argument that changes per call to its index in
+    the tensors a call is given. A replacement must share the dtype and the 16-byte alignment of
+    the tensor it replaces (the compiled kernel is specialised on both); every other tensor
+    argument must outlive this object. Under Triton's interpreter a call goes through
+    ``kernel[grid]`` with the tensors themselves.
+    """
+
+    def __init__(self, call: KernelCall, per_call: dict[int, int]):
+        names = call.kernel.arg_names
+        parameters = dict(zip(names, call.args))
+        parameters.update((name, value) for name, value in call.meta.items() if name in names)
+        values = [parameters[name] for name in names]
+        self._slots = [
+            (argument, per_call[value.data_ptr()])
+            for argument, value in enumerate(values)
+            if isinstance(value, torch.Tensor) and value.data_ptr() in per_call
+        ]
+        self._options = {name: value for name, value in call.meta.items() if name not in names}
+        self._kernel = call.kernel
+        self._grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
+        self._interpreted = interpreting()
+        if self._interpreted:
+            self._values = values
+            return
+        from triton import knobs
+
+        self._runtime_knobs = knobs.runtime
+        compiled = call.kernel.warmup(*values, grid=call.grid, **self._options)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        self._compiled = compiled
+        self._run = compiled.run  # loads the module (the launcher and the function handle)
+        self._function = compiled.function
+        self._packed_metadata = compiled.packed_metadata
+        # Addresses rather than tensors: Triton's launcher then neither calls data_ptr() nor
+        # asks the driver about each pointer.
+        self._values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+
+    def __call__(self, stream: Optional[int], tensors: tuple) -> None:
+        """Launch on the raw CUDA ``stream`` (None under the interpreter) with ``tensors``."""
+        values = self._values.copy()
+        if self._interpreted:
+            for argument, tensor in self._slots:
+                values[argument] = tensors[tensor]
+            self._kernel[self._grid](*values, **self._options)
+            return
+        for argument, tensor in self._slots:
+            values[argument] = tensors[tensor].data_ptr()
+        enter_hook = _calls_something(self._runtime_knobs.launch_enter_hook)
+        exit_hook = _calls_something(self._runtime_knobs.launch_exit_hook)
+        metadata = None
+        if enter_hook is not None or exit_hook is not None:  # a profiler's hooks, as Triton calls them
+            metadata = self._compiled.launch_metadata(self._grid, stream, *values)
+        self._run(*self._grid, stream, self._function, self._packed_metadata, metadata, enter_hook, exit_hook, *values)
+
+
+def _calls_something(hook):
+    """``hook``, or None where it would do nothing: Triton 3.6's hooks are chains, empty unless a
+    profiler added to them, and a launch that passes an empty chain pays for calling it."""
+    return hook if hook is not None and getattr(hook, "calls", True) else None
 
 
 def ceil_div(a, b):

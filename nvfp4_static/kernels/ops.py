@@ -37,6 +37,7 @@ from torch._library.triton import set_wrap_triton_enabled  # private; what trito
 from torch.library import triton_op
 
 from nvfp4_static import references
+from nvfp4_static.kernels.launch import runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 
 try:
@@ -96,18 +97,6 @@ else:
 
 
 # --- When to skip an op's dispatch ---------------------------------------------------------------
-
-
-def runs_eagerly(*args) -> bool:
-    """Whether a call with ``args`` runs on real tensors outside of any tracing, so that it may
-    launch kernels directly: not under dynamo, no dispatch mode (fake tensors, make_fx,
-    functionalization, which is also how dynamo runs a tensor subclass's ops), and every tensor
-    argument a plain ``torch.Tensor``."""
-    return (
-        not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and all(type(arg) is torch.Tensor for arg in args if isinstance(arg, torch.Tensor))
-    )
 
 
 def _launches_eagerly(x: torch.Tensor, state: torch.Tensor) -> bool:

@@ -1,0 +1,185 @@
+"""The Triton route replayed from a converted layer in eager mode, with its host work done once.
+
+At decode sizes a linear's kernels take a few microseconds of GPU time, while reaching them
+through the general route (``backends.triton_route``: the tile choice, the ops' checks, Triton's
+argument binding and kernel lookup per launch) costs several times that on the host, so an eager
+model waits on Python. Here the first call for an activation shape, dtype, device and stream runs
+the general route while recording its kernel launches (``kernels.launch.recording_launches``);
+later calls replay them (``kernels.launch.PreparedLaunch``) with that call's activation, a new
+output and the stream's scratch memory in place of the first call's: the same kernels with the
+same arguments, hence the same outputs bit for bit.
+
+Replayed: plain, contiguous, 16-byte aligned CUDA activations of at most the largest M that
+``kernels.gemm.GEMM_CONFIGS`` serves with Triton kernels alone (above it cuBLAS runs the product,
+and the host work is small beside the GPU's), outside any tracing or dispatch mode, with the
+weight's tensors in the layout convert makes. Every other call returns None and the layer takes
+the general route.
+"""
+
+from typing import Optional
+
+import torch
+
+from nvfp4_static.kernels.launch import KernelCall, PreparedLaunch, ceil_div, recording_launches
+
+__all__ = ["EagerTritonLaunches"]
+
+
+class EagerTritonLaunches:
+    """One layer's replayable linears, one per (activation shape, dtype, device, stream).
+
+    Prepared for the weight tensors and bias the layer holds; a call with others (the layer
+    moved to another device, a new weight assigned) starts over. A copy of the layer
+    (``deepcopy``, pickling) starts empty, since what is kept holds the addresses of the
+    original's tensors.
+    """
+
+    def __init__(self):
+        self._tensors: tuple = ()
+        self._largest_rows = 0
+        self._linears: dict = {}
+
+    def __deepcopy__(self, memo) -> "EagerTritonLaunches":
+        return type(self)()
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __call__(self, x: torch.Tensor, weight, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``static_linear(x, weight, bias)``, or None where this call is not replayed."""
+        if type(x) is not torch.Tensor or not x.is_cuda or torch._C._len_torch_dispatch_stack():
+            return None
+        tensors = self._tensors
+        if (
+            not tensors
+            or weight.qdata is not tensors[0]
+            or weight.scale is not tensors[1]
+            or weight.per_tensor_scale is not tensors[2]
+            or weight.act_per_tensor_scale is not tensors[3]
+            or bias is not tensors[4]
+        ):
+            self._hold(weight, bias)
+        device = x.get_device()
+        if not self._largest_rows or device != torch._C._cuda_getDevice():
+            return None
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        key = (x.shape, x.dtype, device, stream)
+        linear = self._linears.get(key)
+        if linear is not None:
+            return linear(x, stream) if x.is_contiguous() and x.data_ptr() % 16 == 0 else None
+        if not (0 < x.numel() <= self._largest_rows * x.shape[-1] and x.is_contiguous() and x.data_ptr() % 16 == 0):
+            return None
+        from nvfp4_static.tensor import static_linear
+
+        with recording_launches() as calls:
+            out = static_linear(x, weight, bias)
+        self._linears[key] = ReplayedLinear.of(x, out, calls, self._tensors, stream) or _not_replayed
+        return out
+
+    def _hold(self, weight, bias: Optional[torch.Tensor]) -> None:
+        """Forget what was prepared and take ``weight`` and ``bias``; replay only if the weight
+        runs on the Triton route with its tensors in convert's layout (which the route uses as
+        they are: a converted copy would be a buffer the replay does not refill)."""
+        self._tensors = (weight.qdata, weight.scale, weight.per_tensor_scale, weight.act_per_tensor_scale, bias)
+        self._linears = {}
+        self._largest_rows = 0
+        device = weight.qdata.device
+        scales = (weight.per_tensor_scale, weight.act_per_tensor_scale)
+        if (
+            weight.linear_backend != "triton"
+            or device.type != "cuda"
+            or not (weight.qdata.dtype == torch.uint8 and weight.qdata.dim() == 2 and weight.qdata.is_contiguous())
+            or not (weight.scale.dtype == torch.float8_e4m3fn and weight.scale.is_contiguous())
+            or any(s is None or s.dtype != torch.float32 or s.numel() != 1 or s.device != device for s in scales)
+            or (bias is not None and (bias.dim() != 1 or not bias.is_contiguous() or bias.device != device))
+        ):
+            return
+        from nvfp4_static.kernels.gemm import GEMM_CONFIGS, GemmConfig
+
+        self._largest_rows = max(max_m for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig))
+
+
+def _not_replayed(x: torch.Tensor, stream: Optional[int]) -> None:
+    """Stands for a shape whose launches cannot be replayed: the layer takes the general route."""
+    return None
+
+
+class ReplayedLinear:
+    """The kernel launches one call of the Triton route made, replayable with a new activation.
+
+    Each tensor argument of the recorded launches is the activation, the output, a weight
+    tensor or a kernel's workspace (both kept as they are), or else a scratch buffer the route
+    allocated (the activation operand, a split K's partial products). A replay allocates a new
+    output, takes its scratch buffers from the stream's ``scratch_arena`` and launches the same
+    kernels in the same order.
+    """
+
+    def __init__(
+        self, out: torch.Tensor, calls: list[KernelCall], per_call: dict[int, int], scratch: list, stream: Optional[int]
+    ):
+        self._workspace = [t for call in calls for t in call.workspace]  # passed to every replay as it is
+        self._out_shape, self._out_dtype = tuple(out.shape), out.dtype
+        offsets, end = [], 0
+        for shape, dtype in scratch:
+            offsets.append(end)
+            end += ceil_div(shape.numel() * dtype.itemsize, _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
+        arena = scratch_arena(out.device, stream, end)
+        self._scratch = tuple(
+            arena[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            for offset, (shape, dtype) in zip(offsets, scratch)
+        )
+        self._launches = [PreparedLaunch(call, per_call) for call in calls]
+
+    @classmethod
+    def of(
+        cls, x: torch.Tensor, out: torch.Tensor, calls: list[KernelCall], weight_tensors: tuple, stream: Optional[int]
+    ) -> Optional["ReplayedLinear"]:
+        """The replay on the raw CUDA ``stream`` of the launches ``calls`` that computed ``out``
+        from ``x``, or None if they are not all a replay can redo: no launch, an output no
+        launch wrote, or a scratch buffer that is not contiguous or is used under two shapes."""
+        workspace = [t for call in calls for t in call.workspace]
+        fixed = {t.data_ptr() for t in (*weight_tensors, *workspace) if t is not None}
+        per_call = {x.data_ptr(): 0, out.data_ptr(): 1}
+        written_out = False
+        scratch = []
+        for call in calls:
+            for value in call.args:
+                if not isinstance(value, torch.Tensor) or value.data_ptr() in fixed:
+                    continue
+                address = value.data_ptr()
+                written_out = written_out or address == out.data_ptr()
+                if address not in per_call:
+                    if not value.is_contiguous():
+                        return None
+                    per_call[address] = 2 + len(scratch)
+                    scratch.append((value.shape, value.dtype))
+                elif per_call[address] >= 2 and scratch[per_call[address] - 2] != (value.shape, value.dtype):
+                    return None
+        if not calls or not written_out or not out.is_contiguous():
+            return None
+        return cls(out, calls, per_call, scratch, stream)
+
+    def __call__(self, x: torch.Tensor, stream: Optional[int]) -> torch.Tensor:
+        out = x.new_empty(self._out_shape, dtype=self._out_dtype)
+        tensors = (x, out, *self._scratch)
+        for launch in self._launches:
+            launch(stream, tensors)
+        return out
+
+
+# Scratch buffers start on this boundary (the caching allocator's, more than any kernel needs).
+_SCRATCH_ALIGNMENT = 512
+_SCRATCH_ARENAS: dict[tuple, torch.Tensor] = {}
+
+
+def scratch_arena(device: torch.device, stream: Optional[int], nbytes: int) -> torch.Tensor:
+    """At least ``nbytes`` bytes of scratch memory shared by the replays on one device and
+    stream: a stream runs one linear's kernels after another's, so each can use the same bytes
+    for its short-lived buffers, and a replay allocates none. A larger need gets a new, larger
+    buffer; the replays holding the old one keep it."""
+    key = (device, stream)
+    arena = _SCRATCH_ARENAS.get(key)
+    if arena is None or arena.numel() < nbytes:
+        size = max(nbytes, 2 * arena.numel() if arena is not None else 0)
+        arena = _SCRATCH_ARENAS[key] = torch.empty(size, dtype=torch.uint8, device=device)
+    return arena

@@ -1,0 +1,204 @@
+"""backends/triton_eager.py: a replayed layer call equals the Triton route's call bit for bit.
+
+On CPU the recorded launches replay under Triton's interpreter (in a child process, see
+triton_interpreter) with small tiles; on a CUDA machine the converted layer's own forward runs
+the real kernels through Triton's compiled launchers, against the general route.
+"""
+
+import copy
+import io
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import linear_operands, requires_cuda
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton_interpreter import run_interpreted
+
+from nvfp4_static.backends.triton_eager import EagerTritonLaunches, ReplayedLinear
+from nvfp4_static.kernels.launch import KernelCall, recording_launches
+from nvfp4_static.linear import NVFP4StaticLinear
+from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
+
+REPLAYER = "test_triton_eager:record_then_replay"
+
+
+def _route(x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, config):
+    """The Triton route's launches for one bucket, called as the ops call them: the activation
+    kernel then the GEMM, or the GEMM alone where ``config`` quantizes the activation itself.
+    A split K is summed in the GEMM, whose tile counters a replay reuses: a replay that left
+    them wrong would leave tiles unsummed."""
+    from nvfp4_static.kernels.act_quantize import launch_activation_quantize
+    from nvfp4_static.kernels.gemm import launch_nvfp4_gemm
+
+    out = torch.empty(x.shape[0], weight_qdata.shape[0], dtype=x.dtype)
+    weights = (weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out, config)
+    if config.activation_rows:
+        launch_nvfp4_gemm(x, *weights, raw_activation=True)
+    else:
+        operand = torch.empty(x.shape, dtype=torch.float16)
+        launch_activation_quantize(x, act_scale, None, None, operand)
+        launch_nvfp4_gemm(operand, *weights)
+    return out
+
+
+def record_then_replay(first_x, second_x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, config):
+    """In the interpreted child: record the route on ``first_x``, replay it on ``second_x``;
+    returns (first output, replayed output, the route's output on ``second_x``, launches)."""
+    weights = (weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
+    with recording_launches() as calls:
+        first = _route(first_x, *weights, config)
+    replay = ReplayedLinear.of(first_x, first, calls, (weight_qdata, weight_block_scales, weight_scale, act_scale, bias), None)
+    replayed = replay(second_x, None)
+    return first, replayed, _route(second_x, *weights, config), len(calls)
+
+
+def _interpreter_configs():
+    from nvfp4_static.kernels.gemm import GemmConfig
+
+    # Small tiles so that the interpreter sees several tiles and a split K (programs_per_sm is
+    # large against the CPU's one "SM").
+    split_k = GemmConfig(16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64)
+    return {
+        "operand-then-gemm": (GemmConfig(16, 16, 32, num_warps=4, num_stages=1), 2),
+        "operand-then-split-k": (split_k, 2),  # the GEMM sums its splits itself
+        "quantizing-split-k": (replace(split_k, activation_rows=2), 1),
+    }
+
+
+INTERPRETER_CASES = ["operand-then-gemm", "operand-then-split-k", "quantizing-split-k"]
+
+
+@pytest.fixture(scope="module")
+def replays():
+    launches = {}
+    for seed, (name, (config, _)) in enumerate(_interpreter_configs().items()):
+        first = linear_operands(3, 40, 224, seed, block_gains=True)
+        second = linear_operands(3, 40, 224, seed + 10, block_gains=True)
+        weights = (first.weight_qdata, first.weight_block_scales, first.act_scale, first.weight_scale, first.bias)
+        launches[name] = (f"{REPLAYER}", (first.x, second.x, *weights, config))
+    return run_interpreted(launches)
+
+
+@pytest.mark.parametrize("case", INTERPRETER_CASES)
+def test_interpreted_replay_equals_the_route_on_a_new_activation(replays, case):
+    first, replayed, expected, launches = replays[case].returned
+    assert launches == _interpreter_configs()[case][1]
+    assert not expected.isnan().any()
+    assert torch.equal(replayed, expected)
+    assert not torch.equal(replayed, first)  # the new activation, not the recorded one
+
+
+def _call(kernel_args):
+    return KernelCall(kernel=None, grid=(1,), args=kernel_args, meta={})
+
+
+def test_replay_refuses_launches_it_could_not_redo():
+    """Each refusal sends the layer to the general route: nothing launched, an output no launch
+    wrote, a scratch buffer that is a strided view, or one buffer used under two shapes."""
+    x, out, weight = torch.zeros(2, 32), torch.zeros(2, 8), torch.zeros(8, 16, dtype=torch.uint8)
+    scratch = torch.zeros(4, 32)
+    weights = (weight,)
+    assert ReplayedLinear.of(x, out, [], weights, None) is None
+    assert ReplayedLinear.of(x, out, [_call((x, weight, scratch))], weights, None) is None
+    assert ReplayedLinear.of(x, out, [_call((x, scratch.t(), out))], weights, None) is None
+    assert ReplayedLinear.of(x, out, [_call((x, scratch, out)), _call((scratch.view(8, 16), out))], weights, None) is None
+
+
+def _layer(N, K, dtype, device, with_bias=True, seed=0):
+    generator = torch.Generator(device).manual_seed(seed)
+    weight = torch.randn(N, K, generator=generator, device=device, dtype=dtype)
+    nvfp4 = NVFP4StaticTensor.from_float(weight, torch.tensor(8.0), backend_override="triton" if device == "cuda" else None)
+    bias = torch.nn.Parameter(torch.randn(N, generator=generator, device=device, dtype=dtype)) if with_bias else None
+    return NVFP4StaticLinear(nvfp4, bias, recipe={}, layer_name="layer")
+
+
+def test_copies_of_a_layer_start_without_its_launches():
+    """What is kept holds the original's tensor addresses: a deep copy or an unpickled layer
+    prepares its own."""
+    layer = _layer(32, 64, torch.float32, "cpu")
+    copied = copy.deepcopy(layer)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (copied, loaded):
+        assert isinstance(other._eager_launches, EagerTritonLaunches)
+        assert other._eager_launches is not layer._eager_launches
+        x = torch.randn(3, 64)
+        assert torch.equal(other(x), layer(x))
+
+
+def test_cpu_activations_take_the_general_route():
+    layer = _layer(32, 64, torch.float32, "cpu")
+    x = torch.randn(3, 64)
+    assert layer._eager_launches(x, layer.weight, layer.bias) is None
+    assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias))
+
+
+# --- On a GPU: the layer's forward against the general route ---------------------------------------------
+
+
+def _activation(shape, dtype, seed):
+    generator = torch.Generator("cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=generator, device="cuda") * 3).to(dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_gpu_replayed_forward_equals_the_route_at_every_bucket(dtype, with_bias):
+    """Each M twice with new values (the first call records, the second replays), every tile
+    bucket up to the cuBLAS one and past it, and leading dims."""
+    layer = _layer(1024, 2048, dtype, "cuda", with_bias)
+    shapes = [(1, 2048), (2, 2048), (5, 2048), (16, 2048), (17, 2048), (33, 2048), (64, 2048), (65, 2048), (2, 3, 2048), (1, 1, 2048)]
+    with torch.no_grad():
+        for seed, shape in enumerate(shapes):
+            for call in range(2):
+                x = _activation(shape, dtype, seed=10 * seed + call)
+                assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias)), (shape, call)
+    replayed = {key[0] for key, linear in layer._eager_launches._linears.items() if isinstance(linear, ReplayedLinear)}
+    assert replayed == {torch.Size(shape) for shape in shapes if shape != (65, 2048)}
+
+
+@requires_cuda
+def test_gpu_replay_follows_new_weights_streams_and_falls_back_on_odd_activations():
+    """A weight loaded in place (same tensors, new values), a new weight assigned, another
+    stream, a strided or misaligned activation, and a dispatch mode (which must see the ops)."""
+    layer, other = _layer(512, 1024, torch.bfloat16, "cuda"), _layer(512, 1024, torch.bfloat16, "cuda", seed=1)
+    x = _activation((4, 1024), torch.bfloat16, seed=0)
+
+    def expected(x):
+        return static_linear(x, layer.weight, layer.bias)
+
+    with torch.no_grad():
+        layer(x)
+        layer.load_state_dict(other.state_dict())
+        assert torch.equal(layer(x), static_linear(x, other.weight, other.bias))
+        third = _layer(512, 1024, torch.bfloat16, "cuda", seed=2)
+        layer.weight, layer.bias = third.weight, third.bias
+        assert torch.equal(layer(x), static_linear(x, third.weight, third.bias))
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            on_stream = layer(x)
+        stream.synchronize()
+        assert torch.equal(on_stream, expected(x))
+        wide = _activation((4, 2048), torch.bfloat16, seed=1)
+        assert torch.equal(layer(wide[:, :1024]), expected(wide[:, :1024]))
+        flat = _activation((4 * 1024 + 4,), torch.bfloat16, seed=2)
+        misaligned = flat[4:].view(4, 1024)  # 8 bytes past an aligned address
+        assert torch.equal(layer(misaligned), expected(misaligned))
+
+        class OpNames(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.names = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.names.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        with OpNames() as mode:
+            out = layer(x)
+        assert torch.equal(out, expected(x))
+        assert any("nvfp4_static" in name for name in mode.names), mode.names
