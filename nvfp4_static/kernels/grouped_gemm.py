@@ -190,12 +190,18 @@ class GroupedGemmConfig:
     weight_as_mma_a: bool = False
 
 
-# By routed rows per expert on average (R / E). Placeholders until tune_grouped_gemm.py measures.
+# By routed rows per expert on average (R / E). Chosen with examples/benchmarks/tune_grouped_gemm.py
+# on one H100 for bench_moe.py's layer (examples/benchmarks/RESULTS.md): 16 x 64 x 256 tiles were
+# best or within 2% of best from 0.06 to 8 rows per expert (1 to 128 tokens), 64 x 128 x 128 at 64
+# (1024 tokens; 128 x 128 x 64 took 7-8% longer), 128 x 128 x 64 at 256 (4096 tokens; 64 x 128 x
+# 128 took 2% longer); the bounds between those sizes are not measured. Transposed tiles were at
+# best 1% faster (one token). Quantizing the rows into the fp16 operand instead of packed codes
+# (no dequantization per N tile, 4x the bytes) took 1.3x longer or more at 64 and 256 rows per
+# expert, so the rows stay packed.
 GROUPED_GEMM_CONFIGS = (
-    (2, GroupedGemmConfig(16, 64, 256, 4, 3, weight_as_mma_a=True)),
-    (16, GroupedGemmConfig(16, 128, 128, 4, 3, weight_as_mma_a=True)),
-    (96, GroupedGemmConfig(64, 128, 128, 4, 3)),
-    (None, GroupedGemmConfig(128, 128, 128, 8, 3)),
+    (16, GroupedGemmConfig(16, 64, 256, 4, 4)),
+    (128, GroupedGemmConfig(64, 128, 128, 4, 3)),
+    (None, GroupedGemmConfig(128, 128, 64, 4, 4)),
 )
 # Activation columns one program of the quantize kernel covers (one row per program), and its
 # warps: act_quantize's tile, chosen there by a sweep on an H200.
