@@ -66,9 +66,6 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
         expert_min_tokens: experts of a mixture-of-experts layer that saw fewer calibration
             tokens than this take the layer's statistics pooled over all its experts (a warning
             names them); at least 1.
-        expert_min_tokens: experts of a mixture-of-experts layer that saw fewer calibration
-            tokens than this take the layer's statistics pooled over all its experts (a warning
-            names them); at least 1.
         backend: force the inference route (``"cpu"``, ``"triton"``, ``"blackwell"``); None
             picks by device.
     """
@@ -91,7 +88,6 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
     strict: bool = False
     backend: Optional[str] = None
     expert_min_tokens: int = 16
-    expert_min_tokens: int = 16
 
     def __post_init__(self):
         if isinstance(self.step, QuantizationStep):
@@ -109,11 +105,6 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
         if not 0 < self.rho < E4M3_DYNAMIC_RANGE:
             raise ValueError(
                 f"NVFP4StaticActivationConfig: rho={self.rho} must lie in (0, {E4M3_DYNAMIC_RANGE:g})"
-            )
-        if not isinstance(self.expert_min_tokens, int) or self.expert_min_tokens < 1:
-            raise ValueError(
-                f"NVFP4StaticActivationConfig: expert_min_tokens={self.expert_min_tokens!r} must "
-                f"be an integer >= 1 (an expert without tokens has no statistics of its own)"
             )
         if not isinstance(self.expert_min_tokens, int) or self.expert_min_tokens < 1:
             raise ValueError(
