@@ -54,7 +54,7 @@ from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
 from nvfp4_static.observers.base import _REDUCE, MergeableObserver
 from nvfp4_static.observers.mse import MseCalibrator
 from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
-from nvfp4_static.workflow import _weight_global_amax, is_quantizable, sweep_weight_block_scales
+from nvfp4_static.workflow import layer_weight_global_amax, is_quantizable, sweep_weight_block_scales
 
 __all__ = [
     "calibrate_in_shards",
@@ -408,7 +408,7 @@ def _share_weight_sweeps(layers: list, config: NVFP4StaticActivationConfig, grou
             if owners[i] != rank:
                 continue
             try:
-                mine[i] = sweep_weight_block_scales(layer, config, _weight_global_amax(layer))
+                mine[i] = sweep_weight_block_scales(layer, config, layer_weight_global_amax(layer))
             except GlobalAmaxTooSmallError:
                 pass  # every rank's convert finds it too small at once, and warns
         local["swept"] = sorted(mine)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers import BlockHessianAccumulator
 from nvfp4_static.observers.mse import nvfp4_fake_quantize_with_amax
-from nvfp4_static.workflow import _activation_global_amax
+from nvfp4_static.workflow import layer_activation_global_amax
 
 __all__ = ["calibrate_hessians_under_quantized_activations"]
 
@@ -118,7 +118,7 @@ def calibrate_hessians_under_quantized_activations(
 def _calibrated_amax(layer: NVFP4StaticObservedLinear) -> torch.Tensor:
     """The layer's activation global amax as convert will fix it (refused as convert refuses it)."""
     try:
-        return _activation_global_amax(layer)
+        return layer_activation_global_amax(layer)
     except (RuntimeError, ValueError) as error:
         raise type(error)(
             f"nvfp4_static: the quantized-activation Hessian pass quantizes each layer's input "

@@ -111,20 +111,16 @@ def _nvfp4_static_transform(
 ) -> torch.nn.Module:
     if _is_experts(module):
         # Imported here: the experts' steps are built on this module's steps for linears.
-        from nvfp4_static.experts.handlers import transform_experts
+        from nvfp4_static.experts.handlers import EXPERTS_STEPS
 
-        return transform_experts(module, config)
-    if config.step == "prepare":
-        return _prepare(module, config)
-    if config.step == "convert":
-        return _convert(module, config)
-    return _prepare_for_loading(module, config)
+        return EXPERTS_STEPS[config.step](module, config)
+    return LINEAR_STEPS[config.step](module, config)
 
 
 # --- step 1: prepare ----------------------------------------------------------------------------
 
 
-def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
+def prepare_linear(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
     name = layer_name(module)
     shared = _REPLACEMENTS.get(module)
     if isinstance(shared, NVFP4StaticObservedLinear) and shared.weight is module.weight:
@@ -132,7 +128,7 @@ def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> to
     if isinstance(module, (NVFP4StaticObservedLinear, NVFP4StaticLinear)):
         raise ValueError(f"nvfp4_static: layer '{name}' is already {type(module).__name__}")
     check_dtype(module.weight, f"weight of layer '{name}'")
-    if _left_float_says_why(module, name, config.strict):
+    if left_float_says_why(module, name, config.strict):
         return module
     hessian_accumulator = HESSIAN_ACCUMULATORS.get(config.weight_scale)
     hessian = hessian_accumulator(module.in_features, name=name) if hessian_accumulator else None
@@ -156,7 +152,7 @@ def _prepare(module: torch.nn.Linear, config: NVFP4StaticActivationConfig) -> to
 
 
 
-def _why_left_float(module: torch.nn.Linear):
+def why_left_float(module: torch.nn.Linear):
     """Why prepare leaves ``module`` float (None: it quantizes it): a quantized copy would
     change what the layer computes, untie a shared weight, or NVFP4 cannot hold its shape."""
     if experts_layout(module) is not None:
@@ -182,9 +178,9 @@ def _why_left_float(module: torch.nn.Linear):
     return None
 
 
-def _left_float_says_why(module: torch.nn.Linear, name: str, strict: bool) -> bool:
+def left_float_says_why(module: torch.nn.Linear, name: str, strict: bool) -> bool:
     """Whether prepare leaves ``module`` float; says why in a warning (an error if strict)."""
-    reason = _why_left_float(module)
+    reason = why_left_float(module)
     if reason is None:
         return False
     message = f"nvfp4_static: layer '{name}' is left unquantized: {reason}"
@@ -197,11 +193,11 @@ def _left_float_says_why(module: torch.nn.Linear, name: str, strict: bool) -> bo
 # --- step 2: convert ----------------------------------------------------------------------------
 
 
-def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
+def convert_linear(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
     if isinstance(module, NVFP4StaticLinear):
         return module
     if not isinstance(module, NVFP4StaticObservedLinear):
-        if isinstance(module, torch.nn.Linear) and _why_left_float(module) is None:
+        if isinstance(module, torch.nn.Linear) and why_left_float(module) is None:
             raise RuntimeError(
                 f"nvfp4_static: layer '{layer_name(module)}' has no observer: run "
                 f"quantize_(model, NVFP4StaticActivationConfig(step='prepare')) and calibration "
@@ -211,10 +207,10 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
     shared = _REPLACEMENTS.get(module)
     if isinstance(shared, NVFP4StaticLinear):
         return shared
-    _check_recipe_matches_prepare(module, config)
+    check_recipe_matches_prepare(module, config)
     _CONVERT_PROGRESS.converting(module, module.layer_name)
-    act_amax = _activation_global_amax(module)
-    weight_global_amax = _weight_global_amax(module)
+    act_amax = layer_activation_global_amax(module)
+    weight_global_amax = layer_weight_global_amax(module)
     if config.weight_scale == "gptq":
         float_weight, block_scales = _gptq_weight(module, config, weight_global_amax)
     else:
@@ -235,7 +231,7 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
     return converted
 
 
-def _check_recipe_matches_prepare(
+def check_recipe_matches_prepare(
     module: NVFP4StaticObservedLinear, config: NVFP4StaticActivationConfig
 ) -> None:
     """The activation recipe was fixed at prepare (it built the calibrator); a convert config
@@ -252,7 +248,7 @@ def _check_recipe_matches_prepare(
         )
 
 
-def _activation_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
+def layer_activation_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
     """The layer's calibrated activation global amax, refused where NVFP4 cannot use it."""
     name = module.layer_name
     try:
@@ -274,7 +270,7 @@ def _activation_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
     return act_amax
 
 
-def _weight_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
+def layer_weight_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
     """The weight's own ``max |w|``, or its fusion group's shared amax where
     ``tie_fused_layers`` recorded one (``nvfp4_static.fused_layers``)."""
     if module.tied_weight_global_amax is not None:
@@ -373,6 +369,10 @@ def _prepare_for_loading(
     module: torch.nn.Linear, config: NVFP4StaticActivationConfig
 ) -> torch.nn.Module:
     name = layer_name(module)
-    if _left_float_says_why(module, name, config.strict):
+    if left_float_says_why(module, name, config.strict):
         return module
     return NVFP4StaticLinear.placeholder(module, config.recipe(), name, config.backend)
+
+
+# What each step of the config does to a linear (``experts.handlers.EXPERTS_STEPS`` for experts).
+LINEAR_STEPS = {"prepare": prepare_linear, "convert": convert_linear, "prepare_for_loading": _prepare_for_loading}

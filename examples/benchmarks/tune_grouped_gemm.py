@@ -15,7 +15,7 @@ keyed on). Run on one GPU:
 import argparse
 
 import torch
-from bench_moe import EXPERTS, HIDDEN, INTERMEDIATE, TOP_K, float_experts, graph_ms, nvfp4_grouped
+from bench_moe import EXPERTS, HIDDEN, HIDDEN_AMAX, INTERMEDIATE, INTERMEDIATE_AMAX, TOP_K, float_experts, graph_ms, nvfp4_grouped
 
 from nvfp4_static.experts.routing import route
 from nvfp4_static.kernels.grouped_gemm import GroupedGemmConfig, launch_grouped_nvfp4_gemm
@@ -44,8 +44,8 @@ def main():
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}")
     bf16 = float_experts()
-    gate_up = nvfp4_grouped(bf16.gate_up_proj.detach(), 8.0)
-    down = nvfp4_grouped(bf16.down_proj.detach(), 16.0)
+    gate_up = nvfp4_grouped(bf16.gate_up_proj.detach(), HIDDEN_AMAX)
+    down = nvfp4_grouped(bf16.down_proj.detach(), INTERMEDIATE_AMAX)
     for tokens in args.tokens:
         hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
         top_k_index = torch.topk(torch.randn(tokens, EXPERTS, device="cuda"), TOP_K).indices

@@ -12,7 +12,7 @@ expert's own Hessian) and every check are the linears' own:
    converted, and the results are stacked into an ``NVFP4StaticExperts``.
 3. prepare_for_loading: an empty ``NVFP4StaticExperts``.
 
-``workflow`` hands this module's ``transform_experts`` the registered experts modules
+``workflow`` hands this module's ``EXPERTS_STEPS`` the registered experts modules
 (``experts.layouts``) and the ones it made of them.
 """
 
@@ -32,22 +32,14 @@ from nvfp4_static.numerics import check_dtype
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers import BlockHessianAccumulator
 
-__all__ = ["transform_experts"]
-
-
-def transform_experts(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
-    if config.step == "prepare":
-        return _prepare(module, config)
-    if config.step == "convert":
-        return _convert(module, config)
-    return _prepare_for_loading(module, config)
+__all__ = ["EXPERTS_STEPS"]
 
 
 def _prepare(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
     name = workflow.layer_name(module)
     if isinstance(module, (NVFP4StaticObservedExperts, NVFP4StaticExperts)):
         raise ValueError(f"nvfp4_static: layer '{name}' is already {type(module).__name__}")
-    if workflow._left_float_says_why(module, name, config.strict):
+    if workflow.left_float_says_why(module, name, config.strict):
         return module
     layout = experts_layout(module)
     gate_up, down = layout.weights(module)
@@ -75,21 +67,21 @@ def _observed_expert_linear(
         linear = torch.nn.Linear(in_features, out_features, bias=False)
     linear.weight = torch.nn.Parameter(weights.detach()[expert], requires_grad=weights.requires_grad)
     workflow._LAYER_NAMES[linear] = name
-    return workflow._prepare(linear, config)
+    return workflow.prepare_linear(linear, config)
 
 
 def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
     if isinstance(module, NVFP4StaticExperts):
         return module
     if not isinstance(module, NVFP4StaticObservedExperts):
-        if workflow._why_left_float(module) is None:
+        if workflow.why_left_float(module) is None:
             raise RuntimeError(
                 f"nvfp4_static: experts '{workflow.layer_name(module)}' have no observer: run "
                 f"quantize_(model, NVFP4StaticActivationConfig(step='prepare')) and calibration "
                 f"before step='convert', with the same filter_fn"
             )
         return module
-    workflow._check_recipe_matches_prepare(module, config)
+    workflow.check_recipe_matches_prepare(module, config)
     if sum(module.tokens_per_expert) == 0:
         raise RuntimeError(
             f"nvfp4_static: cannot convert experts '{module.layer_name}': they saw no calibration "
@@ -105,8 +97,8 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
             f"expert_min_tokens)"
         )
     with _pooled_statistics_for(module, starved):
-        gate_up = [workflow._convert(linear, config) for linear in module.gate_up_proj]
-        down = [workflow._convert(linear, config) for linear in module.down_proj]
+        gate_up = [workflow.convert_linear(linear, config) for linear in module.gate_up_proj]
+        down = [workflow.convert_linear(linear, config) for linear in module.down_proj]
     stats = {"tokens_per_expert": list(module.tokens_per_expert), "pooled_experts": starved}
     return NVFP4StaticExperts(
         NVFP4StaticGroupedLinear.from_linears(gate_up),
@@ -160,6 +152,10 @@ def _summed_hessian(linears, name: str) -> Optional[BlockHessianAccumulator]:
 
 def _prepare_for_loading(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
     name = workflow.layer_name(module)
-    if isinstance(module, NVFP4StaticExperts) or workflow._left_float_says_why(module, name, config.strict):
+    if isinstance(module, NVFP4StaticExperts) or workflow.left_float_says_why(module, name, config.strict):
         return module
     return NVFP4StaticExperts.placeholder(module, experts_layout(module), config.recipe(), name)
+
+
+# What each step of the config does to an experts module (``workflow.LINEAR_STEPS`` for linears).
+EXPERTS_STEPS = {"prepare": _prepare, "convert": _convert, "prepare_for_loading": _prepare_for_loading}

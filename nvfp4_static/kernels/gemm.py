@@ -94,6 +94,20 @@ def dequantize_weight_tile(packed, scale_codes, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
+def accumulate_halves(acc, a_even, a_odd, w_even, w_odd, WEIGHT_AS_A: tl.constexpr):
+    """``acc`` plus the product of the activation and weight tiles given as their even-K and
+    odd-K halves: ``W @ A^T`` (``acc [BLOCK_N, BLOCK_M]``) where ``WEIGHT_AS_A``, else
+    ``A @ W^T`` (``acc [BLOCK_M, BLOCK_N]``)."""
+    if WEIGHT_AS_A:
+        acc = tl.dot(w_even, tl.trans(a_even), acc)
+        acc = tl.dot(w_odd, tl.trans(a_odd), acc)
+    else:
+        acc = tl.dot(a_even, tl.trans(w_even), acc)
+        acc = tl.dot(a_odd, tl.trans(w_odd), acc)
+    return acc
+
+
+@triton.jit
 def spread_rows(rows, ROWS: tl.constexpr, SPREAD: tl.constexpr, WIDTH: tl.constexpr):
     """``[ROWS, WIDTH]`` -> ``[ROWS * SPREAD, WIDTH]`` with row r at r * SPREAD and zeros between."""
     if SPREAD == 1:
@@ -203,12 +217,7 @@ def _nvfp4_gemm_kernel(
             other=0,
         )
         w_even, w_odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
-        if WEIGHT_AS_A:
-            acc = tl.dot(w_even, tl.trans(a_even), acc)
-            acc = tl.dot(w_odd, tl.trans(a_odd), acc)
-        else:
-            acc = tl.dot(a_even, tl.trans(w_even), acc)
-            acc = tl.dot(a_odd, tl.trans(w_odd), acc)
+        acc = accumulate_halves(acc, a_even, a_odd, w_even, w_odd, WEIGHT_AS_A)
 
     # Output coordinates of each accumulator element, in either orientation.
     if WEIGHT_AS_A:
@@ -442,8 +451,10 @@ def split_k_for(config: GemmConfig, N: int, K: int, device: torch.device) -> int
     return max(1, min(wanted, ceil_div(K, config.block_k) // 2))
 
 
-def _use_ptx_dequant(device: torch.device) -> bool:
-    # cvt.rn.f16x2.e4m3x2 exists from sm_89; the interpreter (CPU tensors) runs plain Triton.
+@lru_cache(maxsize=None)  # asked at every launch; the device's capability does not change
+def use_ptx_dequant(device: torch.device) -> bool:
+    """Whether the dequantize uses PTX's FP8 conversion on ``device``: ``cvt.rn.f16x2.e4m3x2``
+    exists from sm_89; the interpreter (CPU tensors) runs plain Triton."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -520,7 +531,7 @@ def launch_weight_dequantize(
         _dequantize_weight_kernel,
         (ceil_div(N, config.block_n), ceil_div(K, config.block_k)),
         (weight_qdata, weight_block_scales, out, N, K),
-        dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, PTX=_use_ptx_dequant(out.device), num_warps=config.num_warps),
+        dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, PTX=use_ptx_dequant(out.device), num_warps=config.num_warps),
     ).launch()
 
 
@@ -589,7 +600,7 @@ def launch_nvfp4_gemm(
     weight_qdata = weight_qdata.contiguous()
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
     bias_or_unused = bias if bias is not None else act_scale
-    ptx = _use_ptx_dequant(a.device)
+    ptx = use_ptx_dequant(a.device)
     if isinstance(config, CublasAfterDequantize):
         split_k = 1
         weight = torch.empty((N, K), dtype=torch.float16, device=a.device)

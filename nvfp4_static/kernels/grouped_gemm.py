@@ -29,7 +29,6 @@ CUDA tensors; its torch reference runs ``backends.cpu.static_nvfp4_linear`` expe
 """
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -37,7 +36,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_static.kernels.act_quantize import nvfp4_block_scale, pack_e2m1, round_to_e2m1
-from nvfp4_static.kernels.gemm import _use_ptx_dequant, dequantize_weight_tile
+from nvfp4_static.kernels.gemm import accumulate_halves, dequantize_weight_tile, use_ptx_dequant
 from nvfp4_static.kernels.launch import ceil_div, next_power_of_2, traceable
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
@@ -160,12 +159,7 @@ def _grouped_nvfp4_gemm_kernel(
         a_even, a_odd = dequantize_weight_tile(packed, scale_codes, BLOCK_M, BLOCK_K, PTX)
         packed, scale_codes = _load_packed_tile(w_ptr, w_scales_ptr, rows_n, valid_n, k_tile, K, BLOCK_K, EVEN_K)
         w_even, w_odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
-        if WEIGHT_AS_A:
-            acc = tl.dot(w_even, tl.trans(a_even), acc)
-            acc = tl.dot(w_odd, tl.trans(a_odd), acc)
-        else:
-            acc = tl.dot(a_even, tl.trans(w_even), acc)
-            acc = tl.dot(a_odd, tl.trans(w_odd), acc)
+        acc = accumulate_halves(acc, a_even, a_odd, w_even, w_odd, WEIGHT_AS_A)
 
     acc = acc * (tl.load(act_scales_ptr + expert) * tl.load(weight_scales_ptr + expert))
     if WEIGHT_AS_A:
@@ -207,10 +201,6 @@ GROUPED_GEMM_CONFIGS = (
 # warps: act_quantize's tile, chosen there by a sweep on an H200.
 QUANTIZE_BLOCK_K = 1024
 QUANTIZE_NUM_WARPS = 2
-
-
-# The device's capability, asked once: the launch runs at every experts layer of every forward.
-_ptx_dequant = lru_cache(maxsize=None)(_use_ptx_dequant)
 
 
 def grouped_gemm_config(rows: int, num_experts: int) -> GroupedGemmConfig:
@@ -337,7 +327,7 @@ def launch_grouped_nvfp4_gemm(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         EVEN_K=K % config.block_k == 0,
-        PTX=_ptx_dequant(x.device),
+        PTX=use_ptx_dequant(x.device),
         WEIGHT_AS_A=config.weight_as_mma_a,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
