@@ -184,14 +184,10 @@ class GroupedGemmConfig:
     weight_as_mma_a: bool = False
 
 
-# By routed rows per expert on average (R / E). Chosen with examples/benchmarks/tune_grouped_gemm.py
-# on one H100 for bench_moe.py's layer (examples/benchmarks/RESULTS.md): 16 x 64 x 256 tiles were
-# best or within 2% of best from 0.06 to 8 rows per expert (1 to 128 tokens), 64 x 128 x 128 at 64
-# (1024 tokens; 128 x 128 x 64 took 7-8% longer), 128 x 128 x 64 at 256 (4096 tokens; 64 x 128 x
-# 128 took 2% longer); the bounds between those sizes are not measured. Transposed tiles were at
-# best 1% faster (one token). Quantizing the rows into the fp16 operand instead of packed codes
-# (no dequantization per N tile, 4x the bytes) took 1.3x longer or more at 64 and 256 rows per
-# expert, so the rows stay packed.
+# By routed rows per expert on average (R / E): the tiles examples/benchmarks/tune_grouped_gemm.py
+# found best on an H100 for bench_moe.py's layer at 1-128, 1024 and 4096 tokens (figures in
+# examples/benchmarks/RESULTS.md); the bounds between those sizes are not measured. The rows stay
+# packed codes: an fp16 operand would skip their dequantization per N tile but move 4x the bytes.
 GROUPED_GEMM_CONFIGS = (
     (16, GroupedGemmConfig(16, 64, 256, 4, 4)),
     (128, GroupedGemmConfig(64, 128, 128, 4, 3)),
