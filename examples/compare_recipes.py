@@ -6,7 +6,8 @@
 
 Rows, every one on the same held-out text as ``quantize_llm.py``'s:
 - ``float`` and ``w4a16`` (torchao's ``NVFP4WeightOnlyConfig``), which need no calibration and are
-  scored once;
+  scored once; ``w4a16+mse`` (our MSE-swept weights, float activations) is calibrated like the
+  W4A4 recipes, though its weights do not depend on the data;
 - torchao's recipe (``torchao`` = ``max+max``) and ours, named as in ``quantize_llm.py``
   (``<act_calibration>+<weight_scale>``; ``@upstream`` / ``@quantized``: the Hessian gathered in
   a second pass under quantized activations, from each layer's input before / after its own
@@ -40,7 +41,7 @@ MODELOPT_CONFIGS = {
     "modelopt:mse_fp8_sweep": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG",
     "modelopt:local_hessian": "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG",
 }
-DEFAULT_RECIPES = ",".join(["w4a16", OUR_RECIPES, *MODELOPT_CONFIGS])
+DEFAULT_RECIPES = ",".join(["w4a16", "w4a16+mse", OUR_RECIPES, *MODELOPT_CONFIGS])
 TIED = " tied"
 
 
@@ -197,7 +198,8 @@ def main(argv=None) -> None:
     for name, (ppl, _) in calibration_free.items():
         tqdm.write(f"{name}: perplexity {ppl:.3f}")
 
-    rows = [*ours, *(name + TIED for name in ours if args.tie_fused_layers), *peers]
+    tied = [name + TIED for name, recipe in ours.items() if quantize_llm.is_w4a4(recipe)]
+    rows = [*ours, *(tied if args.tie_fused_layers else []), *peers]
     baseline = next((name for name in BASELINES if name in rows), rows[0] if rows else None)
     for size in draw_sizes:
         perplexities = {name: [ppl] for name, (ppl, _) in calibration_free.items()}

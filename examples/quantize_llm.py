@@ -14,8 +14,9 @@ the last ``--n-eval`` are held out for perplexity, so the two never overlap.
 Every ``nn.Linear`` but ``lm_head`` is quantized. Recipes are ``<activation>+<weight>`` names
 (``b_min+mse``, ``max+hessian_mse``, ...; see ``NVFP4StaticActivationConfig``), plus
 ``torchao`` (= ``max+max``: torchao's own NVFP4 numerics with a max-calibrated static scale)
-and ``w4a16`` (torchao's ``NVFP4WeightOnlyConfig``: NVFP4 weights, float activations). A
-Hessian recipe may end in ``@upstream`` or ``@quantized``: after calibration, a second pass
+``w4a16`` (torchao's ``NVFP4WeightOnlyConfig``: NVFP4 weights with block-max scales, float
+activations) and ``w4a16+<weight>`` (our weight scales, e.g. ``w4a16+mse``, float activations:
+what W4A4 is measured against). A Hessian recipe may end in ``@upstream`` or ``@quantized``: after calibration, a second pass
 gathers its Hessians under quantized activations, from each layer's input before or after its
 own quantization (``nvfp4_static.calibrate_hessians_under_quantized_activations``).
 
@@ -38,6 +39,8 @@ from typing import Optional
 DEFAULT_RECIPES = "torchao,b_min+mse,b_min+hessian_mse,w4a16"
 RECIPE_ALIASES = {"torchao": "max+max"}
 WEIGHT_ONLY = "w4a16"
+# Recipe keys the example handles itself, not NVFP4StaticActivationConfig.
+EXAMPLE_KEYS = ("hessian_pass", "weight_only")
 # Recipe suffix -> own_input_quantized of the quantized-activation Hessian pass.
 HESSIAN_PASSES = {"upstream": False, "quantized": True}
 EXPORT_FORMATS = ("compressed-tensors", "modelopt")  # nvfp4_static.export.FORMATS (a test checks)
@@ -92,6 +95,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from nvfp4_static import (  # noqa: E402
     NVFP4StaticActivationConfig,
+    NVFP4StaticLinear,
     calibrate_hessians_under_quantized_activations,
     export_checkpoint,
     is_quantizable,
@@ -152,9 +156,13 @@ def parse_recipe(name: str, b_min_options: dict):
     """``NVFP4StaticActivationConfig`` keyword arguments for a recipe name; None for w4a16.
 
     ``b_min_options`` (e.g. ``rho``) apply to the recipes that calibrate with ``b_min``.
+    ``w4a16+<weight>`` calibrates as ``max+<weight>`` and marks the recipe ``weight_only``.
     """
     if name == WEIGHT_ONLY:
         return None
+    if name.startswith(WEIGHT_ONLY + "+"):
+        recipe = parse_recipe("max+" + name.removeprefix(WEIGHT_ONLY + "+"), b_min_options)
+        return {**recipe, "weight_only": True}
     base, _, hessian_pass = name.partition("@")
     act, _, weight = RECIPE_ALIASES.get(base, base).partition("+")
     recipe = {"act_calibration": act, "weight_scale": weight}
@@ -165,7 +173,7 @@ def parse_recipe(name: str, b_min_options: dict):
     except ValueError as error:
         raise SystemExit(
             f"recipe {name!r}: {error}; name recipes '<act_calibration>+<weight_scale>', "
-            f"'torchao' or '{WEIGHT_ONLY}'"
+            f"'torchao', '{WEIGHT_ONLY}' or '{WEIGHT_ONLY}+<weight_scale>'"
         ) from error
     if hessian_pass:
         if hessian_pass not in HESSIAN_PASSES or weight in ("max", "mse"):
@@ -175,6 +183,21 @@ def parse_recipe(name: str, b_min_options: dict):
             )
         recipe["hessian_pass"] = hessian_pass
     return recipe
+
+
+def is_w4a4(recipe: Optional[dict]) -> bool:
+    """Whether a parsed recipe quantizes activations (torchao's w4a16 parses to None)."""
+    return recipe is not None and not recipe.get("weight_only", False)
+
+
+def keep_activations_float(model: torch.nn.Module) -> None:
+    """Swap each converted linear for a float ``nn.Linear`` holding its dequantized weight."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, NVFP4StaticLinear):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+            linear.weight = torch.nn.Parameter(module.weight.dequantize(module.weight.dtype), requires_grad=False)
+            linear.bias = module.bias
+            model.set_submodule(name, linear)
 
 
 def all_but_lm_head(module: torch.nn.Module, name: str) -> bool:
@@ -230,7 +253,7 @@ def quantize(float_model, recipe: dict, calib_batches, name: str, tie: bool = Fa
     if recipe is None:
         quantize_(model, NVFP4WeightOnlyConfig(), filter_fn=all_but_lm_head)
         return model
-    config = {key: value for key, value in recipe.items() if key != "hessian_pass"}
+    config = {key: value for key, value in recipe.items() if key not in EXAMPLE_KEYS}
     quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=all_but_lm_head)
     calibrate(model, calib_batches, f"calibrate {name}")
     if tie:
@@ -247,6 +270,8 @@ def quantize(float_model, recipe: dict, calib_batches, name: str, tie: bool = Fa
         quantize_(
             model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn=all_but_lm_head
         )
+    if recipe.get("weight_only"):
+        keep_activations_float(model)
     return model
 
 
@@ -314,7 +339,7 @@ def main(argv=None) -> None:
         ppl, speed = evaluate(run(model), eval_batches, f"evaluate {name}")
         rows.append((name, ppl, speed, model_size_bytes(model)))
         tqdm.write(f"{name}: perplexity {ppl:.3f}, {speed:.0f} tokens/s")
-        if recipe is not None:
+        if is_w4a4(recipe):
             summary = diagnostics_summary(
                 model, float_model, eval_batches[0][:1], args.diagnostics_rows
             )
@@ -323,7 +348,7 @@ def main(argv=None) -> None:
             path = pathlib.Path(args.save) / f"{name.replace('+', '_')}.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(model.state_dict(), path)
-        if args.export and recipe is not None:
+        if args.export and is_w4a4(recipe):
             folder = export_checkpoint(
                 model, pathlib.Path(args.export) / name.replace("+", "_"), args.format
             )

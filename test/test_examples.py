@@ -242,3 +242,36 @@ def test_calibration_study_quick_mode_runs_under_a_minute(tmp_path):
     if importlib.util.find_spec("matplotlib") is not None:
         assert len(list(tmp_path.glob("*.png"))) == 3
     assert seconds < 60, f"--quick took {seconds:.0f} s"
+
+
+@pytest.mark.skipif(
+    bool(missing_llm_deps),
+    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
+)
+def test_weight_only_rows_with_our_weight_scales_keep_activations_float():
+    """``w4a16+mse`` holds exactly the weights ``max+mse`` converts to, and runs them on float inputs."""
+    example = llm_example()
+
+    class TakesUseCache(torch.nn.Sequential):  # the example calls model(ids, use_cache=False)
+        def forward(self, x, use_cache=False):
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    float_model = TakesUseCache(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 48, bias=False))
+    calib = [torch.randn(8, 64)]
+    w4a4 = example.quantize(float_model, example.parse_recipe("max+mse", {}), calib, "max+mse")
+    w4a16 = example.quantize(float_model, example.parse_recipe("w4a16+mse", {}), calib, "w4a16+mse")
+    assert not example.is_w4a4(example.parse_recipe("w4a16+mse", {}))
+    assert example.is_w4a4(example.parse_recipe("max+mse", {}))
+    for i in (0, 2):
+        assert type(w4a16[i]) is torch.nn.Linear
+        assert torch.equal(w4a16[i].weight, w4a4[i].weight.dequantize(torch.float32))
+    assert torch.equal(w4a16[0].bias, float_model[0].bias) and w4a16[2].bias is None
+    x = torch.randn(5, 64)
+    expected = torch.nn.functional.linear(
+        torch.relu(torch.nn.functional.linear(x, w4a16[0].weight, w4a16[0].bias)), w4a16[2].weight
+    )
+    assert torch.equal(w4a16(x), expected)
+    assert not torch.equal(w4a16(x), w4a4(x))  # W4A4 also quantizes the activations
+    with pytest.raises(SystemExit, match="w4a16\\+<weight_scale>"):
+        example.parse_recipe("w4a16+nonsense", {})
