@@ -10,7 +10,9 @@ is (e.g. on CPU) and holds one decoder layer at a time on ``device``:
    forward. Those parts move back;
 2. for each decoder layer in turn: move it to ``device``, prepare its linears, run every
    cached batch through it (calibrating them), convert it, keep its outputs as the next
-   layer's inputs, move it back.
+   layer's inputs, move it back. On CUDA the next layer is copied to ``device`` while this one
+   calibrates, and finished layers move back in the background (``nvfp4_static.layer_mover``);
+   a layer whose calibration fails moves back too.
 
 The next layer sees the float layer's outputs, exactly as in a whole-model calibration, so
 the scales are the same bit for bit; ``propagate_quantized=True`` feeds it the converted
@@ -26,8 +28,10 @@ With ``resume_dir`` each converted layer is saved as it finishes, and a rerun af
 loads the finished layers instead of calibrating them (``nvfp4_static.layerwise_resume``).
 """
 
+import contextlib
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -44,6 +48,7 @@ from nvfp4_static.distributed import (
     sync_calibration,
     sync_mse_anchors,
 )
+from nvfp4_static.layer_mover import LayerMover
 from nvfp4_static.layerwise_resume import FinishedLayers, layer_fingerprint, run_fingerprint
 from nvfp4_static.workflow import is_quantizable
 
@@ -210,6 +215,8 @@ def calibrate_layer_by_layer(
     group=None,
     progress: bool = True,
     resume_dir: Union[str, os.PathLike, None] = None,
+    prefetch: Optional[bool] = None,
+    timings: Optional[dict] = None,
 ) -> torch.nn.Module:
     """Prepare, calibrate and convert ``model``'s decoder layers one at a time on ``device``.
 
@@ -237,6 +244,12 @@ def calibrate_layer_by_layer(
             raises, changing nothing) and loads them instead of calibrating them again
             (``nvfp4_static.layerwise_resume``). With ``group``, rank 0 writes it and every
             rank reads it: a folder all ranks share.
+        prefetch: copy the next layer to ``device`` while this one calibrates, and move finished
+            layers home in the background (``nvfp4_static.layer_mover``); one more layer of
+            device memory. Default: on CUDA.
+        timings: a dict to which the seconds of each phase are added ("record inputs", "move
+            in", "prepare", "calibrate", "sync statistics", "convert", "propagate", "move
+            back", ...). On CUDA each phase then waits for the device at its end.
 
     Returns:
         ``model``, its decoder layers' selected linears converted.
@@ -267,25 +280,28 @@ def calibrate_layer_by_layer(
         finished = _finished_layers(resume_dir, model, prefix, layers, layer_filter_of, config,
                                     propagate_quantized, batches, data_parallel, group, rank)
 
-    moves = _move_outside(model, layers, device, on_first_call=True)
-    try:
-        records = _capture_first_layer_inputs(model, layers, batches, forward, device, cache_device)
-    finally:
-        for move in moves:
-            move.remove()
-        _move_outside(model, layers, home)
+    clock = _PhaseClock(timings, device)
+    with clock.phase("record inputs"):
+        moves = _move_outside(model, layers, device, on_first_call=True)
+        try:
+            records = _capture_first_layer_inputs(model, layers, batches, forward, device,
+                                                  cache_device)
+        finally:
+            for move in moves:
+                move.remove()
+            _move_outside(model, layers, home)
     hidden = [_hidden_states_of_call(args, kwargs) for args, kwargs in records]
     inputs = [_with_hidden_states(args, kwargs, None) for args, kwargs in records]  # no 2nd copy
     del records
 
     bar = tqdm(total=len(layers), desc="nvfp4_static layer by layer", unit="layer",
                disable=not progress or rank != 0)
-    try:
+    overlap = device.type == "cuda" if prefetch is None else prefetch
+    with bar, LayerMover(device, overlap) as mover:
         for index, layer in enumerate(layers):
             name = f"{prefix}.{index}"
             bar.set_postfix_str(name)
             layer_home = _home_device(layer)
-            layer.to(device)
             layer_filter = layer_filter_of(name)
 
             def run(b, last_use, layer=layer):
@@ -302,35 +318,74 @@ def calibrate_layer_by_layer(
 
             outputs = [None] * len(hidden)
             resumed = finished is not None and index < finished.done
-            with torch.no_grad():
-                if resumed:  # the outputs the interrupted run computed, from the same layer
-                    if not propagate_quantized:
-                        outputs = [calibration_run(b) for b in range(len(hidden))]
-                    finished.load(index, layer, name, config.backend)
-                else:
-                    fingerprint = None
-                    if finished is not None:
-                        fingerprint = layer_fingerprint(layer, name, layer_filter)
-                    quantize_(layer, prepare, filter_fn=layer_filter)
-                    if data_parallel:
-                        _calibrate_data_parallel(layer, calibration_run, outputs, group,
-                                                 rank == anchor_source, config.act_calibration == "mse")
-                        convert_data_parallel(layer, convert, layer_filter, group)
+            try:
+                with clock.phase("move in"):
+                    mover.move_in(layer)
+                if index + 1 < len(layers):
+                    mover.prefetch(layers[index + 1])
+                with torch.no_grad():
+                    if resumed:  # the outputs the interrupted run computed, from the same layer
+                        if not propagate_quantized:
+                            with clock.phase("calibrate"):
+                                outputs = [calibration_run(b) for b in range(len(hidden))]
+                        with clock.phase("load finished layer"):
+                            finished.load(index, layer, name, config.backend)
                     else:
-                        for b in range(len(hidden)):
-                            outputs[b] = calibration_run(b)
-                        quantize_(layer, convert, filter_fn=layer_filter)
-                if propagate_quantized:
-                    outputs = [run(b, last_use=True) for b in range(len(hidden))]
+                        fingerprint = None
+                        if finished is not None:
+                            fingerprint = layer_fingerprint(layer, name, layer_filter)
+                        with clock.phase("prepare"):
+                            quantize_(layer, prepare, filter_fn=layer_filter)
+                        if data_parallel:
+                            _calibrate_data_parallel(layer, calibration_run, outputs, group,
+                                                     rank == anchor_source,
+                                                     config.act_calibration == "mse", clock)
+                            with clock.phase("convert"):
+                                convert_data_parallel(layer, convert, layer_filter, group)
+                        else:
+                            with clock.phase("calibrate"):
+                                for b in range(len(hidden)):
+                                    outputs[b] = calibration_run(b)
+                            with clock.phase("convert"):
+                                quantize_(layer, convert, filter_fn=layer_filter)
+                    if propagate_quantized:
+                        with clock.phase("propagate"):
+                            outputs = [run(b, last_use=True) for b in range(len(hidden))]
+            except BaseException:
+                layer.to(layer_home)  # a failed layer goes home too
+                raise
             hidden = outputs
             if offload:
-                layer.to(layer_home)
+                with clock.phase("move back"):
+                    mover.move_back(layer, layer_home)
             if finished is not None and not resumed:
-                finished.save(index, layer, fingerprint)
+                with clock.phase("save finished layer"):
+                    mover.wait_moved_back()
+                    finished.save(index, layer, fingerprint)
             bar.update()
-    finally:
-        bar.close()
+        with clock.phase("move back"):
+            mover.wait_moved_back()
     return model
+
+
+class _PhaseClock:
+    """Adds the seconds of each phase of the run to ``timings[phase]``; does nothing when
+    ``timings`` is None. On CUDA a phase ends when the compute stream has done the work it
+    queued, so the GPU's time lands in its phase (at the cost of those waits)."""
+
+    def __init__(self, timings: Optional[dict], device: torch.device):
+        self.timings, self.device = timings, device
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.timings is None:
+            yield
+            return
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
 
 def _finished_layers(folder, model, prefix, layers, layer_filter_of, config, propagate_quantized,
@@ -365,26 +420,31 @@ def _finished_layers(folder, model, prefix, layers, layer_filter_of, config, pro
     return finished
 
 
-def _calibrate_data_parallel(layer, run, outputs, group, runs_first_batch: bool, mse: bool) -> None:
+def _calibrate_data_parallel(layer, run, outputs, group, runs_first_batch: bool, mse: bool,
+                             clock: "_PhaseClock") -> None:
     """This rank's batches through ``layer``, its statistics synchronised with the other ranks'
     (for the MSE recipe, the anchoring first batch first); errors reach every rank."""
     order = list(range(len(outputs)))
     if mse:
         error = None
         if runs_first_batch and order:
-            try:
-                outputs[0] = run(0)
-            except Exception as caught:
-                error = caught
+            with clock.phase("calibrate"):
+                try:
+                    outputs[0] = run(0)
+                except Exception as caught:
+                    error = caught
             order = order[1:]
-        sync_mse_anchors(layer, group, error=error)
+        with clock.phase("sync statistics"):
+            sync_mse_anchors(layer, group, error=error)
     error = None
-    try:
-        for b in order:
-            outputs[b] = run(b)
-    except Exception as caught:
-        error = caught
-    sync_calibration(layer, group, error=error)
+    with clock.phase("calibrate"):
+        try:
+            for b in order:
+                outputs[b] = run(b)
+        except Exception as caught:
+            error = caught
+    with clock.phase("sync statistics"):
+        sync_calibration(layer, group, error=error)
 
 
 def _hidden_states_of_call(args, kwargs):

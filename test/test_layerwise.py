@@ -1,12 +1,17 @@
 """Layer-by-layer calibration (nvfp4_static.layerwise) against whole-model calibration."""
 
+import threading
+import time
+
 import pytest
 import torch
+from conftest import requires_cuda
 
 from distributed_worker import converted_scales
 from tiny_llama import all_but_lm_head, convert_llama, logits, prepared_and_calibrated, tiny_llama, token_ids
 
 from nvfp4_static import NVFP4StaticActivationConfig, calibrate_layer_by_layer, workflow
+from nvfp4_static.layer_mover import LayerMover
 from nvfp4_static.layerwise import (
     _capture_first_layer_inputs,
     _default_forward,
@@ -102,6 +107,67 @@ def test_calibrate_large_example_checks_its_scales(capsys):
     out = capsys.readouterr().out
     assert "layer by layer in" in out
     assert "scales equal to one process calibrating the whole model (28 layers): True" in out
+
+
+# --- moving layers: prefetched, moved back in the background, timed --------------------------------
+
+
+def assert_same_scales(a, b):
+    assert a.keys() == b.keys() and len(a) == 14
+    for name in a:
+        assert all(torch.equal(x, y) for x, y in zip(a[name], b[name])), name
+
+
+def mover_threads() -> int:
+    return sum(t.name.startswith("nvfp4_static-layer-mover") for t in threading.enumerate())
+
+
+def test_prefetched_layers_give_the_whole_model_scales(monkeypatch):
+    copied, copy_in = [], LayerMover._copy_in
+    monkeypatch.setattr(LayerMover, "_copy_in", lambda self, sources: copied.append(len(sources))
+                        or copy_in(self, sources))
+    layered = layer_by_layer("b_min", "mse", prefetch=True)
+    assert len(copied) == 2  # each layer's tensors went through the worker
+    assert_same_scales(converted_scales(whole_model("b_min", "mse")), converted_scales(layered))
+    assert mover_threads() == 0
+
+
+def test_a_failure_mid_layer_raises_it_and_stops_the_mover():
+    model = tiny_llama()
+    with pytest.raises(Interrupted):
+        layer_by_layer("b_min", "mse", model=model, prefetch=True, filter_fn=interrupted_after_layer_0)
+    assert mover_threads() == 0
+    assert {name.split(".")[2] for name in converted_layers(model)} == {"0"}
+
+
+def test_the_phase_timings_cover_each_step_and_add_up_to_at_most_the_wall_time():
+    timings = {}
+    start = time.perf_counter()
+    layer_by_layer("b_min", "mse", timings=timings, prefetch=True)
+    wall = time.perf_counter() - start
+    assert {"record inputs", "move in", "prepare", "calibrate", "convert", "move back"} <= timings.keys()
+    assert all(seconds >= 0 for seconds in timings.values())
+    assert sum(timings.values()) <= wall
+
+
+@requires_cuda
+@pytest.mark.parametrize("cache_device", [None, "cpu"], ids=["cache on GPU", "cache on CPU"])
+def test_on_cuda_prefetch_equals_plain_moves_and_every_layer_goes_home(cache_device):
+    plain = layer_by_layer("b_min", "mse", device="cuda", prefetch=False, cache_device=cache_device)
+    prefetched = layer_by_layer("b_min", "mse", device="cuda", prefetch=True, cache_device=cache_device)
+    assert_same_scales(converted_scales(plain), converted_scales(prefetched))
+    for model in (plain, prefetched):
+        assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
+
+
+@requires_cuda
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+def test_on_cuda_a_failure_mid_layer_leaves_every_layer_home(prefetch):
+    model = tiny_llama()
+    with pytest.raises(Interrupted):
+        layer_by_layer("b_min", "mse", model=model, device="cuda", prefetch=prefetch,
+                       filter_fn=interrupted_after_layer_0)
+    assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
 
 
 # --- resuming from a folder of finished layers ---------------------------------------------------

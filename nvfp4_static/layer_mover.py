@@ -1,0 +1,134 @@
+"""Moving decoder layers to the accelerator and back while another layer computes.
+
+Layer-by-layer calibration holds one decoder layer at a time on the device. Moved plainly
+(``layer.to(device)``, later ``layer.to(home)``), the device idles during every copy, and an 8B
+model's layers copied from pageable host memory take seconds. With ``overlap``, ``LayerMover``
+hides those copies behind the compute:
+
+- ``prefetch(layer)`` starts copying the next layer's tensors in a worker thread: on CUDA each
+  is staged in pinned host memory and copied on a side stream;
+- ``move_in(layer)`` hands the layer its copies; the compute stream waits for them on the device
+  (the host waits only until the worker has queued them);
+- ``move_back(layer, home)`` moves a finished layer home in the same worker once the compute
+  stream's work on it is done (``wait_moved_back`` waits for it).
+
+Only the calling thread changes a layer before and while it computes (``move_in``); the worker
+changes it only after (``move_back``). Copies are exact, so overlapping changes no result. It
+costs one more layer of device memory (the next layer arrives while this one computes). Without
+``overlap``, or for a layer that is not wholly on the CPU, every move is a plain ``module.to``.
+"""
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+__all__ = ["LayerMover"]
+
+
+class LayerMover:
+    """Moves layers to ``device`` and home; use it as a context manager (see the module
+    docstring). On leaving it, the moves in flight finish and the worker stops; a failed move
+    raises there unless an error is already on its way out."""
+
+    def __init__(self, device: torch.device, overlap: bool):
+        self.device = device
+        self.overlap = overlap
+        self._worker = ThreadPoolExecutor(1, "nvfp4_static-layer-mover") if overlap else None
+        self._stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
+        # The prefetched layer: (layer, its tensor slots, the future of (copies, ready event)).
+        self._next: Optional[tuple] = None
+        self._moving_back: list[Future] = []
+
+    def __enter__(self) -> "LayerMover":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            if self._next is not None:
+                future, self._next = self._next[2], None
+                future.exception()  # wait; an unused prefetch's failure does not matter
+            if error is None:
+                self.wait_moved_back()
+            else:
+                for future in self._moving_back:
+                    future.exception()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+
+    def prefetch(self, layer: torch.nn.Module) -> None:
+        """Start copying ``layer`` to the device (a no-op without overlap)."""
+        if not self._overlaps(layer) or (self._next is not None and self._next[0] is layer):
+            return
+        if self._next is not None:
+            self._next[2].exception()  # one prefetch at a time: let the other one finish
+        slots = _tensor_slots(layer)
+        sources = list({id(tensor): tensor.detach() for _, _, _, tensor in slots}.values())
+        self._next = (layer, slots, self._worker.submit(self._copy_in, sources))
+
+    def move_in(self, layer: torch.nn.Module) -> None:
+        """Put ``layer`` on the device: its prefetched copies, else copied now."""
+        if not self._overlaps(layer):
+            layer.to(self.device)
+            return
+        self.prefetch(layer)
+        _, slots, future = self._next
+        self._next = None
+        copies, ready = future.result()
+        if ready is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(ready)
+            for copy in copies:
+                copy.record_stream(compute)  # allocated on the side stream, used on this one
+        copy_of = dict(zip(list(dict.fromkeys(id(tensor) for _, _, _, tensor in slots)), copies))
+        for module, kind, name, tensor in slots:
+            if kind == "parameter":
+                tensor.data = copy_of[id(tensor)]
+            else:
+                module._buffers[name] = copy_of[id(tensor)]
+
+    def move_back(self, layer: torch.nn.Module, home: torch.device) -> None:
+        """Move ``layer`` to ``home``: in the worker with overlap, after the compute stream's
+        work queued so far; the caller must not use ``layer`` until ``wait_moved_back``."""
+        if not self.overlap:
+            layer.to(home)
+            return
+        ready = torch.cuda.current_stream(self.device).record_event() if self._stream else None
+        self._moving_back.append(self._worker.submit(self._move_home, layer, home, ready))
+
+    def wait_moved_back(self) -> None:
+        """Wait until every layer given to ``move_back`` is home; raises the first failure."""
+        moving, self._moving_back = self._moving_back, []
+        for future in moving:
+            future.result()
+
+    def _overlaps(self, layer: torch.nn.Module) -> bool:
+        devices = {t.device.type for t in [*layer.parameters(), *layer.buffers()]}
+        return self.overlap and devices == {"cpu"}
+
+    def _copy_in(self, sources: list) -> tuple[list, Optional[torch.cuda.Event]]:
+        if self._stream is None:  # copies, as on CUDA, even where the device is the CPU
+            return [t.to(self.device, copy=True) for t in sources], None
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            copies = [t.pin_memory().to(self.device, non_blocking=True) for t in sources]
+            return copies, self._stream.record_event()
+
+    def _move_home(self, layer: torch.nn.Module, home: torch.device, ready) -> None:
+        if ready is None:
+            layer.to(home)
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            layer.to(home)  # to pageable memory: returns once copied, before the GPU copy is freed
+
+
+def _tensor_slots(layer: torch.nn.Module) -> list[tuple]:
+    """``(module, "parameter" | "buffer", name, tensor)`` for every tensor the layer holds."""
+    return [
+        (module, kind, name, tensor)
+        for module in layer.modules()
+        for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers))
+        for name, tensor in tensors.items()
+        if tensor is not None
+    ]
