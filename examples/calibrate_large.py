@@ -9,8 +9,11 @@ The model is built from a Llama config with random weights (on ``--device``, the
 and stays on CPU; one decoder layer at a time moves to ``--device``
 (nvfp4_static.calibrate_layer_by_layer). Under torchrun each rank calibrates every WORLD_SIZE-th
 batch, the ranks' statistics are synchronised layer by layer and the weight sweeps are split
-across them (nvfp4_static.distributed). Printed: the layer-by-layer time and peak memory (GPU
+across them (nvfp4_static.distributed). Printed: the layer-by-layer time, where it went (seconds
+per phase: recording the first layer's inputs, moving layers in, prepare, calibrate, statistics
+sync, convert, moving back; on CUDA each phase waits for the GPU at its end) and peak memory (GPU
 memory on CUDA, against the budget one decoder layer's weights + the cached layer inputs + 2 GiB).
+On CUDA the next layer is copied in while one calibrates (``--no-prefetch``: plain moves).
 
 Then, in one process (``--check``, the default there and for small models), the same model
 calibrated whole on ``--device``: its float forward over the same tokens (the decoder, not
@@ -133,6 +136,8 @@ def main(argv=None) -> None:
     parser.add_argument("--weight", default="mse", help="weight_scale")
     parser.add_argument("--propagate", action="store_true", help="feed each layer the quantized outputs")
     parser.add_argument("--resume-dir", default=None, help="save finished layers there; resume from it")
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
+                        help="copy the next layer to the device while one calibrates (default: on CUDA)")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                         help="also calibrate the whole model on --device: times and a bitwise check "
                              "(default: one process, or a small model)")
@@ -144,7 +149,10 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":  # device_id: the NCCL communicator is made now, not timed
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     dtype = getattr(torch, args.dtype)
     config = NVFP4StaticActivationConfig(act_calibration=args.act, weight_scale=args.weight)
@@ -162,16 +170,22 @@ def main(argv=None) -> None:
         calibrate_layer_by_layer(build(args.preset, dtype, device, layers=1), everything[:1], config,
                                  device=device, filter_fn=not_lm_head, progress=False)
         torch.cuda.reset_peak_memory_stats(device)
+    if distributed:
+        dist.barrier()  # every rank's clock starts together
+    timings = {}
     layer_by_layer = timed(lambda: calibrate_layer_by_layer(
         model, shards[rank], config, device=device, cache_device=args.cache_device,
         filter_fn=not_lm_head, propagate_quantized=args.propagate, group=True if distributed else None,
-        resume_dir=args.resume_dir,
+        resume_dir=args.resume_dir, prefetch=args.prefetch, timings=timings,
     ), device)
     tokens = args.batches * args.batch_size * args.seq_len
     if rank == 0:
         print(f"{args.preset} Llama, {params / 1e6:.0f}M parameters, {world} rank(s), {tokens} tokens "
               f"({args.act}+{args.weight}{', propagated' if args.propagate else ''}): "
               f"layer by layer in {layer_by_layer:.1f} s")
+        phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in timings.items())
+        print(f"  where it went (s, rank 0): {phases}, other "
+              f"{layer_by_layer - sum(timings.values()):.2f}")
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
             tokens_here = len(shards[rank]) * args.batch_size * args.seq_len

@@ -149,9 +149,10 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     def layerwise(**options):
         options.setdefault("filter_fn", all_but_lm_head)
         config = NVFP4StaticActivationConfig(act_calibration="mse", weight_scale="hessian_mse")
+        timings = {}
         model = calibrate_layer_by_layer(tiny_llama(), mine, config, group=True, progress=False,
-                                         device="cpu", **options)
-        return {"scales": converted_scales(model)}
+                                         device="cpu", timings=timings, **options)
+        return {"scales": converted_scales(model), "timings": timings}
 
     save("layerwise-dp", layerwise())
 

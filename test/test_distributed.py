@@ -175,6 +175,7 @@ def test_layer_by_layer_data_parallel_equals_whole_model_shards(results):
     reference = shards_run("mse", "hessian_mse", SHARDS)
     assert_same(rank0, rank1, logits=False)
     assert_same(rank0, reference, logits=False)
+    assert {"calibrate", "sync statistics", "convert"} <= rank0["timings"].keys()
 
 
 def test_layer_by_layer_data_parallel_resumes_from_the_folder_rank_0_wrote(results):

@@ -106,6 +106,7 @@ def test_calibrate_large_example_checks_its_scales(capsys):
     example.main(["--batches", "2", "--batch-size", "2", "--seq-len", "16", "--weight", "max"])
     out = capsys.readouterr().out
     assert "layer by layer in" in out
+    assert "where it went (s, rank 0): record inputs " in out and ", calibrate " in out
     assert "scales equal to one process calibrating the whole model (28 layers): True" in out
 
 
