@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LayerMover"]
+__all__ = ["LayerMover", "put_tensor", "tensor_slots"]
 
 
 class LayerMover:
@@ -63,7 +63,7 @@ class LayerMover:
             return
         if self._next is not None:
             self._next[2].exception()  # one prefetch at a time: let the other one finish
-        slots = _tensor_slots(layer)
+        slots = tensor_slots(layer)
         sources = list({id(tensor): tensor.detach() for _, _, _, tensor in slots}.values())
         self._next = (layer, slots, self._worker.submit(self._copy_in, sources))
 
@@ -82,11 +82,8 @@ class LayerMover:
             for copy in copies:
                 copy.record_stream(compute)  # allocated on the side stream, used on this one
         copy_of = dict(zip(list(dict.fromkeys(id(tensor) for _, _, _, tensor in slots)), copies))
-        for module, kind, name, tensor in slots:
-            if kind == "parameter":
-                tensor.data = copy_of[id(tensor)]
-            else:
-                module._buffers[name] = copy_of[id(tensor)]
+        for slot in slots:
+            put_tensor(slot, copy_of[id(slot[3])])
 
     def move_back(self, layer: torch.nn.Module, home: torch.device) -> None:
         """Move ``layer`` to ``home``: in the worker with overlap, after the compute stream's
@@ -123,12 +120,23 @@ class LayerMover:
             layer.to(home)  # to pageable memory: returns once copied, before the GPU copy is freed
 
 
-def _tensor_slots(layer: torch.nn.Module) -> list[tuple]:
-    """``(module, "parameter" | "buffer", name, tensor)`` for every tensor the layer holds."""
+def tensor_slots(module: torch.nn.Module, recurse: bool = True) -> list[tuple]:
+    """``(module, "parameter" | "buffer", name, tensor)`` for every tensor ``module`` holds
+    (its submodules' too with ``recurse``): where ``put_tensor`` puts another tensor."""
     return [
-        (module, kind, name, tensor)
-        for module in layer.modules()
-        for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers))
+        (owner, kind, name, tensor)
+        for owner in (module.modules() if recurse else [module])
+        for kind, tensors in (("parameter", owner._parameters), ("buffer", owner._buffers))
         for name, tensor in tensors.items()
         if tensor is not None
     ]
+
+
+def put_tensor(slot: tuple, tensor: torch.Tensor) -> None:
+    """Make ``tensor`` the slot's tensor: a parameter keeps its ``Parameter`` object (as
+    ``module.to`` does), a buffer is replaced."""
+    owner, kind, name, held = slot
+    if kind == "parameter":
+        held.data = tensor
+    else:
+        owner._buffers[name] = tensor

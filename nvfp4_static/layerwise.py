@@ -48,7 +48,7 @@ from nvfp4_static.distributed import (
     sync_calibration,
     sync_mse_anchors,
 )
-from nvfp4_static.layer_mover import LayerMover
+from nvfp4_static.layer_mover import LayerMover, put_tensor, tensor_slots
 from nvfp4_static.layerwise_resume import FinishedLayers, layer_fingerprint, run_fingerprint
 from nvfp4_static.workflow import is_quantizable
 
@@ -141,29 +141,44 @@ def _holds(module, target) -> bool:
     return any(m is target for m in module.modules())
 
 
-def _move_outside(model, layers, device, on_first_call: bool = False) -> list:
-    """Move what lies outside ``layers`` to ``device``: the own tensors of the modules on the
-    path to them at once, the other modules whole. With ``on_first_call`` each of those moves
-    only when the forward calls it (the returned hooks do it; remove them after), so that what
-    runs after the layers (``lm_head``: a GiB or more at a 128k vocabulary) never reaches the
-    device while the first layer's inputs are recorded."""
+def _move_outside(model, layers, device) -> tuple[list, list]:
+    """Move what lies outside ``layers`` to ``device`` for the recording of the first layer's
+    inputs: the own tensors of the modules on the path to them at once, each other module when
+    the forward first calls it (the returned hooks do it; remove them after), so that what runs
+    after the layers (``lm_head``: a GiB or more at a 128k vocabulary) never reaches the device.
+
+    Returns the hooks and the moves made, ``(slot, original tensor, copy)``, for ``_put_back``.
+    """
     whole, path = _outside(model, layers)
+    moves = []
 
-    def move(module, args) -> None:  # a pre-hook's return value would replace the arguments
-        module.to(device)
+    def move(slots) -> None:
+        for slot in slots:
+            original = slot[3].data if slot[1] == "parameter" else slot[3]
+            copy = original.to(device)
+            put_tensor(slot, copy)
+            moves.append((slot, original, copy))
 
-    hooks = []
-    for module in whole:
-        if on_first_call:
-            hooks.append(module.register_forward_pre_hook(move))
-        else:
-            module.to(device)
+    def move_on_call(module, args) -> None:  # a pre-hook's return value would replace the arguments
+        move(tensor_slots(module))
+
+    hooks = [module.register_forward_pre_hook(move_on_call) for module in whole]
     for module in path:
-        for name, param in list(module.named_parameters(recurse=False)):
-            param.data = param.data.to(device)
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            module._buffers[name] = buffer.to(device)
-    return hooks
+        move(tensor_slots(module, recurse=False))
+    return hooks, moves
+
+
+def _put_back(moves: list, home: torch.device) -> None:
+    """Undo ``_move_outside``: each moved tensor's original goes back (the recording reads
+    those modules, it never writes them), so nothing is copied back; a buffer the forward
+    replaced is moved ``home``."""
+    for slot, original, copy in reversed(moves):
+        module, kind, name, _ = slot
+        current = module._buffers[name] if kind == "buffer" else None
+        if kind == "buffer" and current is not copy:
+            put_tensor(slot, current.to(home))
+        else:
+            put_tensor(slot, original)
 
 
 def _capture_first_layer_inputs(model, layers, batches, forward, device, cache_device) -> list:
@@ -282,14 +297,14 @@ def calibrate_layer_by_layer(
 
     clock = _PhaseClock(timings, device)
     with clock.phase("record inputs"):
-        moves = _move_outside(model, layers, device, on_first_call=True)
+        hooks, moves = _move_outside(model, layers, device)
         try:
             records = _capture_first_layer_inputs(model, layers, batches, forward, device,
                                                   cache_device)
         finally:
-            for move in moves:
-                move.remove()
-            _move_outside(model, layers, home)
+            for hook in hooks:
+                hook.remove()
+            _put_back(moves, home)
     hidden = [_hidden_states_of_call(args, kwargs) for args, kwargs in records]
     inputs = [_with_hidden_states(args, kwargs, None) for args, kwargs in records]  # no 2nd copy
     del records

@@ -16,6 +16,7 @@ from nvfp4_static.layerwise import (
     _capture_first_layer_inputs,
     _default_forward,
     _move_outside,
+    _put_back,
     find_decoder_layers,
 )
 from nvfp4_static.linear import NVFP4StaticLinear
@@ -76,18 +77,39 @@ def test_a_model_without_decoder_layers_is_refused_clearly():
         calibrate_layer_by_layer(model, [torch.randn(2, 32)], progress=False, device="cpu")
 
 
-def test_recording_the_first_layer_inputs_moves_only_what_runs_before_it(monkeypatch):
+def test_recording_the_first_layer_inputs_moves_only_what_runs_before_it():
     """lm_head (a GiB at a 128k vocabulary) must not reach the device for the recording."""
     model, cpu = tiny_llama(), torch.device("cpu")
     _, layers = find_decoder_layers(model)
-    moved, to = [], torch.nn.Module.to
-    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(self) or to(self, *a, **k))
-    moves = _move_outside(model, layers, cpu, on_first_call=True)
+    hooks, moves = _move_outside(model, layers, cpu)
     _capture_first_layer_inputs(model, layers, [token_ids(0)], _default_forward, cpu, cpu)
-    for move in moves:
-        move.remove()
+    for hook in hooks:
+        hook.remove()
+    moved = [slot[0] for slot, _, _ in moves]
     assert {name for name, m in model.named_modules() if any(m is x for x in moved)} == {
         "model.embed_tokens", "model.rotary_emb"}
+
+
+def test_after_the_recording_the_moved_modules_get_their_own_tensors_back(monkeypatch):
+    """Put back, not copied back (a GiB for a 128k-vocabulary embedding), except a buffer the
+    forward replaced, which is moved home."""
+    model, cpu = tiny_llama(), torch.device("cpu")
+    _, layers = find_decoder_layers(model)
+    embedding, rotary = model.model.embed_tokens, model.model.rotary_emb
+    weight, inv_freq = embedding.weight.data, rotary.inv_freq
+    replaced = torch.full_like(inv_freq, 3.0)
+    hooks, moves = _move_outside(model, layers, cpu)
+    hooks.append(rotary.register_forward_pre_hook(  # after the move, as dynamic RoPE does
+        lambda module, args: module.register_buffer("inv_freq", replaced, persistent=False)))
+    _capture_first_layer_inputs(model, layers, [token_ids(0)], _default_forward, cpu, cpu)
+    for hook in hooks:
+        hook.remove()
+    copied, to = [], torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: copied.append(self) or to(self, *a, **k))
+    _put_back(moves, cpu)
+    assert len(copied) == 1 and copied[0] is replaced
+    assert embedding.weight.data.data_ptr() == weight.data_ptr()
+    assert rotary.inv_freq is replaced and rotary.inv_freq is not inv_freq
 
 
 def test_finds_hugging_face_decoder_layers():
