@@ -32,6 +32,8 @@ class LayerMover:
     raises there unless an error is already on its way out."""
 
     def __init__(self, device: torch.device, overlap: bool):
+        if device.type == "cuda" and device.index is None:  # the worker's current device is 0
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.overlap = overlap
         self._worker = ThreadPoolExecutor(1, "nvfp4_static-layer-mover") if overlap else None
