@@ -54,9 +54,10 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
             B_min recipe's knobs: ``g_amax = max(rho * B_min, margin * B_max)``.
         percentile: the percentile of block amaxes used by ``act_calibration="percentile"``.
         mse_start_multiplier, mse_stop_multiplier, mse_step_size: the ``"mse"`` search grid.
-        weight_scale: per-block FP8 weight scales: ``"mse"`` (126-candidate sweep), ``"max"``
-            (block max, torchao's choice), ``"hessian_mse"`` (sweep weighted by the layer's
-            per-block input Hessian, gathered during calibration) or ``"gptq"`` (GPTQ: columns
+        weight_scale: per-block FP8 weight scales: ``"hessian_mse"`` (the default: the
+            126-candidate sweep weighted by the layer's per-block input Hessian, gathered during
+            calibration), ``"mse"`` (the plain sweep: no data needed, a quicker calibration),
+            ``"max"`` (block max, torchao's choice) or ``"gptq"`` (GPTQ: columns
             rounded in order under the layer's whole ``K x K`` input Hessian, each block's scale
             searched when it is reached; ``nvfp4_static.gptq``; the Hessian costs ``K^2 * 4``
             bytes per layer during calibration).
@@ -83,7 +84,7 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
     mse_start_multiplier: float = 0.25
     mse_stop_multiplier: float = 4.0
     mse_step_size: float = 0.1
-    weight_scale: str = "mse"
+    weight_scale: str = "hessian_mse"
     gptq_dampening: float = DEFAULT_DAMPENING
     strict: bool = False
     backend: Optional[str] = None

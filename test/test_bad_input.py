@@ -165,11 +165,12 @@ def test_a_linear_several_parents_hold_stays_one_layer(holders):
 @pytest.mark.parametrize("act_calibration", ["b_min", "percentile"])
 @pytest.mark.parametrize("magnitude", [1e20, 1e-20], ids=["1e20", "1e-20"])
 def test_activations_beyond_the_histogram_range_get_a_usable_amax_and_a_warning(act_calibration, magnitude):
-    model = prepare(make(MLP), act_calibration=act_calibration)
+    # The plain sweep: the Hessian recipes refuse inputs whose squares overflow float32.
+    model = prepare(make(MLP), act_calibration=act_calibration, weight_scale="mse")
     batches = [b * magnitude for b in calibration_batches()]
     calibrate(model, batches)
     with pytest.warns(UserWarning, match="outside|above|below"):
-        convert(model, act_calibration=act_calibration)
+        convert(model, act_calibration=act_calibration, weight_scale="mse")
     g_amax = model.up.act_global_amax
     literal_max = max(float(b.abs().max()) for b in batches)
     assert math.isfinite(g_amax) and g_amax >= literal_max * 0.99

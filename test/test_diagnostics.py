@@ -29,7 +29,7 @@ def test_one_report_per_converted_layer_carrying_its_calibration(model_cls):
         assert d.act_global_amax == layers[d.name].act_global_amax
         assert d.calibration_stats["g_amax"] == pytest.approx(d.act_global_amax, rel=1e-6)
         assert d.calibration_stats["set_by"] in ("rho*B_min", "margin*B_max")
-        assert d.recipe == {"act_calibration": "b_min", "weight_scale": "mse"}
+        assert d.recipe == {"act_calibration": "b_min", "weight_scale": "hessian_mse"}  # the defaults
         assert d.calls == 1 and not d.warned
         # NVFP4 keeps about 20 dB on Gaussian-like data per operand; 12 dB is far above what a
         # wrong scale or a mismatched reference layer (near 0 dB or below) would give.

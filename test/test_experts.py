@@ -245,11 +245,11 @@ def test_each_expert_observes_only_the_tokens_routed_to_it():
 
 def test_convert_gives_each_expert_its_own_scales_by_the_linear_recipe():
     batches = [routed_batch(96, seed) for seed in range(2)]
-    holder = calibrated_experts(batches, act_calibration="max")
+    holder = calibrated_experts(batches, act_calibration="max", weight_scale="mse")
     assert min(holder.experts.tokens_per_expert) >= 16  # no expert takes the pooled statistics
     gate_up = holder.experts.gate_up_proj
     float_gate_up = torch.stack([linear.weight.detach() for linear in gate_up]).clone()
-    convert(holder, act_calibration="max")
+    convert(holder, act_calibration="max", weight_scale="mse")
     experts = holder.experts
     assert isinstance(experts, NVFP4StaticExperts)
     hidden, index = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])

@@ -222,7 +222,7 @@ MLP(
     )
     assert_expected_inline(
         repr(NVFP4StaticActivationConfig(step="convert")),
-        """NVFP4StaticActivationConfig(step='convert', act_calibration='b_min', rho=16384.0, b_min_percentile=1.0, b_max_percentile=99.999, margin=1.0, num_bins=512, log2_min=-40.0, log2_max=40.0, percentile=99.99, mse_start_multiplier=0.25, mse_stop_multiplier=4.0, mse_step_size=0.1, weight_scale='mse', gptq_dampening=0.01, strict=False, backend=None, expert_min_tokens=16)""",
+        """NVFP4StaticActivationConfig(step='convert', act_calibration='b_min', rho=16384.0, b_min_percentile=1.0, b_max_percentile=99.999, margin=1.0, num_bins=512, log2_min=-40.0, log2_max=40.0, percentile=99.99, mse_start_multiplier=0.25, mse_stop_multiplier=4.0, mse_step_size=0.1, weight_scale='hessian_mse', gptq_dampening=0.01, strict=False, backend=None, expert_min_tokens=16)""",
     )
 
 
