@@ -65,7 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the b_min recipes' B_max percentile; 100 = literal max "
                         "(default: the config's)")
     parser.add_argument("--text-file", default=None, help="UTF-8 text (default: pydoc_data.topics)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each model")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each model; generation then uses a static cache, whose "
+                             "decoding step transformers compiles on CUDA")
+    parser.add_argument("--generate-tokens", type=int, default=32,
+                        help="greedy tokens generated per model for the generation tokens/s (0: skip)")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the first N decoder layers (smoke tests; perplexity "
                         "then says nothing about quantization quality)")
@@ -242,6 +246,25 @@ def evaluate(model, eval_batches, desc: str) -> tuple[float, float]:
 
 
 @torch.no_grad()
+def generation_speed(model, prompt: torch.Tensor, new_tokens: int, compiled: bool, pad_token_id) -> float:
+    """Greedy decoding tokens/s for one sequence, timed on a second run: the first warms up
+    (and, ``compiled``, is where transformers compiles the decoding step of a static cache)."""
+    options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+               "pad_token_id": pad_token_id}
+    if compiled:
+        options["cache_implementation"] = "static"
+    for _ in range(2):
+        if prompt.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(prompt, **options)
+        if prompt.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return new_tokens / seconds
+
+
+@torch.no_grad()
 def calibrate(model, calib_batches, desc: str) -> None:
     for ids in tqdm(calib_batches, desc=desc, leave=False):
         model(ids, use_cache=False)
@@ -296,12 +319,13 @@ def format_results(rows, float_ppl: float) -> str:
     torchao_ppl = next((ppl for name, ppl, *_ in rows if name == "torchao"), None)
     header = f"{'recipe':<20} {'perplexity':>10} {'vs float':>9}"
     header += f" {'vs torchao':>10}" if torchao_ppl is not None else ""
-    header += f" {'tokens/s':>9} {'size (bytes)':>13}"
+    header += f" {'tokens/s':>9} {'gen tok/s':>9} {'size (bytes)':>13}"
     lines = [header, "-" * len(header)]
-    for name, ppl, tokens_per_s, size in rows:
+    for name, ppl, tokens_per_s, generated_per_s, size in rows:
         line = f"{name:<20} {ppl:>10.3f} {ppl - float_ppl:>+9.3f}"
         line += f" {ppl - torchao_ppl:>+10.3f}" if torchao_ppl is not None else ""
-        lines.append(line + f" {tokens_per_s:>9.0f} {size:>13,}")
+        generated = f"{generated_per_s:>9.1f}" if generated_per_s is not None else f"{'-':>9}"
+        lines.append(line + f" {tokens_per_s:>9.0f} {generated} {size:>13,}")
     return "\n".join(lines)
 
 
@@ -331,14 +355,26 @@ def main(argv=None) -> None:
     def run(model):
         return torch.compile(model) if args.compile else model
 
-    float_ppl, float_speed = evaluate(run(float_model), eval_batches, "evaluate float")
-    rows = [("float", float_ppl, float_speed, model_size_bytes(float_model))]
+    prompt = held_out[:1, : min(32, args.seq_len)].to(args.device)
+
+    def generated_per_s(model):
+        if args.generate_tokens <= 0:
+            return None
+        return generation_speed(model, prompt, args.generate_tokens, args.compile, tokenizer.eos_token_id)
+
+    def row(name, model, desc):
+        ppl, speed = evaluate(run(model), eval_batches, desc)
+        generated = generated_per_s(model)
+        tqdm.write(f"{name}: perplexity {ppl:.3f}, {speed:.0f} tokens/s"
+                   + (f", generation {generated:.1f} tokens/s" if generated is not None else ""))
+        return name, ppl, speed, generated, model_size_bytes(model)
+
+    rows = [row("float", float_model, "evaluate float")]
+    float_ppl = rows[0][1]
     diagnostics = []
     for name, recipe in recipes.items():
         model = quantize(float_model, recipe, calib_batches, name, tie)
-        ppl, speed = evaluate(run(model), eval_batches, f"evaluate {name}")
-        rows.append((name, ppl, speed, model_size_bytes(model)))
-        tqdm.write(f"{name}: perplexity {ppl:.3f}, {speed:.0f} tokens/s")
+        rows.append(row(name, model, f"evaluate {name}"))
         if is_w4a4(recipe):
             summary = diagnostics_summary(
                 model, float_model, eval_batches[0][:1], args.diagnostics_rows

@@ -55,10 +55,13 @@ def test_llm_example_reports_every_recipe_with_finite_perplexity():
     # truncated model is only checked for being a number, not for its value.
     stdout = run_script(
         "examples/quantize_llm.py", "--num-layers", "1", "--n-calib", "2", "--n-eval", "2",
-        "--seq-len", "32", "--batch-size", "2", "--recipes", ",".join(recipes), timeout=600,
+        "--seq-len", "32", "--batch-size", "2", "--recipes", ",".join(recipes), "--generate-tokens", "4",
+        timeout=600,
     )
     table = results_table(stdout)
     assert list(table) == ["float", *recipes]
+    assert "gen tok/s" in stdout.split("Results:\n", 1)[1].splitlines()[0]
+    assert all(speed > 0 for speed in results_table(stdout, column=5).values())
     assert all(math.isfinite(ppl) and ppl > 1 for ppl in table.values())
     # Ours against torchao's recipe is reported (on a slice this small its sign is noise).
     assert "vs torchao" in stdout.split("Results:\n", 1)[1].splitlines()[0]
@@ -105,7 +108,7 @@ def test_perplexity_over_draws_matches_the_llm_example_draw_by_draw():
     assert mean_torchao == pytest.approx(sum(float(d["torchao"]) for d in per_draw) / 2, abs=1.5e-3)
 
     example = results_table(run_script(
-        "examples/quantize_llm.py", *tiny, "--calib-start", "1", "--recipes", "torchao,b_min+mse",
+        "examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--calib-start", "1", "--recipes", "torchao,b_min+mse",
         "--b-max-percentile", "99.99", "--diagnostics-rows", "0", timeout=600,
     ))
     assert float(per_draw[1]["torchao"]) == example["torchao"]
@@ -126,7 +129,7 @@ def test_propagation_study_without_propagation_scores_what_the_llm_example_score
                         timeout=600)
     draw = dict(item.rsplit(" ", 1) for item in stdout.split("draw 0 (sequences 1-1): ", 1)[1].splitlines()[0].split(", "))
     example = results_table(run_script(
-        "examples/quantize_llm.py", *tiny, "--recipes", "b_min+max", "--diagnostics-rows", "0", timeout=600,
+        "examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--recipes", "b_min+max", "--diagnostics-rows", "0", timeout=600,
     ))
     assert float(draw["float layer inputs"]) == example["b_min+max"]
     assert float(draw["quantized layer inputs"]) != example["b_min+max"]
@@ -168,7 +171,7 @@ def test_compare_recipes_summarises_its_draws_and_each_draw_is_the_llm_example_r
             assert float(summary[name][3]) == pytest.approx(sum(gaps) / 2, rel=1e-6, abs=1e-3)
 
     example = results_table(run_script(
-        "examples/quantize_llm.py", *tiny, "--n-calib", "1", "--calib-start", "1",
+        "examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--n-calib", "1", "--calib-start", "1",
         "--recipes", ",".join(ours), "--tie-fused-layers", "--diagnostics-rows", "0", timeout=600,
     ))
     for name in ours:
