@@ -171,7 +171,7 @@ def _move_outside(model, layers, device) -> tuple[list, list]:
 def _put_back(moves: list, home: torch.device) -> None:
     """Undo ``_move_outside``: each moved tensor's original goes back (the recording reads
     those modules, it never writes them), so nothing is copied back; a buffer the forward
-    replaced is moved ``home``."""
+    replaced is moved ``home``. Empties ``moves``, so that the device copies are freed."""
     for slot, original, copy in reversed(moves):
         module, kind, name, _ = slot
         current = module._buffers[name] if kind == "buffer" else None
@@ -179,6 +179,7 @@ def _put_back(moves: list, home: torch.device) -> None:
             put_tensor(slot, current.to(home))
         else:
             put_tensor(slot, original)
+    moves.clear()
 
 
 def _capture_first_layer_inputs(model, layers, batches, forward, device, cache_device) -> list:

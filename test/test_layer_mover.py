@@ -18,11 +18,11 @@ CPU = torch.device("cpu")
 class Tied(torch.nn.Module):
     """Two linears sharing one weight, and a buffer registered in two modules."""
 
-    def __init__(self):
+    def __init__(self, dtype=torch.float32):  # a dtype here: module.to(dtype) unties buffers
         super().__init__()
-        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.a, self.b = torch.nn.Linear(8, 8, dtype=dtype), torch.nn.Linear(8, 8, dtype=dtype)
         self.b.weight = self.a.weight
-        scale = torch.arange(8.0)
+        scale = torch.arange(8.0, dtype=dtype)
         self.a.register_buffer("scale", scale)
         self.b.register_buffer("scale", scale)
 
@@ -88,7 +88,7 @@ def test_without_overlap_moves_are_plain_and_no_thread_starts(monkeypatch):
 @requires_cuda
 def test_on_cuda_a_layer_moves_in_and_back_exactly():
     cuda = torch.device("cuda", torch.cuda.current_device())
-    layer = Tied().to(torch.bfloat16)
+    layer = Tied(torch.bfloat16)
     values = {k: v.clone() for k, v in layer.state_dict().items()}
     x = torch.randn(64, 8, device=cuda, dtype=torch.bfloat16)
     with LayerMover(cuda, overlap=True) as mover:

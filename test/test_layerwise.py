@@ -110,6 +110,7 @@ def test_after_the_recording_the_moved_modules_get_their_own_tensors_back(monkey
     assert len(copied) == 1 and copied[0] is replaced
     assert embedding.weight.data.data_ptr() == weight.data_ptr()
     assert rotary.inv_freq is replaced and rotary.inv_freq is not inv_freq
+    assert moves == []  # nothing keeps the device copies alive
 
 
 def test_finds_hugging_face_decoder_layers():
