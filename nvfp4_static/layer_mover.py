@@ -9,13 +9,16 @@ hides those copies behind the compute:
   is staged in pinned host memory and copied on a side stream;
 - ``move_in(layer)`` hands the layer its copies; the compute stream waits for them on the device
   (the host waits only until the worker has queued them);
-- ``move_back(layer, home)`` moves a finished layer home in the same worker once the compute
-  stream's work on it is done (``wait_moved_back`` waits for it).
+- ``move_back(layer, home)`` moves a finished layer home in a second worker once the compute
+  stream's work on it is done (``wait_moved_back`` waits for it). Its own thread and stream let
+  the copy home run beside the next copy in: one after the other, the two took about as long as
+  a layer of an 8B model computes.
 
-Only the calling thread changes a layer before and while it computes (``move_in``); the worker
-changes it only after (``move_back``). Copies are exact, so overlapping changes no result. It
-costs one more layer of device memory (the next layer arrives while this one computes). Without
-``overlap``, or for a layer that is not wholly on the CPU, every move is a plain ``module.to``.
+Only the calling thread changes a layer before and while it computes (``move_in``); the
+move-back worker changes it only after (``move_back``). Copies are exact, so overlapping changes
+no result. It costs device memory for one more layer (the next one arrives while this one
+computes) and for the converted layer on its way home. Without ``overlap``, or for a layer that
+is not wholly on the CPU, every move is a plain ``module.to``.
 """
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +31,7 @@ __all__ = ["LayerMover", "put_tensor", "tensor_slots"]
 
 class LayerMover:
     """Moves layers to ``device`` and home; use it as a context manager (see the module
-    docstring). On leaving it, the moves in flight finish and the worker stops; a failed move
+    docstring). On leaving it, the moves in flight finish and the workers stop; a failed move
     raises there unless an error is already on its way out."""
 
     def __init__(self, device: torch.device, overlap: bool):
@@ -36,8 +39,12 @@ class LayerMover:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.overlap = overlap
-        self._worker = ThreadPoolExecutor(1, "nvfp4_static-layer-mover") if overlap else None
-        self._stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
+        self._workers = {
+            direction: ThreadPoolExecutor(1, f"nvfp4_static-layer-mover-{direction}")
+            for direction in ("in", "home")
+        } if overlap else {}
+        cuda = overlap and device.type == "cuda"
+        self._streams = {direction: torch.cuda.Stream(device) for direction in ("in", "home")} if cuda else {}
         # The prefetched layer: (layer, its tensor slots, the future of (copies, ready event)).
         self._next: Optional[tuple] = None
         self._moving_back: list[Future] = []
@@ -56,8 +63,8 @@ class LayerMover:
                 for future in self._moving_back:
                     future.exception()
         finally:
-            if self._worker is not None:
-                self._worker.shutdown(wait=True)
+            for worker in self._workers.values():
+                worker.shutdown(wait=True)
 
     def prefetch(self, layer: torch.nn.Module) -> None:
         """Start copying ``layer`` to the device (a no-op without overlap)."""
@@ -67,7 +74,7 @@ class LayerMover:
             self._next[2].exception()  # one prefetch at a time: let the other one finish
         slots = tensor_slots(layer)
         sources = list({id(tensor): tensor.detach() for _, _, _, tensor in slots}.values())
-        self._next = (layer, slots, self._worker.submit(self._copy_in, sources))
+        self._next = (layer, slots, self._workers["in"].submit(self._copy_in, sources))
 
     def move_in(self, layer: torch.nn.Module) -> None:
         """Put ``layer`` on the device: its prefetched copies, else copied now."""
@@ -88,13 +95,13 @@ class LayerMover:
             put_tensor(slot, copy_of[id(slot[3])])
 
     def move_back(self, layer: torch.nn.Module, home: torch.device) -> None:
-        """Move ``layer`` to ``home``: in the worker with overlap, after the compute stream's
-        work queued so far; the caller must not use ``layer`` until ``wait_moved_back``."""
+        """Move ``layer`` to ``home``: in the move-back worker with overlap, after the compute
+        stream's work queued so far; the caller must not use ``layer`` until ``wait_moved_back``."""
         if not self.overlap:
             layer.to(home)
             return
-        ready = torch.cuda.current_stream(self.device).record_event() if self._stream else None
-        self._moving_back.append(self._worker.submit(self._move_home, layer, home, ready))
+        ready = torch.cuda.current_stream(self.device).record_event() if self._streams else None
+        self._moving_back.append(self._workers["home"].submit(self._move_home, layer, home, ready))
 
     def wait_moved_back(self) -> None:
         """Wait until every layer given to ``move_back`` is home; raises the first failure."""
@@ -107,18 +114,20 @@ class LayerMover:
         return self.overlap and devices == {"cpu"}
 
     def _copy_in(self, sources: list) -> tuple[list, Optional[torch.cuda.Event]]:
-        if self._stream is None:  # copies, as on CUDA, even where the device is the CPU
+        if not self._streams:  # copies, as on CUDA, even where the device is the CPU
             return [t.to(self.device, copy=True) for t in sources], None
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+        stream = self._streams["in"]
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             copies = [t.pin_memory().to(self.device, non_blocking=True) for t in sources]
-            return copies, self._stream.record_event()
+            return copies, stream.record_event()
 
     def _move_home(self, layer: torch.nn.Module, home: torch.device, ready) -> None:
         if ready is None:
             layer.to(home)
             return
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
+        stream = self._streams["home"]
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
             layer.to(home)  # to pageable memory: returns once copied, before the GPU copy is freed
 
 
