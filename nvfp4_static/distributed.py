@@ -23,10 +23,15 @@ same observer statistics, hence the same scales at convert.
   process, and what ``calibrate_in_shards`` reproduces: one process calibrating the same shards
   one after another and merging them in the same order. With one shard it is the plain run.
 
-Convert is the same on every rank; its costly part, the FP8 weight sweeps, is split:
-``convert_data_parallel`` has each rank sweep a share of the layers and broadcast the block
-scales (a plain ``quantize_`` convert on every rank gives the same layers, each rank sweeping
-them all).
+Mixture-of-experts layers sync their experts' linears as any linear, and the experts module's
+own statistics beside them: the pooled calibrators, and the tokens per expert (summed), from
+which convert picks the experts that take the pooled statistics, so every rank pools the
+experts one process on all the data pools.
+
+Convert is the same on every rank; its costly part, the FP8 weight sweeps (or GPTQ), is split:
+``convert_data_parallel`` has each rank run them for a share of the layers and broadcast the
+results, block scales (and GPTQ's weight codes) (a plain ``quantize_`` convert on every rank
+gives the same layers, each rank computing them all).
 
 ``act_calibration="mse"`` searches a grid anchored at the first batch's max, so the ranks must
 share that anchor: the lowest rank with data runs its first batch, then every rank calls
@@ -45,16 +50,24 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 import torch
+from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, pack_uint4
 from torchao.quantization import quantize_
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.experts.handlers import pooled_statistics_for, starved_experts
+from nvfp4_static.experts.observed import NVFP4StaticObservedExperts
 from nvfp4_static.numerics import BLOCK_SIZE
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
 from nvfp4_static.observers.base import _REDUCE, MergeableObserver
 from nvfp4_static.observers.mse import MseCalibrator
 from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
-from nvfp4_static.workflow import layer_weight_global_amax, is_quantizable, sweep_weight_block_scales
+from nvfp4_static.workflow import (
+    is_quantizable,
+    layer_weight_global_amax,
+    run_gptq,
+    sweep_weight_block_scales,
+)
 
 __all__ = [
     "calibrate_in_shards",
@@ -64,17 +77,25 @@ __all__ = [
     "sync_mse_anchors",
 ]
 
-# The weight recipes whose convert runs the FP8 scale sweep, which convert_data_parallel splits.
-SWEPT_WEIGHT_SCALES = ("mse", "hessian_mse")
-
 # --- what one process holds: its observers and their states -------------------------------------
 
 
-def _observers(model: torch.nn.Module) -> list[tuple[str, str, Any, NVFP4StaticObservedLinear]]:
+def _observers(model: torch.nn.Module) -> list[tuple[str, str, Any, torch.nn.Module]]:
     """``(layer name, role, observer, layer)`` for every observed layer, in module order; an
-    observer shared by several layers (``tie_fused_layers``) is listed once."""
+    observer shared by several layers (``tie_fused_layers``) is listed once. An experts
+    module's own statistics are listed under its name: its two pooled calibrators and its
+    tokens per expert (``_ExpertTokenCounts``), which convert reads to pick the experts that
+    take the pooled statistics."""
     found, seen = [], set()
     for fqn, module in model.named_modules():
+        if isinstance(module, NVFP4StaticObservedExperts):
+            name = module.layer_name or fqn
+            found += [
+                (name, "pooled gate_up_proj act", module.pooled_gate_up_calibrator, module),
+                (name, "pooled down_proj act", module.pooled_down_calibrator, module),
+                (name, "tokens per expert", _ExpertTokenCounts(module), module),
+            ]
+            continue
         if not isinstance(module, NVFP4StaticObservedLinear):
             continue
         name = module.layer_name or fqn
@@ -84,6 +105,38 @@ def _observers(model: torch.nn.Module) -> list[tuple[str, str, Any, NVFP4StaticO
             seen.add(id(observer))
             found.append((name, role, observer, module))
     return found
+
+
+class _ExpertTokenCounts:
+    """An experts module's calibration tokens per expert, seen as an observer whose state is
+    one int64 sum, so that the ranks add them up as they add histogram counts."""
+
+    STATE_REDUCTIONS = {"tokens_per_expert": "sum"}
+
+    def __init__(self, experts: NVFP4StaticObservedExperts):
+        self.experts = experts
+
+    @property
+    def _state(self) -> Optional[dict]:
+        counts = self.experts.tokens_per_expert
+        return {"tokens_per_expert": torch.tensor(counts, dtype=torch.int64)} if any(counts) else None
+
+    def _merge_config(self) -> dict:
+        return {"num_experts": self.experts.num_experts}
+
+    def settle(self) -> None:
+        pass
+
+    def load_state_dict(self, state: dict) -> None:
+        self.experts.tokens_per_expert = state["tokens_per_expert"].tolist()
+
+    def reset(self) -> None:
+        self.experts.tokens_per_expert = [0] * self.experts.num_experts
+
+
+def _device(layer: torch.nn.Module) -> torch.device:
+    """Where a layer's observers keep their state: its (first) weight's device."""
+    return next(layer.parameters()).device
 
 
 def _plain(value):
@@ -119,7 +172,7 @@ def _slot(name: str, role: str, observer, layer) -> dict:
             "reductions": dict(MseCalibrator.STATE_REDUCTIONS),
             "state": None if search is None else _cpu_state(search._state),
         }
-    if isinstance(observer, MergeableObserver):
+    if isinstance(observer, (MergeableObserver, _ExpertTokenCounts)):
         observer.settle()  # raises for a refused batch still being checked (CUDA)
         return {
             "layer": name, "role": role, "kind": type(observer).__name__,
@@ -188,7 +241,8 @@ def _fold_slot(per_rank: Sequence[dict]) -> dict:
                 f"lowest rank with data must run its first batch, then every rank call "
                 f"sync_mse_anchors(model), before the other batches; a batch above the grid's top "
                 f"(a restart) also moves it: put a representative batch first, or use "
-                f"act_calibration='b_min'"
+                f"act_calibration='b_min'. An expert's grid is anchored at the first batch "
+                f"routed to it, so each expert must get tokens in that first batch"
             )
         for key, value in slot["state"].items():
             theirs, ours = value, base["state"].get(key)
@@ -215,13 +269,13 @@ def _apply(model: torch.nn.Module, folded: list[dict]) -> None:
         if slot["state"] is None:
             continue  # no rank saw data: convert says so, naming the layer
         if isinstance(observer, FirstBatchMseCalibrator):
-            device = layer.weight.device
+            device = _device(layer)
             if observer.search is None or not torch.equal(observer.search.initial_amax.cpu(), slot["anchor"]):
                 _adopt_anchor(observer, slot["anchor"], device)
             observer.search.load_state_dict({k: v.to(device) for k, v in slot["state"].items()})
             observer.restarts = slot["restarts"]
             continue
-        device = layer.weight.device if observer._state is None else next(iter(observer._state.values())).device
+        device = _device(layer) if observer._state is None else next(iter(observer._state.values())).device
         observer.load_state_dict({k: v.to(device) for k, v in slot["state"].items()})
 
 
@@ -350,7 +404,7 @@ def sync_mse_anchors(
                     f"batch before the anchors are shared"
                 )
         if observer.search is None:
-            _adopt_anchor(observer, anchor, layer.weight.device)
+            _adopt_anchor(observer, anchor, _device(layer))
 
 
 def _anchor(observer: FirstBatchMseCalibrator) -> Optional[torch.Tensor]:
@@ -372,46 +426,143 @@ def convert_data_parallel(
     group=None,
 ) -> torch.nn.Module:
     """``quantize_(model, config with step="convert", filter_fn)`` on every rank of ``group``,
-    each rank running the FP8 weight sweeps (``weight_scale`` ``"mse"`` / ``"hessian_mse"``,
-    the costly part of convert) of a disjoint share of the layers and broadcasting them.
+    each rank running the costly part of convert, the weight computation of ``weight_scale``
+    ``"mse"`` / ``"hessian_mse"`` (the FP8 sweep) or ``"gptq"``, for a disjoint share of the
+    layers and broadcasting the results.
 
     Call it on every rank after ``sync_calibration``, with the same model (weights included),
     config and filter. Every rank ends with the converted layers a single-process convert
-    gives, bit for bit (the sweep is deterministic; the ranks' statistics are equal). Layers are
-    shared out largest first, each to the least-loaded rank. A rank whose sweep fails, or whose
-    layers differ from rank 0's, makes every rank raise the same error.
+    gives, bit for bit (the sweep and GPTQ are deterministic; the ranks' statistics are
+    equal). Layers are shared out largest first, each to the least-loaded rank. A rank whose
+    computation fails, or whose layers differ from rank 0's, makes every rank raise the same
+    error.
     """
     config = dataclasses.replace(config or NVFP4StaticActivationConfig(), step="convert")
-    layers = [(fqn, module) for fqn, module in model.named_modules()
-              if isinstance(module, NVFP4StaticObservedLinear) and filter_fn(module, fqn)]
-    if config.weight_scale in SWEPT_WEIGHT_SCALES:
-        _share_weight_sweeps([module for _, module in layers], config, group)
+    linears = _converted_linears(model, filter_fn)
+    split = _SPLIT_WEIGHT_COMPUTATIONS.get(config.weight_scale)
+    if split is not None:
+        _share_weight_computation(linears, config, split, group)
     try:
         quantize_(model, config, filter_fn=filter_fn)
     finally:
-        for _, module in layers:
-            module.swept_block_scales = None
+        for linear, _ in linears:
+            if split is not None:
+                setattr(linear, split.attribute, None)
     return model
 
 
-def _share_weight_sweeps(layers: list, config: NVFP4StaticActivationConfig, group) -> None:
-    """Sweep this rank's share of ``layers``, then give every layer its block scales from the
-    rank that swept it (``swept_block_scales``), one broadcast per rank."""
+def _converted_linears(model: torch.nn.Module, filter_fn) -> list[tuple]:
+    """``(observed linear, experts module holding it or None)`` for every linear that
+    ``quantize_(model, config, filter_fn)`` converts: it hands ``filter_fn`` each module from
+    the root down and converts the first it selects on each path (an experts module converts
+    its expert linears)."""
+    found, seen = [], set()
+
+    def walk(module: torch.nn.Module, fqn: str) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if filter_fn(module, fqn):
+            if isinstance(module, NVFP4StaticObservedLinear):
+                found.append((module, None))
+            elif isinstance(module, NVFP4StaticObservedExperts):
+                found.extend((linear, module) for linear in (*module.gate_up_proj, *module.down_proj))
+            return
+        for name, child in module.named_children():
+            walk(child, f"{fqn}.{name}" if fqn else name)
+
+    walk(model, "")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _SplitWeightComputation:
+    """A weight computation of convert that the ranks share out: ``run(layer, config,
+    global_amax)`` computes a layer's result (or raises ``GlobalAmaxTooSmallError``: every
+    rank's convert then finds the weight too small at once, and warns), which travels as
+    ``nbytes(layer)`` bytes (``to_bytes`` / ``from_bytes``) and is handed to convert in the
+    observed layer's ``attribute``."""
+
+    run: Callable
+    nbytes: Callable[[torch.nn.Module], int]
+    to_bytes: Callable[[Any], torch.Tensor]
+    from_bytes: Callable[[torch.Tensor, torch.nn.Module], Any]
+    attribute: str
+
+
+def _block_scale_count(layer) -> int:
+    return layer.weight.shape[0] * (layer.weight.shape[1] // BLOCK_SIZE)
+
+
+def _block_scales_from_bytes(data: torch.Tensor, layer) -> torch.Tensor:
+    rows, columns = layer.weight.shape
+    # a copy per layer: a view would keep (and a checkpoint save) the whole broadcast
+    scales = data.view(rows, columns // BLOCK_SIZE).view(torch.float8_e4m3fn)
+    return scales.to(layer.weight.device, copy=True)
+
+
+def _gptq_codes(layer, config, global_amax) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's result as the packed E2M1 codes (element ``2i`` in the low nibble) and the FP8
+    block scales: an eighth of the float32 values' bytes, to hold and to send."""
+    result = run_gptq(layer, config, global_amax)
+    return pack_uint4(f32_to_f4_unpacked(result.values.contiguous())), result.block_scales_e4m3
+
+
+def _gptq_codes_from_bytes(data: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, columns = layer.weight.shape
+    qdata, scales = data.split([rows * columns // 2, _block_scale_count(layer)])
+    qdata = qdata.view(rows, columns // 2).to(layer.weight.device, copy=True)
+    return qdata, _block_scales_from_bytes(scales, layer)
+
+
+def _sweep(layer, config, global_amax) -> torch.Tensor:
+    """``sweep_weight_block_scales``, looked up when called (a test wraps it)."""
+    return sweep_weight_block_scales(layer, config, global_amax)
+
+
+_SWEEP = _SplitWeightComputation(
+    run=_sweep,
+    nbytes=_block_scale_count,
+    to_bytes=lambda scales: scales.view(torch.uint8).flatten(),
+    from_bytes=_block_scales_from_bytes,
+    attribute="swept_block_scales",
+)
+_GPTQ = _SplitWeightComputation(
+    run=_gptq_codes,
+    nbytes=lambda layer: layer.weight.numel() // 2 + _block_scale_count(layer),
+    to_bytes=lambda codes: torch.cat([codes[0].flatten(), codes[1].view(torch.uint8).flatten()]),
+    from_bytes=_gptq_codes_from_bytes,
+    attribute="gptq_codes",
+)
+# The weight recipes whose convert computation convert_data_parallel splits.
+_SPLIT_WEIGHT_COMPUTATIONS = {"mse": _SWEEP, "hessian_mse": _SWEEP, "gptq": _GPTQ}
+
+
+def _share_weight_computation(
+    linears: list[tuple], config: NVFP4StaticActivationConfig, split: _SplitWeightComputation, group
+) -> None:
+    """Compute this rank's share of ``linears`` (an expert that convert gives the pooled
+    statistics computed with them, as convert would), then give every layer its result from
+    the rank that computed it, one broadcast per rank."""
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    layers = [layer for layer, _ in linears]
     owners = _share_out([layer.weight.numel() for layer in layers], world)
-    local: dict = {"error": None, "swept": [],
+    local: dict = {"error": None, "computed": [],
                    "layers": [(layer.layer_name, tuple(layer.weight.shape)) for layer in layers]}
     mine = {}
     try:
-        for i, layer in enumerate(layers):
-            if owners[i] != rank:
-                continue
-            try:
-                mine[i] = sweep_weight_block_scales(layer, config, layer_weight_global_amax(layer))
-            except GlobalAmaxTooSmallError:
-                pass  # every rank's convert finds it too small at once, and warns
-        local["swept"] = sorted(mine)
+        with contextlib.ExitStack() as pooled:
+            for experts in {id(e): e for _, e in linears if e is not None}.values():
+                pooled.enter_context(pooled_statistics_for(experts, starved_experts(experts, config)))
+            for i, layer in enumerate(layers):
+                if owners[i] != rank:
+                    continue
+                try:
+                    mine[i] = split.run(layer, config, layer_weight_global_amax(layer))
+                except GlobalAmaxTooSmallError:
+                    pass  # every rank's convert finds it too small at once, and warns
+        local["computed"] = sorted(mine)
     except Exception as caught:
         local["error"] = _error_text(caught)
     gathered = _gather(local, group)
@@ -420,27 +571,21 @@ def _share_weight_sweeps(layers: list, config: NVFP4StaticActivationConfig, grou
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     for source, item in enumerate(gathered):
-        if not item["swept"]:
+        if not item["computed"]:
             continue
-        shapes = [(layers[i].weight.shape[0], layers[i].weight.shape[1] // BLOCK_SIZE)
-                  for i in item["swept"]]
-        sizes = [rows * blocks for rows, blocks in shapes]
+        sizes = [split.nbytes(layers[i]) for i in item["computed"]]
         if source == rank:
-            flat = torch.cat([mine[i].view(torch.uint8).flatten() for i in item["swept"]])
-            flat = flat.to(device)
+            flat = torch.cat([split.to_bytes(mine[i]) for i in item["computed"]]).to(device)
         else:
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         global_source = source if group is None else dist.get_global_rank(group, source)
         dist.broadcast(flat, src=global_source, group=group)
         if source == rank:
             continue
-        for i, shape, chunk in zip(item["swept"], shapes, flat.split(sizes)):
-            layer = layers[i]
-            # a copy per layer: a view would keep (and a checkpoint save) the whole broadcast
-            scales = chunk.view(shape).view(torch.float8_e4m3fn)
-            layer.swept_block_scales = scales.to(layer.weight.device, copy=True)
-    for i, scales in mine.items():
-        layers[i].swept_block_scales = scales
+        for i, chunk in zip(item["computed"], flat.split(sizes)):
+            setattr(layers[i], split.attribute, split.from_bytes(chunk, layers[i]))
+    for i, result in mine.items():
+        setattr(layers[i], split.attribute, result)
 
 
 def _share_out(costs: Sequence[int], world: int) -> list[int]:
@@ -495,7 +640,7 @@ def calibrate_in_shards(
         for i, (_, _, observer, layer) in enumerate(entries):
             observer.reset()
             if anchors[i] is not None:
-                _adopt_anchor(observer, anchors[i], layer.weight.device)
+                _adopt_anchor(observer, anchors[i], _device(layer))
         with torch.no_grad():
             for index, batch in enumerate(shard):
                 forward(model, batch)

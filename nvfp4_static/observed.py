@@ -26,6 +26,9 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
             ``tie_fused_layers`` set (None: convert uses the weight's own ``max |w|``).
         swept_block_scales: the weight's FP8 block scales as another rank swept them, set by
             ``convert_data_parallel`` for its convert (None: convert runs the sweep).
+        gptq_codes: for ``weight_scale="gptq"``, the packed E2M1 codes and FP8 block scales
+            GPTQ gave the weight on the rank that ran it, set by ``convert_data_parallel``
+            (None: convert runs GPTQ).
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
         self.activation_recipe = activation_recipe
         self.tied_weight_global_amax: Optional[torch.Tensor] = None
         self.swept_block_scales: Optional[torch.Tensor] = None
+        self.gptq_codes: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def from_float(

@@ -30,12 +30,13 @@ from nvfp4_static.experts import (
     experts_layout,
 )
 from nvfp4_static.experts.layouts import why_experts_left_float
-from nvfp4_static.gptq import gptq_quantize_nvfp4
+from nvfp4_static.gptq import GPTQResult, gptq_quantize_nvfp4
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.messages import warn
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     check_dtype,
+    dequantize_nvfp4,
     is_usable_act_per_tensor_scale,
     per_tensor_amax_to_scale,
     times_block_scales,
@@ -337,28 +338,42 @@ def sweep_weight_block_scales(
     return calibrator.block_scales_e4m3
 
 
+def run_gptq(
+    module: NVFP4StaticObservedLinear,
+    config: NVFP4StaticActivationConfig,
+    global_amax: torch.Tensor,
+) -> GPTQResult:
+    """GPTQ of the layer's weight under its full input Hessian. Raises
+    ``GlobalAmaxTooSmallError`` for a weight too small for FP8 block scales."""
+    if not isinstance(module.hessian_accumulator, FullHessianAccumulator):
+        raise ValueError(
+            f"nvfp4_static: layer '{module.layer_name}' was prepared without a full input "
+            f"Hessian; prepare with weight_scale='gptq' to convert with it"
+        )
+    return gptq_quantize_nvfp4(
+        module.weight, module.hessian_accumulator.hessian, global_amax,
+        dampening=config.gptq_dampening, name=module.layer_name,
+    )
+
+
 def _gptq_weight(
     module: NVFP4StaticObservedLinear,
     config: NVFP4StaticActivationConfig,
     global_amax: torch.Tensor,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``weight_scale="gptq"``: the weight GPTQ rounded (dequantized, float32: quantizing it
-    with its block scales gives back GPTQ's codes exactly) and those scales. A weight too small
-    for FP8 scales gets ``_weight_block_scales``'s fallback instead."""
-    name = module.layer_name
-    if not isinstance(module.hessian_accumulator, FullHessianAccumulator):
-        raise ValueError(
-            f"nvfp4_static: layer '{name}' was prepared without a full input Hessian; prepare "
-            f"with weight_scale='gptq' to convert with it"
-        )
-    hessian = module.hessian_accumulator.hessian
+    with its block scales gives back GPTQ's codes exactly) and those scales, from GPTQ or from
+    the codes another rank's GPTQ gave (``gptq_codes``). A weight too small for FP8 scales gets
+    ``_weight_block_scales``'s fallback instead."""
+    per_tensor_scale = per_tensor_amax_to_scale(global_amax)
+    if module.gptq_codes is not None:
+        qdata, block_scales = module.gptq_codes
+        return dequantize_nvfp4(qdata, block_scales, per_tensor_scale), block_scales
     try:
-        result = gptq_quantize_nvfp4(
-            module.weight, hessian, global_amax, dampening=config.gptq_dampening, name=name
-        )
+        result = run_gptq(module, config, global_amax)
     except GlobalAmaxTooSmallError:
         return module.weight, _weight_block_scales(module, config, global_amax)
-    scales = per_tensor_amax_to_scale(global_amax) * result.block_scales_e4m3.to(torch.float32)
+    scales = per_tensor_scale * result.block_scales_e4m3.to(torch.float32)
     return times_block_scales(result.values, scales), result.block_scales_e4m3
 
 

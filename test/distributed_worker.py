@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from test_experts import tiny_model  # noqa: E402
+from test_experts import token_ids as moe_token_ids  # noqa: E402
 from tiny_llama import all_but_lm_head, tiny_llama, token_ids  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 
@@ -24,39 +26,58 @@ from nvfp4_static.distributed import (  # noqa: E402
     sync_mse_anchors,
 )
 from nvfp4_static.layerwise import calibrate_layer_by_layer  # noqa: E402
+from nvfp4_static.experts import NVFP4StaticExperts  # noqa: E402
 from nvfp4_static.linear import NVFP4StaticLinear  # noqa: E402
 
 ACT_RECIPES = ("b_min", "max", "percentile", "mse")
 WEIGHT_RECIPES = ("mse", "hessian_mse")
 SHARDS = ([0, 1], [2, 3])  # token_ids seeds of each rank's batches
 PROBE = 9  # token_ids seed of the batch whose outputs are compared
+# The tiny Qwen3-MoE's shards: batches of 2 x 8 tokens routed by its own routers; with
+# MOE_MIN_TOKENS, some experts are starved on one shard but not on the union, some on both
+# (test_distributed.py checks this with one-process runs).
+MOE_SHARDS = ([0, 1], [2, 3])
+MOE_MIN_TOKENS = 12
+MOE_RECIPES = (("b_min", "mse"), ("max", "hessian_mse"), ("b_min", "gptq"))
+
+
+def moe_batch(seed: int) -> torch.Tensor:
+    return moe_token_ids(seed, batch=2, length=8)
 
 
 def converted_scales(model) -> dict:
-    """Per converted layer: activation and weight per-tensor scales, packed weight, FP8 block
-    scales (as bytes, for bitwise comparison)."""
+    """Per converted layer (each grouped linear of converted experts, its experts stacked):
+    activation and weight per-tensor scales, packed weight, FP8 block scales (as bytes, for
+    bitwise comparison)."""
+    tensors = {name: m.weight for name, m in model.named_modules() if isinstance(m, NVFP4StaticLinear)}
+    for name, m in model.named_modules():
+        if isinstance(m, NVFP4StaticExperts):
+            tensors.update({f"{name}.gate_up_proj": m.gate_up_proj, f"{name}.down_proj": m.down_proj})
     return {
-        name: (
-            m.weight.act_per_tensor_scale.clone(),
-            m.weight.per_tensor_scale.clone(),
-            m.weight.qdata.clone(),
-            m.weight.scale.view(torch.uint8).clone(),
-        )
-        for name, m in model.named_modules()
-        if isinstance(m, NVFP4StaticLinear)
+        name: (t.act_per_tensor_scale.clone(), t.per_tensor_scale.clone(), t.qdata.clone(),
+               t.scale.view(torch.uint8).clone())
+        for name, t in tensors.items()
     }
+
+
+def pooled_experts(model) -> dict:
+    """The experts each converted experts module gave the pooled statistics."""
+    return {name: m.calibration_stats["pooled_experts"] for name, m in model.named_modules()
+            if isinstance(m, NVFP4StaticExperts)}
 
 
 def quantize_convert(model, config, filter_fn):
     quantize_(model, config, filter_fn=filter_fn)
 
 
-def data_parallel_run(batches, act, weight, filter_fn=all_but_lm_head, forward=None, convert=quantize_convert):
-    """Prepare, calibrate this rank's ``batches`` data-parallel (the MSE protocol: the lowest
-    rank with data runs its first batch, anchors shared, then the rest), ``convert``."""
+def data_parallel_run(batches, act, weight, filter_fn=all_but_lm_head, forward=None,
+                      convert=quantize_convert, model=None, probe=None, **options):
+    """Prepare ``model`` (default the tiny Llama), calibrate this rank's ``batches``
+    data-parallel (the MSE protocol: the lowest rank with data runs its first batch, anchors
+    shared, then the rest), ``convert``; ``options``: more config fields."""
     forward = forward or (lambda model, batch: model(batch))
-    config = dict(act_calibration=act, weight_scale=weight)
-    model = tiny_llama()
+    config = dict(act_calibration=act, weight_scale=weight, **options)
+    model = model or tiny_llama()
     quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=filter_fn)
     with torch.no_grad():
         counts = [None] * dist.get_world_size()
@@ -72,8 +93,8 @@ def data_parallel_run(batches, act, weight, filter_fn=all_but_lm_head, forward=N
                 forward(model, batch)
     convert(model, NVFP4StaticActivationConfig(step="convert", **config), filter_fn)
     with torch.no_grad():
-        logits = model(token_ids(PROBE)).logits
-    return {"scales": converted_scales(model), "logits": logits}
+        logits = model(token_ids(PROBE) if probe is None else probe).logits
+    return {"scales": converted_scales(model), "logits": logits, "pooled": pooled_experts(model)}
 
 
 def split_sweeps_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_head) -> dict:
@@ -93,6 +114,26 @@ def split_sweeps_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_he
     finally:
         distributed.sweep_weight_block_scales = workflow.sweep_weight_block_scales = sweep
     return {**result, "swept": swept}
+
+
+def moe_run(batches, act, weight, **options) -> dict:
+    """``data_parallel_run`` of the tiny Qwen3-MoE converted by ``convert_data_parallel``, with
+    the names of the layers whose GPTQ this rank ran."""
+    ran_gptq, gptq = [], workflow.gptq_quantize_nvfp4
+
+    def recorded_gptq(weight, hessian, global_amax, **kwargs):
+        ran_gptq.append(kwargs["name"])
+        return gptq(weight, hessian, global_amax, **kwargs)
+
+    workflow.gptq_quantize_nvfp4 = recorded_gptq
+    try:
+        result = data_parallel_run(
+            batches, act, weight, convert=convert_data_parallel,
+            model=tiny_model("qwen3_moe"), probe=moe_batch(PROBE), expert_min_tokens=MOE_MIN_TOKENS,
+            **options)
+    finally:
+        workflow.gptq_quantize_nvfp4 = gptq
+    return {**result, "ran_gptq": ran_gptq}
 
 
 def error_of(fn) -> dict:
@@ -155,6 +196,21 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         return {"scales": converted_scales(model), "timings": timings}
 
     save("layerwise-dp", layerwise())
+
+    moe_mine = [moe_batch(seed) for seed in MOE_SHARDS[rank]]
+    for act, weight in MOE_RECIPES:
+        save(f"moe-dp-{act}-{weight}", moe_run(moe_mine, act, weight))
+    # Rank 0's first batch, 2 tokens, reaches a few experts: the others anchor their MSE grids
+    # at a batch of each rank.
+    two_tokens_first = [moe_token_ids(PROBE, batch=1, length=2)] * (rank == 0) + moe_mine
+    save("moe-dp-mse-anchors", error_of(lambda: moe_run(two_tokens_first, "mse", "mse")))
+    moe_layerwise = calibrate_layer_by_layer(
+        tiny_model("qwen3_moe"), moe_mine,
+        NVFP4StaticActivationConfig(act_calibration="b_min", weight_scale="mse",
+                                    expert_min_tokens=MOE_MIN_TOKENS),
+        group=True, progress=False, device="cpu")
+    save("moe-layerwise-dp", {"scales": converted_scales(moe_layerwise),
+                              "pooled": pooled_experts(moe_layerwise)})
 
     def interrupted_after_layer_0(module, fqn):
         if fqn.startswith("model.layers.1."):

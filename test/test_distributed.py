@@ -21,10 +21,22 @@ import pytest
 import torch
 from torchao.quantization import quantize_
 
-from distributed_worker import ACT_RECIPES, PROBE, SHARDS, WEIGHT_RECIPES, converted_scales
+from distributed_worker import (
+    ACT_RECIPES,
+    MOE_MIN_TOKENS,
+    MOE_RECIPES,
+    MOE_SHARDS,
+    PROBE,
+    SHARDS,
+    WEIGHT_RECIPES,
+    converted_scales,
+    moe_batch,
+    pooled_experts,
+)
+from test_experts import tiny_model
 from tiny_llama import all_but_lm_head, convert_llama, tiny_llama, token_ids
 
-from nvfp4_static import NVFP4StaticActivationConfig
+from nvfp4_static import NVFP4StaticActivationConfig, NVFP4StaticObservedExperts, NVFP4StaticObservedLinear
 from nvfp4_static.distributed import calibrate_in_shards, sync_calibration
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
@@ -183,6 +195,109 @@ def test_layer_by_layer_data_parallel_resumes_from_the_folder_rank_0_wrote(resul
     resumed, uninterrupted = results("layerwise-dp-resumed"), results("layerwise-dp")
     for rank in range(WORLD):
         assert_same(resumed[rank], uninterrupted[rank], logits=False)
+
+
+# --- mixture of experts: the tiny Qwen3-MoE -------------------------------------------------------
+
+
+def moe_prepared(act, weight):
+    model = tiny_model("qwen3_moe")
+    quantize_(model, NVFP4StaticActivationConfig(
+        step="prepare", act_calibration=act, weight_scale=weight, expert_min_tokens=MOE_MIN_TOKENS),
+        filter_fn=all_but_lm_head)
+    return model
+
+
+def moe_finished(model, act, weight):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the starved experts' warning
+        quantize_(model, NVFP4StaticActivationConfig(
+            step="convert", act_calibration=act, weight_scale=weight, expert_min_tokens=MOE_MIN_TOKENS),
+            filter_fn=all_but_lm_head)
+    with torch.no_grad():
+        logits = model(moe_batch(PROBE)).logits
+    return {"scales": converted_scales(model), "logits": logits, "pooled": pooled_experts(model)}
+
+
+def moe_tokens_per_expert(seeds) -> list:
+    model = moe_prepared("max", "mse")
+    with torch.no_grad():
+        for seed in seeds:
+            model(moe_batch(seed))
+    return [m.tokens_per_expert for m in model.modules() if isinstance(m, NVFP4StaticObservedExperts)]
+
+
+def moe_union_run(act, weight):
+    model = moe_prepared(act, weight)
+    with torch.no_grad():
+        for seed in [seed for shard in MOE_SHARDS for seed in shard]:
+            model(moe_batch(seed))
+    return moe_finished(model, act, weight)
+
+
+def moe_shards_run(act, weight):
+    model = moe_prepared(act, weight)
+    calibrate_in_shards(model, [[moe_batch(seed) for seed in shard] for shard in MOE_SHARDS])
+    return moe_finished(model, act, weight)
+
+
+def assert_same_moe(a: dict, b: dict, parts=("act", "weight"), logits=True) -> None:
+    index = {"act": [0], "weight": [1, 2, 3]}
+    assert a["scales"].keys() == b["scales"].keys()
+    assert sum(".mlp.experts." in name for name in a["scales"]) == 2 * 2  # gate_up, down per layer
+    for name in a["scales"]:
+        for part in parts:
+            for i in index[part]:
+                assert torch.equal(a["scales"][name][i], b["scales"][name][i]), (name, part, i)
+    assert a["pooled"] == b["pooled"]
+    if logits:
+        assert torch.equal(a["logits"], b["logits"])
+
+
+def test_moe_shards_starve_experts_the_union_does_not_and_the_union_starves_some():
+    shards = [moe_tokens_per_expert(shard) for shard in MOE_SHARDS]
+    union = moe_tokens_per_expert([seed for shard in MOE_SHARDS for seed in shard])
+    assert len(union) == 2  # one experts module per decoder layer
+    for layer, counts in enumerate(union):
+        assert [a + b for a, b in zip(shards[0][layer], shards[1][layer])] == counts
+        assert any(n < MOE_MIN_TOKENS for n in counts), layer
+        for shard in shards:
+            assert any(n < MOE_MIN_TOKENS <= total for n, total in zip(shard[layer], counts)), layer
+
+
+@pytest.mark.parametrize("act, weight", MOE_RECIPES, ids=[f"{a}-{w}" for a, w in MOE_RECIPES])
+def test_two_ranks_pool_the_experts_one_process_pools_on_all_the_data(results, act, weight):
+    rank0, rank1 = results(f"moe-dp-{act}-{weight}")
+    assert_same_moe(rank0, rank1)
+    assert_same_moe(rank0, moe_shards_run(act, weight))
+    union = moe_union_run(act, weight)
+    assert rank0["pooled"] == union["pooled"] and all(union["pooled"].values())
+    exact_weight = weight == "mse"  # no Hessian: the union's own scales, bit for bit
+    assert_same_moe(rank0, union, parts=("act", "weight") if exact_weight else ("act",), logits=exact_weight)
+
+
+def test_gptq_runs_once_per_layer_split_across_ranks(results):
+    ran = [r["ran_gptq"] for r in results("moe-dp-b_min-gptq")]
+    expected = {m.layer_name for m in moe_prepared("b_min", "gptq").modules()
+                if isinstance(m, NVFP4StaticObservedLinear)}
+    assert ran[0] and ran[1] and set(ran[0]).isdisjoint(ran[1])
+    assert sorted(ran[0] + ran[1]) == sorted(expected)
+    assert any(".experts.gate_up_proj." in name for name in ran[1])
+
+
+def test_moe_experts_anchored_on_different_ranks_raise_the_same_error_naming_the_expert(results):
+    errors = [r["error"] for r in results("moe-dp-mse-anchors")]
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("ValueError: nvfp4_static: layer 'model.layers.")
+    assert ".mlp.experts." in errors[0] and "MSE search grid differs" in errors[0]
+    assert "each expert must get tokens in that first batch" in errors[0]
+
+
+def test_moe_layer_by_layer_data_parallel_equals_the_whole_model_on_all_the_data(results):
+    rank0, rank1 = results("moe-layerwise-dp")
+    union = moe_union_run("b_min", "mse")
+    assert_same_moe(rank0, rank1, logits=False)
+    assert_same_moe(rank0, union, logits=False)
 
 
 # --- in one process ------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 
 from nvfp4_static import workflow
 from nvfp4_static.config import NVFP4StaticActivationConfig
-from nvfp4_static.experts.converted import NVFP4StaticExperts, NVFP4StaticGroupedLinear
+from nvfp4_static.experts.converted import NVFP4StaticExperts, NVFP4StaticGroupedLinear, experts_backend
 from nvfp4_static.experts.layouts import experts_layout
 from nvfp4_static.experts.observed import NVFP4StaticObservedExperts
 from nvfp4_static.messages import warn
@@ -82,12 +82,14 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
             )
         return module
     workflow.check_recipe_matches_prepare(module, config)
+    # Refused before any expert is converted: a backend the experts cannot run.
+    experts_backend(module.gate_up_proj[0].weight.device, config.backend, module.layer_name)
     if sum(module.tokens_per_expert) == 0:
         raise RuntimeError(
             f"nvfp4_static: cannot convert experts '{module.layer_name}': they saw no calibration "
             f"data; run calibration batches through the prepared model before step='convert'"
         )
-    starved = [e for e, n in enumerate(module.tokens_per_expert) if n < config.expert_min_tokens]
+    starved = starved_experts(module, config)
     if starved:
         seen = ", ".join(str(module.tokens_per_expert[e]) for e in starved)
         warn(
@@ -96,10 +98,15 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
             f"layer's statistics pooled over all experts (calibrate on more data, or lower "
             f"expert_min_tokens)"
         )
-    with _pooled_statistics_for(module, starved):
+    with pooled_statistics_for(module, starved):
         gate_up = [workflow.convert_linear(linear, config) for linear in module.gate_up_proj]
         down = [workflow.convert_linear(linear, config) for linear in module.down_proj]
-    stats = {"tokens_per_expert": list(module.tokens_per_expert), "pooled_experts": starved}
+    stats = {
+        "tokens_per_expert": list(module.tokens_per_expert),
+        "pooled_experts": starved,
+        "gate_up_proj": [linear.calibration_stats for linear in gate_up],
+        "down_proj": [linear.calibration_stats for linear in down],
+    }
     return NVFP4StaticExperts(
         NVFP4StaticGroupedLinear.from_linears(gate_up),
         NVFP4StaticGroupedLinear.from_linears(down),
@@ -109,11 +116,17 @@ def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
         config.recipe(),
         module.layer_name,
         stats,
+        backend_override=config.backend,
     )
 
 
+def starved_experts(module: NVFP4StaticObservedExperts, config: NVFP4StaticActivationConfig) -> list[int]:
+    """The experts that saw fewer than ``config.expert_min_tokens`` calibration tokens."""
+    return [e for e, n in enumerate(module.tokens_per_expert) if n < config.expert_min_tokens]
+
+
 @contextlib.contextmanager
-def _pooled_statistics_for(module: NVFP4StaticObservedExperts, starved: list[int]) -> Iterator[None]:
+def pooled_statistics_for(module: NVFP4StaticObservedExperts, starved: list[int]) -> Iterator[None]:
     """While the block runs, the ``starved`` experts' linears read the layer's pooled
     calibrators, and their Hessians the sum of all experts' (a Hessian of few or no tokens would
     weight the sweep by almost nothing); their own observers are back afterwards."""
@@ -154,7 +167,7 @@ def _prepare_for_loading(module: torch.nn.Module, config: NVFP4StaticActivationC
     name = workflow.layer_name(module)
     if isinstance(module, NVFP4StaticExperts) or workflow.left_float_says_why(module, name, config.strict):
         return module
-    return NVFP4StaticExperts.placeholder(module, experts_layout(module), config.recipe(), name)
+    return NVFP4StaticExperts.placeholder(module, experts_layout(module), config.recipe(), name, config.backend)
 
 
 # What each step of the config does to an experts module (``workflow.LINEAR_STEPS`` for linears).
