@@ -52,7 +52,7 @@ def load_quantized(
             if isinstance(module, (NVFP4StaticLinear, NVFP4StaticExperts)):
                 continue
             if experts_layout(module) is not None:
-                converted = NVFP4StaticExperts.placeholder(module, experts_layout(module), recipe, name)
+                converted = NVFP4StaticExperts.placeholder(module, experts_layout(module), recipe, name, backend)
             elif isinstance(module, torch.nn.Linear):
                 converted = NVFP4StaticLinear.placeholder(module, recipe, name, backend)
             else:

@@ -4,7 +4,9 @@ A static activation scale saturates every input element above the layer's ``act_
 (its block scale would need more than FP8's 448). Calibration bounds how often that happens on
 data like the calibration set; this counts it on the data a model actually sees. Each converted
 layer keeps three counters on its device, updated inside the forward, so eager and compiled
-models both count without a host sync per call::
+models both count without a host sync per call. In a mixture-of-experts layer each expert's
+GEMM counts the rows routed to it, under its own scale, as a layer of its own
+(``<experts>.gate_up_proj.{e}``, ``<experts>.down_proj.{e}``)::
 
     enable_clip_monitor(model)
     model(batch)                      # or a compiled model, or model.generate(...)
@@ -16,6 +18,7 @@ import dataclasses
 
 import torch
 
+from nvfp4_static.experts import NVFP4StaticGroupedLinear
 from nvfp4_static.linear import NVFP4StaticLinear
 
 __all__ = ["ClipCounts", "clip_counts", "disable_clip_monitor", "enable_clip_monitor"]
@@ -51,7 +54,8 @@ def disable_clip_monitor(model: torch.nn.Module) -> None:
 
 
 def clip_counts(model: torch.nn.Module) -> dict[str, ClipCounts]:
-    """``{layer name: ClipCounts}`` for every converted layer being monitored (one host sync)."""
+    """``{layer name: ClipCounts}`` for every converted layer (and expert GEMM) being monitored
+    (one host sync per layer)."""
     counts = {}
     for name, layer in model.named_modules():
         if isinstance(layer, NVFP4StaticLinear) and layer.clip_counters is not None:
@@ -62,11 +66,17 @@ def clip_counts(model: torch.nn.Module) -> dict[str, ClipCounts]:
                 max_abs=float(layer.clip_counters["max_abs"]),
                 act_global_amax=layer.act_global_amax,
             )
+        elif isinstance(layer, NVFP4StaticGroupedLinear) and layer.clip_counters is not None:
+            counters = {key: value[:-1].tolist() for key, value in layer.clip_counters.items()}
+            per_expert = zip(counters["clipped"], counters["seen"], counters["max_abs"], layer.act_global_amax.tolist())
+            for expert, (clipped, seen, max_abs, act_global_amax) in enumerate(per_expert):
+                counts[f"{name}.{expert}"] = ClipCounts(clipped, seen, max_abs, act_global_amax)
     return counts
 
 
-def _converted_layers(model: torch.nn.Module) -> list[NVFP4StaticLinear]:
-    layers = [m for m in model.modules() if isinstance(m, NVFP4StaticLinear)]
+def _converted_layers(model: torch.nn.Module) -> list:
+    """The converted linears and the experts' grouped GEMMs of ``model``."""
+    layers = [m for m in model.modules() if isinstance(m, (NVFP4StaticLinear, NVFP4StaticGroupedLinear))]
     if not layers:
         raise ValueError(
             f"nvfp4_static: {type(model).__name__} has no converted NVFP4 layer to monitor; "

@@ -1,6 +1,7 @@
 """Per-layer diagnostics of a converted model: what calibration chose and what it costs on data.
 
-After ``step="convert"`` each ``NVFP4StaticLinear`` holds a fixed activation global amax. Whether
+After ``step="convert"`` each ``NVFP4StaticLinear``, and each expert's two GEMMs in an
+``NVFP4StaticExperts``, hold a fixed activation global amax. Whether
 it was a good choice shows only on data: does the batch clip against it (elements above
 ``g_amax`` saturate), do small blocks fall below FP8's normal range (block scales below 2^-6 are
 clamped, so those blocks lose resolution), and what signal-to-noise ratio the activation, the
@@ -19,6 +20,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from nvfp4_static.experts import NVFP4StaticExperts, experts_layout
+from nvfp4_static.experts.converted import PROJECTIONS
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.numerics import (
     E4M3_DYNAMIC_RANGE,
@@ -50,12 +53,19 @@ def _ratio_db(signal, noise) -> float:
 class LayerDiagnostics:
     """One converted layer on one batch.
 
+    An expert's GEMM of a mixture-of-experts layer is a layer of its own here: its own scales,
+    calibrator and inputs (the rows routed to that expert).
+
     Attributes:
-        name: the module's name in the model passed to ``layer_diagnostics``.
+        name: the module's name in the model passed to ``layer_diagnostics``; for an expert,
+            its experts module's name and ``gate_up_proj.{e}`` or ``down_proj.{e}``, as
+            calibration names it.
         recipe: ``{"act_calibration": ..., "weight_scale": ...}`` the layer was converted with.
         act_global_amax: the static activation global amax baked into the layer.
         calibration_stats: the calibrator's diagnostics (for ``b_min``: ``literal_max``,
-            ``b_min``, ``b_max``, ``g_amax``, ``set_by``, ...); empty after loading a checkpoint.
+            ``b_min``, ``b_max``, ``g_amax``, ``set_by``, ...); for an expert also ``tokens``
+            (calibration tokens it saw) and ``pooled`` (it saw too few and took the layer's
+            pooled statistics, whose diagnostics these are); empty after loading a checkpoint.
         warned: the calibrator saw ``B_max / B_min`` beyond FP8's normal range (28672).
         batch_amax: ``max |x|`` of the layer's input on this batch.
         act_snr_db: SNR of the input fake-quantized under the static global scale, as inference
@@ -88,9 +98,10 @@ class LayerDiagnostics:
 
 
 class _LayerAccumulator:
-    """Running sums for one layer over every call in the batch (float64, bounded)."""
+    """Running sums for one layer over every call in the batch (float64, bounded).
+    ``reference``: the float layer's ``(weight, bias)``, or None."""
 
-    def __init__(self, module: NVFP4StaticLinear, reference: Optional[torch.nn.Linear]):
+    def __init__(self, module: NVFP4StaticLinear, reference: Optional[tuple]):
         self.module = module
         self.reference = reference
         self.act_per_tensor_scale = module.weight.act_per_tensor_scale.to(torch.float32)
@@ -122,9 +133,8 @@ class _LayerAccumulator:
         self.counts["calls"] += 1
         self.batch_amax = max(self.batch_amax, float(amax))
         if self.reference is not None:
-            expected = F.linear(
-                x.to(self.reference.weight.dtype), self.reference.weight, self.reference.bias
-            ).double()
+            weight, bias = self.reference
+            expected = F.linear(x.to(weight.dtype), weight, bias).double()
             self.sums["out_signal"] += float(expected.pow(2).sum())
             self.sums["out_noise"] += float((expected - output.detach().double()).pow(2).sum())
 
@@ -135,7 +145,7 @@ class _LayerAccumulator:
         if self.reference is not None:
             weight = module.weight
             dequantized = dequantize_nvfp4(weight.qdata, weight.scale, weight.per_tensor_scale)
-            weight_snr = snr_db(self.reference.weight.detach(), dequantized)
+            weight_snr = snr_db(self.reference[0].detach(), dequantized)
             output_snr = _ratio_db(sums["out_signal"], sums["out_noise"])
         return LayerDiagnostics(
             name=name,
@@ -163,7 +173,7 @@ def _run(model: torch.nn.Module, batch) -> None:
         model(batch)
 
 
-def _reference_linear(reference_model: torch.nn.Module, name: str) -> torch.nn.Linear:
+def _reference_module(reference_model: torch.nn.Module, name: str, is_float, expected: str):
     try:
         reference = reference_model.get_submodule(name)
     except AttributeError as error:
@@ -171,12 +181,73 @@ def _reference_linear(reference_model: torch.nn.Module, name: str) -> torch.nn.L
             f"nvfp4_static.diagnostics: reference_model has no module '{name}'; pass the float "
             f"model the quantized one was converted from"
         ) from error
-    if not isinstance(reference, torch.nn.Linear) or isinstance(reference, NVFP4StaticLinear):
+    if not is_float(reference):
         raise ValueError(
             f"nvfp4_static.diagnostics: reference_model's '{name}' is a {type(reference).__name__}, "
-            f"expected the float nn.Linear it was converted from"
+            f"expected the float {expected} it was converted from"
         )
     return reference
+
+
+def _reference_linear(reference_model: torch.nn.Module, name: str) -> tuple:
+    """The float linear's ``(weight, bias)``."""
+    reference = _reference_module(
+        reference_model,
+        name,
+        lambda m: isinstance(m, torch.nn.Linear) and not isinstance(m, NVFP4StaticLinear),
+        "nn.Linear",
+    )
+    return reference.weight, reference.bias
+
+
+def _reference_experts(reference_model: torch.nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """The float experts' 3-D weights by projection (``gate_up_proj``, ``down_proj``)."""
+    reference = _reference_module(
+        reference_model, name, lambda m: experts_layout(m) is not None, "experts module"
+    )
+    return dict(zip(PROJECTIONS, experts_layout(reference).weights(reference)))
+
+
+def _watch_linear(name, module, reference_model, accumulators) -> list:
+    """An accumulator for the linear ``module`` and the hook that feeds it."""
+    reference = None if reference_model is None else _reference_linear(reference_model, name)
+    accumulator = accumulators[name] = _LayerAccumulator(module, reference)
+    return [
+        module.register_forward_hook(
+            lambda _module, args, output: accumulator.observe(args[0], output)
+        )
+    ]
+
+
+def _watch_experts(name, module: NVFP4StaticExperts, reference_model, accumulators) -> list:
+    """An accumulator per expert GEMM of ``module`` and, on each grouped GEMM, the hook that
+    hands each expert's accumulator its rows of the input and the output."""
+    references = None if reference_model is None else _reference_experts(reference_model, name)
+    linears = module.projection_linears()
+    handles = []
+    for projection in PROJECTIONS:
+        experts = []
+        for expert in range(module.num_experts):
+            reference = None if references is None else (references[projection][expert], None)
+            key = f"{projection}.{expert}"
+            experts.append(_LayerAccumulator(linears[key], reference))
+            accumulators[f"{name}.{key}"] = experts[-1]
+        handles.append(
+            getattr(module, projection).register_forward_hook(
+                lambda _module, args, output, experts=experts: _observe_experts(experts, args, output)
+            )
+        )
+    return handles
+
+
+def _observe_experts(accumulators: list[_LayerAccumulator], args: tuple, output: torch.Tensor) -> None:
+    """Hand each expert its rows of a grouped GEMM's call ``(x, expert_offsets[, source_rows])``."""
+    x, expert_offsets = args[:2]
+    rows = x if len(args) < 3 or args[2] is None else x[args[2]]
+    bounds = expert_offsets.tolist()
+    for accumulator, first, end in zip(accumulators, bounds[:-1], bounds[1:]):
+        if end > first:
+            accumulator.observe(rows[first:end], output[first:end])
 
 
 @torch.no_grad()
@@ -185,7 +256,8 @@ def layer_diagnostics(
     batch,
     reference_model: Optional[torch.nn.Module] = None,
 ) -> list[LayerDiagnostics]:
-    """Run ``model`` on ``batch`` once and measure every ``NVFP4StaticLinear`` in it.
+    """Run ``model`` on ``batch`` once and measure every ``NVFP4StaticLinear`` in it, and every
+    expert's GEMMs of each ``NVFP4StaticExperts`` on the rows routed to it.
 
     Forward hooks see each layer's actual input, so the activation numbers include whatever
     error upstream layers already added. Pass the eager model: hooks do not fire inside a
@@ -199,27 +271,23 @@ def layer_diagnostics(
             ``prepare``); enables ``weight_snr_db`` and ``output_snr_db``.
 
     Returns:
-        One ``LayerDiagnostics`` per converted layer that ran, in module order.
+        One ``LayerDiagnostics`` per converted layer (and expert GEMM) that ran, in module
+        order (an experts module's gate/up GEMMs by expert, then its down GEMMs).
     """
     accumulators: dict[str, _LayerAccumulator] = {}
     handles = []
-    for name, module in model.named_modules():
-        if not isinstance(module, NVFP4StaticLinear):
-            continue
-        reference = None if reference_model is None else _reference_linear(reference_model, name)
-        accumulator = _LayerAccumulator(module, reference)
-        accumulators[name] = accumulator
-        handles.append(
-            module.register_forward_hook(
-                lambda _module, args, output, acc=accumulator: acc.observe(args[0], output)
-            )
-        )
-    if not accumulators:
-        raise ValueError(
-            "nvfp4_static.diagnostics: the model has no NVFP4StaticLinear; convert it with "
-            "quantize_(model, NVFP4StaticActivationConfig(step='convert')) first"
-        )
     try:
+        for name, module in model.named_modules():
+            if isinstance(module, NVFP4StaticLinear):
+                handles += _watch_linear(name, module, reference_model, accumulators)
+            elif isinstance(module, NVFP4StaticExperts):
+                handles += _watch_experts(name, module, reference_model, accumulators)
+        if not accumulators:
+            raise ValueError(
+                "nvfp4_static.diagnostics: the model has no NVFP4StaticLinear or "
+                "NVFP4StaticExperts; convert it with quantize_(model, "
+                "NVFP4StaticActivationConfig(step='convert')) first"
+            )
         _run(model, batch)
     finally:
         for handle in handles:
@@ -240,9 +308,10 @@ def format_diagnostics(
 ) -> str:
     """A plain-text table, one row per layer; ``max_rows`` keeps the worst by activation SNR.
 
-    Columns: name, g_amax and which term set it, the batch's max, activation SNR under the
-    static and a dynamic scale, clipped fraction, subnormal-block fraction, weight and output
-    SNR, and ``!`` where the calibrator warned about the block-amax range.
+    Columns: name, g_amax and which term set it (``pooled`` for an expert that took its
+    layer's pooled statistics), the batch's max, activation SNR under the static and a dynamic
+    scale, clipped fraction, subnormal-block fraction, weight and output SNR, and ``!`` where
+    the calibrator warned about the block-amax range.
     """
     rows = list(diagnostics)
     if max_rows is not None and len(rows) > max_rows:
@@ -256,10 +325,14 @@ def format_diagnostics(
     for d in rows:
         lines.append(
             f"{_short_name(d.name, 36):<36} {d.act_global_amax:>9.4g} "
-            f"{d.calibration_stats.get('set_by', '-'):<13} {d.batch_amax:>9.4g} "
+            f"{_set_by(d.calibration_stats):<13} {d.batch_amax:>9.4g} "
             f"{_format_db(d.act_snr_db):>6} {_format_db(d.act_dynamic_snr_db):>6} "
             f"{100 * d.clipped_fraction:>7.3f} {100 * d.subnormal_block_fraction:>7.3f} "
             f"{_format_db(d.weight_snr_db):>5} {_format_db(d.output_snr_db):>6} "
             f"{'!' if d.warned else ''}"
         )
     return "\n".join(lines)
+
+
+def _set_by(stats: dict) -> str:
+    return "pooled" if stats.get("pooled") else stats.get("set_by", "-")

@@ -7,6 +7,7 @@ from the tokens the test routed to it, and a converted layer's output is recompu
 transformers' eager forward loops over experts, with one ``NVFP4StaticLinear`` per expert.
 """
 
+import copy
 import json
 
 import pytest
@@ -32,9 +33,11 @@ from nvfp4_static import (
     register_experts,
     tie_fused_layers,
 )
+from nvfp4_static.clip_monitor import clip_counts, disable_clip_monitor, enable_clip_monitor
+from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics, snr_db
 from nvfp4_static.backends.cpu import grouped_static_nvfp4_linear
 from nvfp4_static.kernels.grouped_gemm import GroupedGemmConfig
-from nvfp4_static.numerics import dequantize_nvfp4, per_tensor_amax_to_scale, quantize_nvfp4
+from nvfp4_static.numerics import dequantize_nvfp4, fake_quantize_nvfp4, per_tensor_amax_to_scale, quantize_nvfp4
 from nvfp4_static.observers.full_hessian import block_diagonal
 from nvfp4_static.references import block_hessian, fp8_scale_sweep
 from nvfp4_static.tensor import NVFP4StaticTensor
@@ -102,6 +105,9 @@ class Holder(torch.nn.Module):
     def __init__(self, experts):
         super().__init__()
         self.experts = experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.experts(hidden_states, top_k_index, top_k_weights)
 
 
 def standalone_experts(architecture: str = "qwen3_moe", seed: int = 0, **changes) -> Holder:
@@ -740,6 +746,241 @@ def test_a_calibration_batch_with_nan_is_refused_naming_the_layer_and_the_pooled
     with pytest.raises(ValueError, match="experts.gate_up_proj.*NaN"):
         holder.experts(hidden, index, weights)
     assert holder.experts.tokens_per_expert == [0] * EXPERTS
+
+
+# --- backend ------------------------------------------------------------------------------------
+
+
+class OpsRun(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the names of the ops that run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def grouped_ops_run(experts, batch) -> set:
+    with torch.no_grad(), OpsRun() as ops:
+        experts(*batch)
+    return {name for name in ops.names if "grouped" in name}
+
+
+@pytest.mark.parametrize(
+    "backend, route",
+    [
+        ("cpu", "nvfp4_static::grouped_static_nvfp4_linear_reference"),
+        # the grouped GEMM's op: its Triton kernels on CUDA, on CPU tensors the torch reference
+        ("triton", "nvfp4_static::grouped_static_nvfp4_linear"),
+        (None, "nvfp4_static::grouped_static_nvfp4_linear_reference"),  # auto, on CPU
+    ],
+)
+def test_the_config_backend_picks_the_experts_route(backend, route):
+    holder = calibrated_experts([routed_batch(48, seed) for seed in range(2)], act_calibration="max", weight_scale="max")
+    convert(holder, act_calibration="max", weight_scale="max", backend=backend)
+    experts = holder.experts
+    batch = routed_batch(10, seed=11)
+    assert experts.backend == (backend or "cpu") and f"backend={experts.backend}" in repr(experts)
+    assert grouped_ops_run(experts, batch) == {route}
+    with torch.no_grad():
+        assert torch.equal(experts(*batch), loop_over_experts(experts, *batch))
+
+
+def test_load_quantized_and_prepare_for_loading_take_the_backend(converted_model):
+    fresh = tiny_model("qwen3_moe", seed=1)
+    load_quantized(fresh, converted_model.state_dict(), backend="triton")
+    assert fresh.model.layers[0].mlp.experts.backend == "triton"
+    fresh = tiny_model("qwen3_moe", seed=1)
+    config = NVFP4StaticActivationConfig(step="prepare_for_loading", weight_scale="max", backend="triton")
+    quantize_(fresh, config, filter_fn=is_quantizable)
+    assert fresh.model.layers[1].mlp.experts.backend == "triton"
+
+
+BLACKWELL_REFUSED = r"experts 'experts': backend 'blackwell' \(from the config's backend or \$NVFP4_STATIC_BACKEND\) has no grouped GEMM"
+
+
+def test_convert_refuses_a_backend_the_experts_cannot_run_naming_the_layer():
+    holder = calibrated_experts([routed_batch(48, seed) for seed in range(2)], act_calibration="max", weight_scale="max")
+    observed = holder.experts
+    with pytest.raises(ValueError, match=BLACKWELL_REFUSED):
+        convert(holder, act_calibration="max", weight_scale="max", backend="blackwell")
+    assert holder.experts is observed  # left as it was, and it still converts
+    convert(holder, act_calibration="max", weight_scale="max", backend="cpu")
+    assert holder.experts.backend == "cpu"
+
+
+@pytest.mark.parametrize("env, error", [
+    ("blackwell", BLACKWELL_REFUSED),
+    ("tpu", r"unknown backend 'tpu' \(from \$NVFP4_STATIC_BACKEND\)"),
+])
+def test_a_backend_from_the_environment_is_honoured_and_checked_too(monkeypatch, env, error):
+    holder = calibrated_experts([routed_batch(48, seed) for seed in range(2)], act_calibration="max", weight_scale="max")
+    observed = holder.experts
+    monkeypatch.setenv("NVFP4_STATIC_BACKEND", env)
+    with pytest.raises(ValueError, match=error):
+        convert(holder, act_calibration="max", weight_scale="max")
+    assert holder.experts is observed
+    monkeypatch.setenv("NVFP4_STATIC_BACKEND", "triton")
+    convert(holder, act_calibration="max", weight_scale="max")
+    assert holder.experts.backend == "triton"
+
+
+def test_loading_with_a_backend_the_experts_cannot_run_is_refused_and_leaves_the_model(converted_model):
+    fresh = tiny_model("qwen3_moe", seed=1)
+    with pytest.raises(ValueError, match=r"experts 'model.layers.0.mlp.experts': backend 'blackwell'"):
+        load_quantized(fresh, converted_model.state_dict(), backend="blackwell")
+    assert type(fresh.model.layers[0].mlp.experts) is Qwen3MoeExperts
+    with pytest.raises(ValueError, match=r"experts 'model.layers.0.mlp.experts': backend 'blackwell'"):
+        quantize_(fresh, NVFP4StaticActivationConfig(step="prepare_for_loading", backend="blackwell"), filter_fn=is_quantizable)
+
+
+# --- diagnostics and the clip monitor ----------------------------------------------------------
+
+# Expert 6 gets 4 calibration tokens and expert 7 none: both take the pooled statistics.
+STARVED = [6, 7]
+
+
+@pytest.fixture(scope="module")
+def float_and_starved():
+    """The float experts and a copy calibrated (b_min, the default) so that STARVED take the
+    pooled statistics, converted."""
+    float_holder = standalone_experts()
+    holder = copy.deepcopy(float_holder)
+    prepare(holder, weight_scale="max")
+    with torch.no_grad():
+        for batch in [routed_batch(64, seed, experts=range(6)) for seed in range(2)]:
+            holder.experts(*batch)
+        holder.experts(*routed_batch(2, seed=7, experts=[5, 6]))
+    with pytest.warns(UserWarning, match="experts 6, 7 saw fewer"):
+        convert(holder, weight_scale="max")
+    return float_holder, holder
+
+
+def quiet_batch_with_one_outlier(experts, expert: int, tokens: int = 12):
+    """A batch far inside every expert's range, over all experts, and one more token routed to
+    ``expert`` alone whose first element is twice that expert's static gate/up amax."""
+    hidden, index, weights = routed_batch(tokens, seed=21)
+    hidden = hidden * 1e-3
+    outlier = torch.zeros(1, HIDDEN)
+    outlier[0, 0] = 2 * float(experts.gate_up_proj.act_global_amax[expert])
+    return (
+        torch.cat([hidden, outlier]),
+        torch.cat([index, torch.tensor([[expert, EXPERTS]])]),  # EXPERTS: its second slot nowhere
+        torch.cat([weights, torch.tensor([[1.0, 0.0]])]),
+    )
+
+
+def rows_of(index, expert):
+    """The tokens routed to ``expert``, in transformers' order."""
+    return torch.where((index == expert).t())[1]
+
+
+def test_diagnostics_report_each_experts_gemms_with_their_calibration(float_and_starved):
+    float_holder, holder = float_and_starved
+    experts = holder.experts
+    batch = routed_batch(24, seed=5)
+    report = {d.name: d for d in layer_diagnostics(holder, batch, reference_model=float_holder)}
+    ran = [e for e in range(EXPERTS) if len(rows_of(batch[1], e))]
+    assert list(report) == [f"experts.{p}.{e}" for p in ("gate_up_proj", "down_proj") for e in ran]
+    tokens = experts.calibration_stats["tokens_per_expert"]
+    assert tokens[6:] == [2, 0]
+    for expert in ran:
+        for projection in ("gate_up_proj", "down_proj"):
+            d = report[f"experts.{projection}.{expert}"]
+            amax = getattr(experts, projection).act_global_amax[expert]
+            assert d.act_global_amax == pytest.approx(float(amax), rel=1e-6)
+            stats = d.calibration_stats
+            assert stats["g_amax"] == pytest.approx(d.act_global_amax, rel=1e-6)
+            assert stats["tokens"] == tokens[expert] and stats["pooled"] == (expert in STARVED)
+            assert stats["set_by"] in ("rho*B_min", "margin*B_max")
+            assert d.weight_snr_db > 12 and d.output_snr_db > 12 and d.act_snr_db > 12
+        # The gate/up input SNR recomputed from the rows transformers gives the expert.
+        x = batch[0][rows_of(batch[1], expert)]
+        static = fake_quantize_nvfp4(x, experts.gate_up_proj.act_per_tensor_scale[expert])
+        assert report[f"experts.gate_up_proj.{expert}"].act_snr_db == pytest.approx(snr_db(x, static), abs=1e-9)
+    # The starved experts carry the pooled calibrator's g_amax, and the table says so.
+    pooled = report["experts.gate_up_proj.6"].calibration_stats["g_amax"]
+    assert report["experts.gate_up_proj.7"].calibration_stats["g_amax"] == pooled
+    assert pooled != report["experts.gate_up_proj.0"].calibration_stats["g_amax"]
+    rows = {line.split()[0]: line for line in format_diagnostics(report.values()).splitlines()[2:]}
+    assert "pooled" in rows["experts.gate_up_proj.7"] and "pooled" not in rows["experts.gate_up_proj.0"]
+    assert not any(m._forward_hooks for m in holder.modules())
+
+
+def test_diagnostics_show_clipping_for_the_expert_whose_rows_clip_only(float_and_starved):
+    _, holder = float_and_starved
+    batch = quiet_batch_with_one_outlier(holder.experts, expert=3)
+    report = {d.name: d for d in layer_diagnostics(holder, batch)}
+    gate_up = {name: d for name, d in report.items() if ".gate_up_proj." in name}
+    rows = len(rows_of(batch[1], 3))
+    assert gate_up["experts.gate_up_proj.3"].clipped_fraction == 1 / (rows * HIDDEN)
+    assert all(d.clipped_fraction == 0 for name, d in gate_up.items() if name != "experts.gate_up_proj.3")
+
+
+def test_diagnostics_of_a_moe_model_cover_its_linears_and_its_experts(converted_model):
+    report = [d.name for d in layer_diagnostics(converted_model, token_ids(3), reference_model=tiny_model("qwen3_moe"))]
+    assert "model.layers.0.self_attn.q_proj" in report
+    assert "model.layers.1.mlp.experts.gate_up_proj.0" in report and "model.layers.1.mlp.experts.down_proj.0" in report
+
+
+def test_diagnostics_refuse_a_reference_whose_experts_are_not_float_experts(float_and_starved):
+    _, holder = float_and_starved
+    with pytest.raises(ValueError, match="reference_model's 'experts' is a Linear, expected the float experts module"):
+        layer_diagnostics(holder, routed_batch(4, seed=0), reference_model=Holder(torch.nn.Linear(2, 2)))
+    assert not any(m._forward_hooks for m in holder.modules())  # no hook left behind
+
+
+def expected_clip_counts(experts, batches) -> dict:
+    """Each expert GEMM's clipped and seen input elements and max magnitude over ``batches``,
+    from the rows transformers routes to each expert and per-expert ``NVFP4StaticLinear``s."""
+    counts = {}
+    for hidden, index, _ in batches:
+        for expert in range(EXPERTS):
+            x = hidden[rows_of(index, expert)]
+            gate, up = per_expert_linear(experts.gate_up_proj, expert)(x).chunk(2, dim=-1)
+            for projection, rows in (("gate_up_proj", x), ("down_proj", experts.act_fn(gate) * up)):
+                limit = getattr(experts, projection).act_global_amax[expert]
+                clipped, seen, max_abs = counts.get(f"experts.{projection}.{expert}", (0, 0, 0.0))
+                counts[f"experts.{projection}.{expert}"] = (
+                    clipped + int((rows.abs() > limit).sum()),
+                    seen + rows.numel(),
+                    max(max_abs, float(rows.abs().amax())) if len(rows) else max_abs,
+                )
+    return counts
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_clip_monitor_counts_each_experts_clipped_inputs(float_and_starved, compiled):
+    _, holder = float_and_starved
+    experts = holder.experts
+    batches = [quiet_batch_with_one_outlier(experts, expert=3), routed_batch(9, seed=8), routed_batch(9, seed=9)]
+    enable_clip_monitor(holder)
+    run = torch.compile(experts, fullgraph=True) if compiled else experts
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                run(*batch)
+        counts = clip_counts(holder)
+    finally:
+        disable_clip_monitor(holder)
+    expected = expected_clip_counts(experts, batches)
+    assert {name: (c.clipped, c.seen, c.max_abs) for name, c in counts.items()} == expected
+    assert counts["experts.gate_up_proj.3"].act_global_amax == float(experts.gate_up_proj.act_global_amax[3])
+    assert clip_counts(holder) == {}
+
+
+def test_clip_monitor_sees_only_the_outlier_expert_clip(float_and_starved):
+    _, holder = float_and_starved
+    enable_clip_monitor(holder)
+    with torch.no_grad():
+        holder.experts(*quiet_batch_with_one_outlier(holder.experts, expert=3))
+    counts = clip_counts(holder)
+    disable_clip_monitor(holder)
+    assert counts["experts.gate_up_proj.3"].clipped == 1
+    assert all(c.clipped == 0 for name, c in counts.items() if name.startswith("experts.gate_up_proj.") and name != "experts.gate_up_proj.3")
 
 
 # --- GPU ---------------------------------------------------------------------------------------

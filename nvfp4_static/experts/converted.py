@@ -1,19 +1,54 @@
 """The converted experts: every expert's two GEMMs in static NVFP4, run as grouped GEMMs."""
 
+import os
 from typing import Optional
 
 import torch
 
+from nvfp4_static.backends import BACKEND_ENV_VAR, resolve_backend
 from nvfp4_static.experts.layouts import ExpertsLayout
 from nvfp4_static.experts.routing import combine, route
-from nvfp4_static.kernels.ops import grouped_static_nvfp4_linear, require_triton
+from nvfp4_static.kernels.ops import (
+    grouped_static_nvfp4_linear,
+    grouped_static_nvfp4_linear_reference,
+    require_triton,
+)
 from nvfp4_static.linear import NVFP4StaticLinear, _InferenceOnly, check_checkpoint_scale_values
 from nvfp4_static.numerics import BLOCK_SIZE
 from nvfp4_static.tensor import NVFP4StaticTensor
 
-__all__ = ["NVFP4StaticGroupedLinear", "NVFP4StaticExperts"]
+__all__ = ["NVFP4StaticGroupedLinear", "NVFP4StaticExperts", "experts_backend"]
 
 _BUFFERS = ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale")
+PROJECTIONS = ("gate_up_proj", "down_proj")
+
+# The experts' routes (see nvfp4_static.backends for the linears'): "triton" is the grouped
+# Triton GEMM on CUDA tensors and the torch reference on others, as the linears' Triton route
+# is; "cpu" is the torch reference on every device.
+_GROUPED_ROUTES = {"cpu": grouped_static_nvfp4_linear_reference, "triton": grouped_static_nvfp4_linear}
+
+
+def experts_backend(device: torch.device, override: Optional[str], layer_name: str) -> str:
+    """The route of the experts ``layer_name`` on ``device``: ``override`` (the config's
+    ``backend``), else ``$NVFP4_STATIC_BACKEND``, else the Triton grouped GEMM on CUDA and the
+    torch reference elsewhere. There is no grouped FP4 ``_scaled_mm`` route, so a forced
+    ``"blackwell"`` is refused; left unset, an sm100 GPU runs its linears on ``blackwell`` and
+    its experts on the Triton grouped GEMM."""
+    if not (override or os.environ.get(BACKEND_ENV_VAR)):
+        backend = "triton" if device.type == "cuda" else "cpu"
+    else:
+        backend = resolve_backend(device, override)  # refuses an unknown name
+    if backend not in _GROUPED_ROUTES:
+        raise ValueError(
+            f"nvfp4_static: experts '{layer_name}': backend {backend!r} (from the config's backend "
+            f"or ${BACKEND_ENV_VAR}) has no grouped GEMM for mixture-of-experts layers; experts "
+            f"run on {' or '.join(repr(b) for b in _GROUPED_ROUTES)}. Choose one of those, or "
+            f"leave backend unset (an sm100 GPU then runs the linears on 'blackwell' and the "
+            f"experts on 'triton')"
+        )
+    if backend == "triton":
+        require_triton(f"experts '{layer_name}' on backend 'triton' (the grouped GEMM)")
+    return backend
 
 
 class NVFP4StaticGroupedLinear(torch.nn.Module):
@@ -21,15 +56,23 @@ class NVFP4StaticGroupedLinear(torch.nn.Module):
 
     Buffers, per expert what an ``NVFP4StaticTensor`` holds: ``qdata`` uint8 ``[E, N, K/2]``,
     ``scale`` float8_e4m3fn ``[E, N, K/16]``, ``per_tensor_scale`` and ``act_per_tensor_scale``
-    float32 ``[E]``. ``forward(x, expert_offsets, source_rows=None)`` runs
-    ``kernels.ops.grouped_static_nvfp4_linear``: for each expert's rows (``x[source_rows]`` where
-    given), exactly the converted ``NVFP4StaticLinear`` of that expert.
+    float32 ``[E]``. ``forward(x, expert_offsets, source_rows=None)`` runs the grouped op of
+    ``backend`` (``"triton"``: ``kernels.ops.grouped_static_nvfp4_linear``; ``"cpu"``: its torch
+    reference on any device; by device until the owning ``NVFP4StaticExperts`` sets it): for
+    each expert's rows (``x[source_rows]`` where given), exactly the converted
+    ``NVFP4StaticLinear`` of that expert.
+
+    ``clip_counters``: while the clip monitor runs (``start_clip_monitor``), per expert the
+    input elements above its ``act_global_amax``, the elements seen and the largest magnitude,
+    ``[E + 1]`` each on the module's device (the last bin takes rows routed to no expert).
     """
 
     def __init__(self, qdata, scale, per_tensor_scale, act_per_tensor_scale):
         super().__init__()
         for name, value in zip(_BUFFERS, (qdata, scale, per_tensor_scale, act_per_tensor_scale)):
             self.register_buffer(name, value)
+        self.backend = "triton" if qdata.is_cuda else "cpu"
+        self.clip_counters: Optional[dict[str, torch.Tensor]] = None
 
     @classmethod
     def from_linears(cls, linears: list[NVFP4StaticLinear]) -> "NVFP4StaticGroupedLinear":
@@ -69,9 +112,37 @@ class NVFP4StaticGroupedLinear(torch.nn.Module):
     def forward(
         self, x: torch.Tensor, expert_offsets: torch.Tensor, source_rows: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        return grouped_static_nvfp4_linear(
+        if self.clip_counters is not None:
+            self._count_clipped(x if source_rows is None else x[source_rows], expert_offsets)
+        return _GROUPED_ROUTES[self.backend](
             x, expert_offsets, self.qdata, self.scale, self.per_tensor_scale, self.act_per_tensor_scale, source_rows
         )
+
+    def start_clip_monitor(self) -> None:
+        """Count, from now on, each expert's inputs above its ``act_global_amax``."""
+        bins = dict(size=(self.num_experts + 1,), device=self.act_per_tensor_scale.device)
+        self.clip_counters = {
+            "clipped": torch.zeros(**bins, dtype=torch.int64),
+            "seen": torch.zeros(**bins, dtype=torch.int64),
+            "max_abs": torch.zeros(**bins, dtype=torch.float32),
+        }
+
+    def stop_clip_monitor(self) -> None:
+        self.clip_counters = None
+
+    @torch.no_grad()
+    def _count_clipped(self, rows: torch.Tensor, expert_offsets: torch.Tensor) -> None:
+        """Add ``rows`` (sorted by expert, as the forward takes them) to each expert's counters,
+        with shape-static ops (no host sync, one compiled graph for every routing)."""
+        magnitude = rows.detach().abs()
+        row_index = torch.arange(magnitude.shape[0], device=magnitude.device)
+        expert_of_row = torch.searchsorted(expert_offsets[1:], row_index, right=True)
+        limits = torch.cat([self.act_global_amax, self.act_global_amax.new_full((1,), torch.inf)])
+        clipped = (magnitude > limits.to(magnitude.dtype)[expert_of_row, None]).sum(dim=-1)
+        counters = self.clip_counters
+        counters["clipped"].index_add_(0, expert_of_row, clipped)
+        counters["seen"].index_add_(0, expert_of_row, torch.full_like(clipped, magnitude.shape[-1]))
+        counters["max_abs"].scatter_reduce_(0, expert_of_row, magnitude.amax(dim=-1).float(), "amax")
 
     def check_scales(self, state_dict: dict, prefix: str, layer_name: str) -> None:
         """Refuse a checkpoint's global scales that convert never produces, naming the expert."""
@@ -113,8 +184,8 @@ class NVFP4StaticExperts(torch.nn.Module):
 
     ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` routes the tokens
     as transformers' eager experts forward does (``experts.routing``), runs the gate/up and the
-    down projections of all experts as two grouped GEMMs (``NVFP4StaticGroupedLinear``: Triton
-    on CUDA, torch ops elsewhere) and sums each token's weighted outputs in expert order. Each
+    down projections of all experts as two grouped GEMMs (``NVFP4StaticGroupedLinear``, on
+    ``backend``) and sums each token's weighted outputs in expert order. Each
     expert's rows get exactly what that expert's ``NVFP4StaticLinear`` would compute. Every shape
     in the forward is fixed by ``T`` and ``k``, so a compiled forward serves any routing.
 
@@ -126,8 +197,13 @@ class NVFP4StaticExperts(torch.nn.Module):
         layout: the ``ExpertsLayout`` of the float module (its checkpoint names).
         orig_dtype: the float weights' dtype.
         recipe, layer_name, loaded: as ``NVFP4StaticLinear``'s.
-        calibration_stats: ``tokens_per_expert`` and ``pooled_experts`` (the experts that took
-            the layer's pooled statistics), not saved.
+        backend_override: the config's ``backend`` (None: by device, see ``experts_backend``).
+        backend: the route both grouped GEMMs run on, ``"triton"`` or ``"cpu"``; picked again
+            when the module moves to another device.
+        calibration_stats: ``tokens_per_expert``, ``pooled_experts`` (the experts that took
+            the layer's pooled statistics) and, under ``"gate_up_proj"`` and ``"down_proj"``,
+            each expert's calibrator diagnostics (as ``NVFP4StaticLinear.calibration_stats``);
+            not saved.
     """
 
     def __init__(
@@ -140,10 +216,9 @@ class NVFP4StaticExperts(torch.nn.Module):
         recipe: dict,
         layer_name: str = "",
         calibration_stats: Optional[dict] = None,
+        backend_override: Optional[str] = None,
     ):
         super().__init__()
-        if gate_up_proj.qdata.is_cuda:
-            require_triton("the grouped GEMM of NVFP4 experts")
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.act_fn = act_fn
@@ -153,10 +228,30 @@ class NVFP4StaticExperts(torch.nn.Module):
         self.layer_name = layer_name
         self.calibration_stats = calibration_stats or {}
         self.loaded = True
+        self.backend_override = backend_override
+        self._pick_backend()
+
+    def _pick_backend(self) -> None:
+        backend = experts_backend(self.gate_up_proj.qdata.device, self.backend_override, self.layer_name)
+        self.gate_up_proj.backend = self.down_proj.backend = backend
+
+    @property
+    def backend(self) -> str:
+        return self.gate_up_proj.backend
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._pick_backend()
+        return self
 
     @classmethod
     def placeholder(
-        cls, experts: torch.nn.Module, layout: ExpertsLayout, recipe: dict, layer_name: str
+        cls,
+        experts: torch.nn.Module,
+        layout: ExpertsLayout,
+        recipe: dict,
+        layer_name: str,
+        backend_override: Optional[str] = None,
     ) -> "NVFP4StaticExperts":
         """Empty converted experts of the float ``experts``' shapes, for ``load_state_dict``."""
         gate_up, down = layout.weights(experts)
@@ -169,6 +264,7 @@ class NVFP4StaticExperts(torch.nn.Module):
             gate_up.dtype,
             recipe,
             layer_name,
+            backend_override=backend_override,
         )
         placeholder.loaded = False
         return placeholder
@@ -190,15 +286,35 @@ class NVFP4StaticExperts(torch.nn.Module):
             (down, self.down_proj, slice(None)),
         )
         return {
-            f"{expert}.{name}": NVFP4StaticLinear(
-                grouped.expert_weight(expert, rows, self.orig_dtype),
-                None,
-                self.recipe,
-                f"{self.layer_name}.{expert}.{name}",
-            )
+            f"{expert}.{name}": self._expert_linear(grouped, expert, rows, f"{expert}.{name}")
             for expert in range(self.num_experts)
             for name, grouped, rows in parts
         }
+
+    def projection_linears(self) -> dict[str, NVFP4StaticLinear]:
+        """Every expert's two GEMMs as ``NVFP4StaticLinear``s sharing this module's data, by the
+        names calibration gave them relative to this module (``"gate_up_proj.{e}"``,
+        ``"down_proj.{e}"``), each with its ``calibration_stats``: its calibrator's diagnostics,
+        ``tokens`` (the calibration tokens the expert saw) and ``pooled`` (whether it took the
+        layer's pooled statistics); empty after loading a checkpoint."""
+        stats = self.calibration_stats
+        linears = {}
+        for projection in PROJECTIONS:
+            for expert in range(self.num_experts):
+                name = f"{projection}.{expert}"
+                linears[name] = self._expert_linear(getattr(self, projection), expert, slice(None), name)
+                if stats:
+                    linears[name].calibration_stats = {
+                        **stats[projection][expert],
+                        "tokens": stats["tokens_per_expert"][expert],
+                        "pooled": expert in stats["pooled_experts"],
+                    }
+        return linears
+
+    def _expert_linear(self, grouped, expert: int, rows: slice, name: str) -> NVFP4StaticLinear:
+        return NVFP4StaticLinear(
+            grouped.expert_weight(expert, rows, self.orig_dtype), None, self.recipe, f"{self.layer_name}.{name}"
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -233,4 +349,4 @@ class NVFP4StaticExperts(torch.nn.Module):
 
     def extra_repr(self) -> str:
         recipe = ", ".join(f"{k}={v}" for k, v in self.recipe.items())
-        return f"{recipe}" + ("" if self.loaded else ", empty placeholder")
+        return f"{recipe}, backend={self.backend}" + ("" if self.loaded else ", empty placeholder")

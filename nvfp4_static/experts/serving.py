@@ -178,5 +178,6 @@ def stack_imported_experts(model: torch.nn.Module, layers: dict) -> dict[str, NV
             layout.weights(module)[0].dtype,
             layers[found[0]].recipe,
             name,
+            backend_override=layers[found[0]].weight.backend_override,
         )
     return imported

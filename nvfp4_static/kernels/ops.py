@@ -19,7 +19,8 @@ torch reference on non-CUDA tensors (a ``triton_op`` body is traced for every de
 branch lives in the body); ``nvfp4_gemm`` and ``quantizing_nvfp4_gemm`` are CUDA only (the torch
 route of the same product is ``backends.cpu``). ``grouped_static_nvfp4_linear``, the experts of a
 mixture-of-experts layer, is a ``custom_op`` like the calibration ops: its torch fallback loops
-over the experts with data-dependent row counts, which a traced body could not.
+over the experts with data-dependent row counts, which a traced body could not;
+``grouped_static_nvfp4_linear_reference`` is that fallback as an op on every device.
 
 Without the ``triton`` package (CPU-only installs: it comes with torch's CUDA wheels, not with
 this package) every op keeps its name, schema and torch fallback, so the CPU workflow runs as
@@ -359,8 +360,7 @@ def quantizing_nvfp4_gemm(
     return out
 
 
-@torch.library.custom_op("nvfp4_static::grouped_static_nvfp4_linear", mutates_args=())
-def _grouped_static_nvfp4_linear_op(
+def _grouped_static_nvfp4_linear_torch(
     x: torch.Tensor,
     expert_offsets: torch.Tensor,
     weight_qdata: torch.Tensor,
@@ -382,6 +382,16 @@ def _grouped_static_nvfp4_linear_op(
     )
 
 
+_grouped_static_nvfp4_linear_op = torch.library.custom_op(
+    "nvfp4_static::grouped_static_nvfp4_linear", mutates_args=()
+)(_grouped_static_nvfp4_linear_torch)
+# The torch route on every device, CUDA included: the experts' backend "cpu". An op of its own
+# (no CUDA kernel registered), so that it is as opaque to the compiler as the one above.
+grouped_static_nvfp4_linear_reference = torch.library.custom_op(
+    "nvfp4_static::grouped_static_nvfp4_linear_reference", mutates_args=()
+)(_grouped_static_nvfp4_linear_torch)
+
+
 @_grouped_static_nvfp4_linear_op.register_kernel("cuda")
 def _grouped_static_nvfp4_linear_cuda(
     x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales,
@@ -396,6 +406,7 @@ def _grouped_static_nvfp4_linear_cuda(
     return out
 
 
+@grouped_static_nvfp4_linear_reference.register_fake
 @_grouped_static_nvfp4_linear_op.register_fake
 def _grouped_static_nvfp4_linear_fake(
     x, expert_offsets, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales,
