@@ -799,6 +799,12 @@ def test_load_quantized_and_prepare_for_loading_take_the_backend(converted_model
     assert fresh.model.layers[1].mlp.experts.backend == "triton"
 
 
+def test_import_checkpoint_takes_the_backend(served_models, tmp_path):
+    export_checkpoint(served_models["qwen3_moe"], tmp_path / "export")
+    imported = import_checkpoint(tmp_path / "export", tiny_model("qwen3_moe", seed=1), backend="triton")
+    assert imported.model.layers[0].mlp.experts.backend == "triton"
+
+
 BLACKWELL_REFUSED = r"experts 'experts': backend 'blackwell' \(from the config's backend or \$NVFP4_STATIC_BACKEND\) has no grouped GEMM"
 
 
@@ -1017,3 +1023,28 @@ def test_gpu_converted_experts_match_cpu_and_compile_without_recompiling():
             # move one of its E2M1 codes a step before the down projection: far below the 1e-1
             # a wrong expert or scale gives.
             assert relative_error(out.cpu(), reference) <= 2e-2
+
+
+@requires_cuda
+def test_gpu_experts_pick_their_route_again_on_the_gpu_and_a_forced_cpu_route_stays_the_reference():
+    batches = [routed_batch(48, seed) for seed in range(2)]
+    auto = convert(calibrated_experts(batches, act_calibration="max", weight_scale="max"), act_calibration="max", weight_scale="max")
+    forced = convert(calibrated_experts(batches, act_calibration="max", weight_scale="max"), act_calibration="max", weight_scale="max", backend="cpu")
+    batch = routed_batch(10, seed=1)
+    with torch.no_grad():
+        expected = auto.experts(*batch)
+    cuda_batch = [t.cuda() for t in batch]
+    auto.to("cuda")
+    forced.to("cuda")
+    assert auto.experts.backend == "triton" and forced.experts.backend == "cpu"
+    assert grouped_ops_run(forced.experts, cuda_batch) == {"nvfp4_static::grouped_static_nvfp4_linear_reference"}
+    enable_clip_monitor(forced)
+    compiled = torch.compile(forced.experts, fullgraph=True)
+    with torch.no_grad():
+        for run in (auto.experts, forced.experts, compiled):
+            out = run(*cuda_batch)
+            assert out.is_cuda and relative_error(out.cpu(), expected) <= 2e-2  # as the GPU test above says
+    # The gate/up inputs are the batch's rows themselves (the down inputs may round otherwise on the GPU).
+    counts = {name: (c.clipped, c.seen) for name, c in clip_counts(forced).items() if ".gate_up_proj." in name}
+    recount = expected_clip_counts(forced.to("cpu").experts, [batch, batch])
+    assert counts == {name: c[:2] for name, c in recount.items() if ".gate_up_proj." in name}
