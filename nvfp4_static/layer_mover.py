@@ -11,8 +11,7 @@ hides those copies behind the compute:
   (the host waits only until the worker has queued them);
 - ``move_back(layer, home)`` moves a finished layer home in a second worker once the compute
   stream's work on it is done (``wait_moved_back`` waits for it). Its own thread and stream let
-  the copy home run beside the next copy in: one after the other, the two took about as long as
-  a layer of an 8B model computes.
+  the copy home run beside the next copy in (at 8B each takes about half of a layer's compute).
 
 Only the calling thread changes a layer before and while it computes (``move_in``); the
 move-back worker changes it only after (``move_back``). Copies are exact, so overlapping changes

@@ -28,7 +28,6 @@ from triton.testing import do_bench
 
 from nvfp4_static.experts import ExpertsLayout, NVFP4StaticExperts, NVFP4StaticGroupedLinear
 from nvfp4_static.experts.routing import route
-from nvfp4_static.kernels import grouped_static_nvfp4_linear
 from nvfp4_static.numerics import per_tensor_amax_to_scale, quantize_nvfp4
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2048, 768
