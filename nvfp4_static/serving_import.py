@@ -28,7 +28,13 @@ from safetensors.torch import load_file
 
 from nvfp4_static.checkpoint import replace_submodule
 from nvfp4_static.experts import NVFP4StaticExperts
-from nvfp4_static.experts.serving import as_loaded, expert_linear_stubs, stack_imported_experts
+from nvfp4_static.experts.serving import (
+    as_loaded,
+    expert_linear_stubs,
+    fuse_float_experts,
+    loaded_module_names,
+    stack_imported_experts,
+)
 from nvfp4_static.export import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -103,6 +109,9 @@ def import_checkpoint(
         )
     fields = [_FIELDS[format][key] for key in _TENSOR_KEYS]
     checkpoint, exact_scales = as_loaded(model, checkpoint, exact_scales, fields)
+    for key in ("ignore", "exclude_modules"):
+        if quantization_config.get(key):
+            quantization_config = {**quantization_config, key: loaded_module_names(model, quantization_config[key])}
     # The model's modules and, for MoE layers, one linear per expert and projection.
     expert_linears = expert_linear_stubs(model)
     candidates = {**dict(model.named_modules()), **expert_linears}
@@ -121,6 +130,7 @@ def import_checkpoint(
             "nvfp4_static: the model is itself a linear; import into a model that holds it"
         )
     experts = stack_imported_experts(model, layers)
+    checkpoint = fuse_float_experts(model, checkpoint, experts)
     remainder = _remaining_tensors(model, checkpoint, layers, format, experts)
     linears = {name: layer for name, layer in layers.items() if name not in expert_linears}
     for name, layer in {**linears, **experts}.items():

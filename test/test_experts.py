@@ -685,6 +685,73 @@ def test_import_refuses_an_expert_whose_gate_and_up_scales_differ(served_models,
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
 
 
+def linears_but_not_experts(module, fqn):
+    return is_quantizable(module, fqn) and not isinstance(module, (Qwen3MoeExperts, MixtralExperts))
+
+
+@pytest.fixture(scope="module")
+def float_experts_models():
+    """Each architecture with its linears quantized and its experts left float."""
+    models = {}
+    for architecture in ARCHITECTURES:
+        model = prepare(tiny_model(architecture), filter_fn=linears_but_not_experts)
+        with torch.no_grad():
+            model(token_ids(0))
+        tie_fused_layers(model)
+        models[architecture] = convert(model, filter_fn=linears_but_not_experts)
+    return models
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_float_experts_are_exported_as_save_pretrained_splits_them_and_imported_bit_for_bit(
+    float_experts_models, architecture, format, tmp_path
+):
+    model = float_experts_models[architecture]
+    export_checkpoint(model, tmp_path / "export", format)
+    tiny_model(architecture).save_pretrained(tmp_path / "float")  # transformers' own split
+    theirs = {n for n in load_file(tmp_path / "float" / "model.safetensors") if ".experts." in n}
+    ours = folder_tensors(tmp_path / "export")
+    assert len(theirs) == 2 * EXPERTS * 3 and {n for n in ours if ".experts." in n} == theirs
+    config = json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"]
+    assert {n.removesuffix(".weight") for n in theirs} <= set(config["ignore"])
+    fresh = tiny_model(architecture, seed=7)
+    assert not torch.equal(fresh.model.layers[0].mlp.experts.gate_up_proj, model.model.layers[0].mlp.experts.gate_up_proj)
+    imported = import_checkpoint(tmp_path / "export", fresh)
+    for layer in range(2):
+        exported, loaded = model.model.layers[layer].mlp.experts, imported.model.layers[layer].mlp.experts
+        assert type(loaded) is ARCHITECTURES[architecture][2]
+        for part in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(loaded, part).view(torch.int32), getattr(exported, part).view(torch.int32)), part
+    with torch.no_grad():
+        assert torch.equal(imported(token_ids(8)).logits, model(token_ids(8)).logits)
+
+
+@pytest.mark.parametrize("architecture, missing", [("qwen3_moe", "3.up_proj"), ("mixtral", "0.w2"), ("mixtral", "7.w1")])
+def test_float_experts_only_partly_in_the_folder_are_refused_naming_the_first_missing(
+    float_experts_models, architecture, missing, tmp_path
+):
+    export_checkpoint(float_experts_models[architecture], tmp_path / "ct")
+    saved = "block_sparse_moe" if architecture == "mixtral" else "mlp"
+    name = f"model.layers.1.{saved}.experts.{missing}.weight"
+    edit_folder(tmp_path / "ct", tensor_edit=lambda tensors: tensors.pop(name, None))
+    fresh = tiny_model(architecture, seed=3)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(
+        ValueError,
+        match=rf"experts 'model.layers.1.mlp.experts' are in the checkpoint only partly .*'model.layers.1.mlp.experts.{missing}.weight' is missing \({EXPERTS * 3 - 1} of {EXPERTS * 3}",
+    ):
+        import_checkpoint(tmp_path / "ct", fresh)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())  # left as it was
+
+
+def test_float_experts_not_all_listed_as_unquantized_are_refused(float_experts_models, tmp_path):
+    export_checkpoint(float_experts_models["qwen3_moe"], tmp_path / "ct")
+    edit_folder(tmp_path / "ct", lambda q: q["ignore"].remove("model.layers.0.mlp.experts.2.gate_proj"))
+    with pytest.raises(ValueError, match=r"layer 'model.layers.0.mlp.experts.2.gate_proj': the checkpoint has no 'weight_packed'"):
+        import_checkpoint(tmp_path / "ct", tiny_model("qwen3_moe"))
+
+
 def test_a_model_with_experts_prepared_but_not_converted_is_not_exported(tmp_path):
     model = prepare(tiny_model("qwen3_moe"), filter_fn=lambda m, fqn: is_quantizable(m, fqn) and fqn.endswith("experts"))
     with pytest.raises(ValueError, match=r"2 layer\(s\) are prepared but not converted \(first: 'model.layers.0.mlp.experts'\)"):

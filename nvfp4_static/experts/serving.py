@@ -9,10 +9,13 @@ names than their checkpoints use (Mixtral's ``block_sparse_moe`` is its ``mlp``)
 them back when it saves. So an export writes each expert's projections as linears
 (``NVFP4StaticExperts.expert_linears``) and renames everything as ``save_pretrained`` would
 (transformers' own reverse conversion); an import renames the folder's names the other way and
-stacks each expert's linears back into an ``NVFP4StaticExperts``.
+stacks each expert's linears back into an ``NVFP4StaticExperts``. Experts left float take the
+same path: ``save_pretrained``'s split of their fused weights on export (each per-expert linear
+listed as unquantized), stacked back into the fused parameters on import.
 """
 
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 
@@ -27,6 +30,8 @@ __all__ = [
     "as_loaded",
     "expert_linear_stubs",
     "stack_imported_experts",
+    "fuse_float_experts",
+    "loaded_module_names",
 ]
 
 
@@ -43,14 +48,49 @@ def converted_expert_linears(model: torch.nn.Module) -> dict[str, NVFP4StaticLin
     }
 
 
+def _float_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The registered experts modules of ``model`` still float, whose fused weights fit their
+    layout (``[E, 2I, H]`` and ``[E, H, I]``)."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if experts_layout(module) is not None and _layout_shapes(module) is not None
+    }
+
+
+def _layout_shapes(module: torch.nn.Module) -> Optional[tuple[int, int, int]]:
+    """``(experts, hidden, intermediate)`` of a registered experts module, or None where its
+    weights do not fit its layout."""
+    layout = experts_layout(module)
+    gate_up, down = getattr(module, layout.gate_up, None), getattr(module, layout.down, None)
+    if not all(isinstance(part, torch.Tensor) and part.dim() == 3 for part in (gate_up, down)):
+        return None
+    num_experts, double_intermediate, hidden = gate_up.shape
+    if double_intermediate % 2 or tuple(down.shape) != (num_experts, hidden, double_intermediate // 2):
+        return None
+    return num_experts, hidden, double_intermediate // 2
+
+
+def _expert_linear_names(name: str, module: torch.nn.Module) -> list[str]:
+    """The per-expert linears of the experts module ``name`` as checkpoints name them
+    (``<name>.{e}.gate_proj``), expert by expert, in the layout's gate, up, down order."""
+    num_experts = _layout_shapes(module)[0]
+    return [
+        f"{name}.{expert}.{projection}"
+        for expert in range(num_experts)
+        for projection in experts_layout(module).checkpoint_names
+    ]
+
+
 def saved_module_names(model: torch.nn.Module, unquantized: list[str]) -> list[str]:
-    """The names of the float linears ``unquantized`` and of the routers beside converted
-    experts (``ExpertsLayout.router``, which engines keep in float), sorted, as ``as_saved``
-    names the modules."""
+    """The names of the float linears ``unquantized``, of the routers beside converted
+    experts (``ExpertsLayout.router``, which engines keep in float) and of each float experts
+    module's per-expert linears, sorted, as ``as_saved`` names the modules."""
     experts = _converted_experts(model)
     routers = [f"{name.rpartition('.')[0]}.{module.layout.router}".lstrip(".") for name, module in experts.items()]
-    names = unquantized + routers
-    if not experts:
+    float_experts = [linear for name, module in _float_experts(model).items() for linear in _expert_linear_names(name, module)]
+    names = unquantized + routers + float_experts
+    if not experts and not float_experts:
         return sorted(names)
     saved = saved_names(model, [f"{name}.weight" for name in names])
     return sorted(saved[f"{name}.weight"].removesuffix(".weight") for name in names)
@@ -69,10 +109,10 @@ def _reverse_conversion(model: torch.nn.Module):
 def as_saved(model: torch.nn.Module, tensors: dict, per_tensor_scales: dict) -> tuple[dict, dict]:
     """``tensors`` under the names ``save_pretrained`` writes for ``model`` (float 3-D experts
     split per expert as it splits them), and ``per_tensor_scales``, keyed by tensor name,
-    renamed alike. Unchanged for a model without converted experts, whose export keeps the
+    renamed alike. Unchanged for a model without registered experts, whose export keeps the
     model's own names."""
     revert = _reverse_conversion(model)
-    if revert is None or not _converted_experts(model):
+    if revert is None or not (_converted_experts(model) or _float_experts(model)):
         return tensors, per_tensor_scales
     saved = revert(model, tensors)
     name_of = {id(tensor): name for name, tensor in saved.items()}
@@ -116,18 +156,34 @@ def expert_linear_stubs(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 def as_loaded(model: torch.nn.Module, checkpoint: dict, per_tensor_scales: dict, fields) -> tuple[dict, dict]:
     """A folder's tensors (and ``per_tensor_scales``, keyed by tensor name) under ``model``'s
     own names: the inverse of ``as_saved``'s renaming, for the model's other tensors and each
-    expert projection's ``fields``. Unchanged for a model without registered experts."""
-    stubs = expert_linear_stubs(model)
-    if not stubs:
+    expert projection's ``fields`` (or float ``weight``). Unchanged for a model without
+    registered experts."""
+    experts = _float_experts(model)
+    if not experts:
         return checkpoint, per_tensor_scales
-    experts = {name.rsplit(".", 2)[0] for name in stubs}
     names = [key for key in model.state_dict() if key.rpartition(".")[0] not in experts]
-    names += [f"{stub}.{field}" for stub in stubs for field in fields]
+    linears = [linear for name, module in experts.items() for linear in _expert_linear_names(name, module)]
+    names += [f"{linear}.{field}" for linear in linears for field in {*fields, "weight"}]
     loaded_name = {saved: name for name, saved in saved_names(model, names).items()}
     return (
         {loaded_name.get(key, key): value for key, value in checkpoint.items()},
         {loaded_name.get(key, key): value for key, value in per_tensor_scales.items()},
     )
+
+
+def loaded_module_names(model: torch.nn.Module, names: Iterable[str]) -> list[str]:
+    """A folder's module names (its ignore list) under ``model``'s own names: the names
+    ``as_saved`` renames (Mixtral's ``block_sparse_moe`` for ``mlp``), per-expert linears
+    included, renamed back; patterns and other names kept as they are."""
+    experts = _float_experts(model)
+    names = list(names)
+    if not experts:
+        return names
+    modules = [name for name, _ in model.named_modules() if name]
+    modules += [linear for name, module in experts.items() for linear in _expert_linear_names(name, module)]
+    saved = saved_names(model, [f"{module}.weight" for module in modules])
+    loaded = {saved[f"{module}.weight"].removesuffix(".weight"): module for module in modules}
+    return [loaded.get(name, name) for name in names]
 
 
 def stack_imported_experts(model: torch.nn.Module, layers: dict) -> dict[str, NVFP4StaticExperts]:
@@ -181,3 +237,34 @@ def stack_imported_experts(model: torch.nn.Module, layers: dict) -> dict[str, NV
             backend_override=layers[found[0]].weight.backend_override,
         )
     return imported
+
+
+def fuse_float_experts(model: torch.nn.Module, checkpoint: dict, imported: Iterable[str]) -> dict:
+    """``checkpoint`` (under the model's names, as ``as_loaded`` gives it) with each float
+    experts module's per-expert weights (``<experts>.{e}.gate_proj.weight``, as
+    ``save_pretrained`` splits them) stacked into the module's fused parameters, which
+    ``load_state_dict`` then loads: expert ``e``'s gate then up rows are ``gate_up[e]``, its
+    down weight ``down[e]``. Experts modules in ``imported`` (stacked from quantized linears)
+    and a folder holding the fused names themselves are left alone; an experts module whose
+    per-expert weights are in the folder only partly is refused naming the first missing."""
+    fused = dict(checkpoint)
+    for name, module in _float_experts(model).items():
+        if name in imported:
+            continue
+        weights = [f"{linear}.weight" for linear in _expert_linear_names(name, module)]
+        missing = [weight for weight in weights if weight not in checkpoint]
+        if len(missing) == len(weights):
+            continue
+        if missing:
+            raise ValueError(
+                f"nvfp4_static: experts '{name}' are in the checkpoint only partly as float "
+                f"per-expert weights: '{missing[0]}' is missing ({len(weights) - len(missing)} "
+                f"of {len(weights)} found)"
+            )
+        layout = experts_layout(module)
+        per_expert = [[checkpoint[weight] for weight in weights[i : i + 3]] for i in range(0, len(weights), 3)]
+        for weight in weights:
+            del fused[weight]
+        fused[f"{name}.{layout.gate_up}"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in per_expert])
+        fused[f"{name}.{layout.down}"] = torch.stack([down for _, _, down in per_expert])
+    return fused
