@@ -50,13 +50,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 import torch
-from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, pack_uint4
 from torchao.quantization import quantize_
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.experts.handlers import pooled_statistics_for, starved_experts
 from nvfp4_static.experts.observed import NVFP4StaticObservedExperts
-from nvfp4_static.numerics import BLOCK_SIZE
+from nvfp4_static.numerics import BLOCK_SIZE, pack_e2m1
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
 from nvfp4_static.observers.base import _REDUCE, MergeableObserver
@@ -505,7 +504,7 @@ def _gptq_codes(layer, config, global_amax) -> tuple[torch.Tensor, torch.Tensor]
     """GPTQ's result as the packed E2M1 codes (element ``2i`` in the low nibble) and the FP8
     block scales: an eighth of the float32 values' bytes, to hold and to send."""
     result = run_gptq(layer, config, global_amax)
-    return pack_uint4(f32_to_f4_unpacked(result.values.contiguous())), result.block_scales_e4m3
+    return pack_e2m1(result.values), result.block_scales_e4m3
 
 
 def _gptq_codes_from_bytes(data: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,7 @@ __all__ = [
     "round_to_e2m1",
     "e2m1_values_by_code",
     "compute_block_scales",
+    "pack_e2m1",
     "quantize_nvfp4",
     "quantize_nvfp4_unpacked",
     "dequantize_nvfp4",
@@ -201,8 +202,13 @@ def quantize_nvfp4(
     if block_scales_e4m3 is None:
         block_scales_e4m3 = compute_block_scales(x, per_tensor_scale)
     scaled = _scaled_blocks(x, per_tensor_scale, block_scales_e4m3)
-    qdata = pack_uint4(f32_to_f4_unpacked(scaled.contiguous()))
-    return qdata, block_scales_e4m3
+    return pack_e2m1(scaled), block_scales_e4m3
+
+
+def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """E2M1-representable float32 ``values [..., K]`` as packed codes, uint8 ``[..., K // 2]``
+    (element ``2i`` in the low nibble)."""
+    return pack_uint4(f32_to_f4_unpacked(values.contiguous()))
 
 
 def dequantize_nvfp4(

@@ -74,10 +74,15 @@ def float_experts():
     return experts
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def token_counts(description: str) -> list[int]:
+    """The ``--tokens`` this script and ``tune_grouped_gemm.py`` run at, from the command line."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096])
-    args = parser.parse_args()
+    return parser.parse_args().tokens
+
+
+def main():
+    tokens_to_run = token_counts(__doc__.splitlines()[0])
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}; {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, intermediate {INTERMEDIATE}")
     bf16 = float_experts()
@@ -94,7 +99,7 @@ def main():
     names = ["gemm bf16", "gemm ours", "gemm bf16 g", "gemm ours g", "layer bf16", "layer ours", "layer bf16 g", "layer ours g"]
     print(f"{'T':>5} | " + " ".join(f"{n:>12}" for n in names) + f" (ms) | {'gemm bf16/ours':>14} {'layer bf16/ours':>15} {'rel err':>8}")
     with torch.no_grad():
-        for tokens in args.tokens:
+        for tokens in tokens_to_run:
             hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
             top_k_weights, top_k_index = torch.topk(torch.randn(tokens, EXPERTS, device="cuda").softmax(-1), TOP_K)
             top_k_weights = top_k_weights.to(torch.bfloat16)

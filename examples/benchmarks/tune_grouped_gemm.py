@@ -12,10 +12,19 @@ keyed on). Run on one GPU:
     cd examples/benchmarks && python tune_grouped_gemm.py [--tokens 1 16 128 1024 4096]
 """
 
-import argparse
-
 import torch
-from bench_moe import EXPERTS, HIDDEN, HIDDEN_AMAX, INTERMEDIATE, INTERMEDIATE_AMAX, TOP_K, float_experts, graph_ms, nvfp4_grouped
+from bench_moe import (
+    EXPERTS,
+    HIDDEN,
+    HIDDEN_AMAX,
+    INTERMEDIATE,
+    INTERMEDIATE_AMAX,
+    TOP_K,
+    float_experts,
+    graph_ms,
+    nvfp4_grouped,
+    token_counts,
+)
 
 from nvfp4_static.experts.routing import route
 from nvfp4_static.kernels.grouped_gemm import GroupedGemmConfig, launch_grouped_nvfp4_gemm
@@ -38,15 +47,13 @@ CANDIDATES = [
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096])
-    args = parser.parse_args()
+    tokens_to_run = token_counts(__doc__.splitlines()[0])
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}")
     bf16 = float_experts()
     gate_up = nvfp4_grouped(bf16.gate_up_proj.detach(), HIDDEN_AMAX)
     down = nvfp4_grouped(bf16.down_proj.detach(), INTERMEDIATE_AMAX)
-    for tokens in args.tokens:
+    for tokens in tokens_to_run:
         hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
         top_k_index = torch.topk(torch.randn(tokens, EXPERTS, device="cuda"), TOP_K).indices
         routing = route(top_k_index, EXPERTS)

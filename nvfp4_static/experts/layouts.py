@@ -26,7 +26,7 @@ import torch
 
 from nvfp4_static.numerics import BLOCK_SIZE
 
-__all__ = ["ExpertsLayout", "register_experts", "experts_layout", "why_experts_left_float"]
+__all__ = ["ExpertsLayout", "register_experts", "experts_layout", "fused_shapes", "why_experts_left_float"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,24 +79,34 @@ def experts_layout(module: torch.nn.Module) -> Optional[ExpertsLayout]:
     return _LAYOUTS.get(_qualified_name(type(module)))
 
 
+def fused_shapes(module: torch.nn.Module) -> Optional[tuple[int, int, int]]:
+    """``(experts, hidden, intermediate)`` of the registered experts ``module``, or None where
+    its weights are missing or do not fit its layout (``[E, 2I, H]`` and ``[E, H, I]``)."""
+    layout = experts_layout(module)
+    gate_up, down = (getattr(module, name, None) for name in (layout.gate_up, layout.down))
+    if not all(isinstance(part, torch.Tensor) and part.dim() == 3 for part in (gate_up, down)):
+        return None
+    num_experts, double_intermediate, hidden = gate_up.shape
+    if double_intermediate % 2 or tuple(down.shape) != (num_experts, hidden, double_intermediate // 2):
+        return None
+    return num_experts, hidden, double_intermediate // 2
+
+
 def why_experts_left_float(module: torch.nn.Module) -> Optional[str]:
     """Why prepare leaves the registered experts ``module`` float (None: it quantizes them):
     weights missing or of shapes that do not fit the layout, or dims NVFP4 cannot block."""
-    layout = experts_layout(module)
-    parts = [getattr(module, name, None) for name in (layout.gate_up, layout.down)]
-    if not all(isinstance(part, torch.Tensor) and part.dim() == 3 for part in parts):
+    shapes = fused_shapes(module)
+    if shapes is None:
+        layout = experts_layout(module)
+        found = [
+            tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
+            for part in (getattr(module, name, None) for name in (layout.gate_up, layout.down))
+        ]
         return (
-            f"its '{layout.gate_up}' and '{layout.down}' are not both 3-D tensors, as its "
-            f"registered ExpertsLayout says"
+            f"its {layout.gate_up} {found[0]} and {layout.down} {found[1]} are not [E, 2I, H] "
+            f"and [E, H, I] (3-D tensors, as its registered ExpertsLayout says)"
         )
-    gate_up, down = parts
-    num_experts, double_intermediate, hidden = gate_up.shape
-    if double_intermediate % 2 or tuple(down.shape) != (num_experts, hidden, double_intermediate // 2):
-        return (
-            f"its {layout.gate_up} {tuple(gate_up.shape)} and {layout.down} {tuple(down.shape)} "
-            f"are not [E, 2I, H] and [E, H, I]"
-        )
-    intermediate = double_intermediate // 2
+    _, hidden, intermediate = shapes
     if hidden % BLOCK_SIZE or intermediate % BLOCK_SIZE:
         return (
             f"NVFP4 needs the hidden size and the expert intermediate size divisible by "

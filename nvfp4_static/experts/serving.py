@@ -15,12 +15,11 @@ listed as unquantized), stacked back into the fused parameters on import.
 """
 
 from collections.abc import Iterable
-from typing import Optional
 
 import torch
 
 from nvfp4_static.experts.converted import NVFP4StaticExperts, NVFP4StaticGroupedLinear
-from nvfp4_static.experts.layouts import experts_layout, why_experts_left_float
+from nvfp4_static.experts.layouts import experts_layout, fused_shapes, why_experts_left_float
 from nvfp4_static.linear import NVFP4StaticLinear
 
 __all__ = [
@@ -54,27 +53,14 @@ def _float_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {
         name: module
         for name, module in model.named_modules()
-        if experts_layout(module) is not None and _layout_shapes(module) is not None
+        if experts_layout(module) is not None and fused_shapes(module) is not None
     }
-
-
-def _layout_shapes(module: torch.nn.Module) -> Optional[tuple[int, int, int]]:
-    """``(experts, hidden, intermediate)`` of a registered experts module, or None where its
-    weights do not fit its layout."""
-    layout = experts_layout(module)
-    gate_up, down = getattr(module, layout.gate_up, None), getattr(module, layout.down, None)
-    if not all(isinstance(part, torch.Tensor) and part.dim() == 3 for part in (gate_up, down)):
-        return None
-    num_experts, double_intermediate, hidden = gate_up.shape
-    if double_intermediate % 2 or tuple(down.shape) != (num_experts, hidden, double_intermediate // 2):
-        return None
-    return num_experts, hidden, double_intermediate // 2
 
 
 def _expert_linear_names(name: str, module: torch.nn.Module) -> list[str]:
     """The per-expert linears of the experts module ``name`` as checkpoints name them
     (``<name>.{e}.gate_proj``), expert by expert, in the layout's gate, up, down order."""
-    num_experts = _layout_shapes(module)[0]
+    num_experts = fused_shapes(module)[0]
     return [
         f"{name}.{expert}.{projection}"
         for expert in range(num_experts)
