@@ -5,25 +5,33 @@ Layer-by-layer calibration holds one decoder layer at a time on the device. Move
 model's layers copied from pageable host memory take seconds. With ``overlap``, ``LayerMover``
 hides those copies behind the compute:
 
-- ``prefetch(layer)`` starts copying the next layer's tensors in a worker thread: on CUDA each
-  is staged in pinned host memory and copied on a side stream;
-- ``move_in(layer)`` hands the layer its copies; the compute stream waits for them on the device
-  (the host waits only until the worker has queued them);
+- ``prefetch(layer)`` starts staging the next layer's tensors in a worker thread: on CUDA each
+  is copied into pinned host memory (the slow, host-side part of a copy in);
+- ``upload_prefetched()`` starts the staged tensors' transfer to the device on a side stream.
+  The caller picks the moment: the layer's device memory is taken from then on, so calling it
+  once the current layer's activations have peaked keeps one layer's worth of memory off the
+  peak, and the transfer still runs beside the rest of the current layer's work;
+- ``move_in(layer)`` hands the layer its copies (uploading them now if that has not started);
+  the compute stream waits for them on the device, the host only for the staging;
 - ``move_back(layer, home)`` moves a finished layer home in a second worker once the compute
   stream's work on it is done (``wait_moved_back`` waits for it). Its own thread and stream let
-  the copy home run beside the next copy in (at 8B each takes about half of a layer's compute).
+  the copy home run beside the next layer's staging. On CUDA it copies into pinned staging
+  memory and from there into pageable host memory, so that the transfer is an asynchronous DMA
+  and the host-side copy makes no CUDA call (a copy straight into pageable memory is a
+  synchronous driver call for the whole transfer, which slows the compute thread's launches).
 
 Only the calling thread changes a layer before and while it computes (``move_in``); the
 move-back worker changes it only after (``move_back``). Copies are exact, so overlapping changes
-no result. It costs device memory for one more layer (the next one arrives while this one
-computes) and for the converted layer on its way home. Without ``overlap``, or for a layer that
-is not wholly on the CPU, every move is a plain ``module.to``.
+no result. Between ``upload_prefetched`` and the end of a layer's work the device holds one more
+layer, and the converted layer on its way home. Without ``overlap``, or for a layer that is not
+wholly on the CPU, every move is a plain ``module.to``.
 """
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
 
 __all__ = ["LayerMover", "put_tensor", "tensor_slots"]
 
@@ -44,8 +52,10 @@ class LayerMover:
         } if overlap else {}
         cuda = overlap and device.type == "cuda"
         self._streams = {direction: torch.cuda.Stream(device) for direction in ("in", "home")} if cuda else {}
-        # The prefetched layer: (layer, its tensor slots, the future of (copies, ready event)).
+        # The prefetched layer: (layer, its tensor slots, the future of its staged tensors), and
+        # once its upload has started, (its device copies, their ready event or None).
         self._next: Optional[tuple] = None
+        self._uploaded: Optional[tuple] = None
         self._moving_back: list[Future] = []
 
     def __enter__(self) -> "LayerMover":
@@ -66,14 +76,29 @@ class LayerMover:
                 worker.shutdown(wait=True)
 
     def prefetch(self, layer: torch.nn.Module) -> None:
-        """Start copying ``layer`` to the device (a no-op without overlap)."""
+        """Start staging ``layer`` for the device (a no-op without overlap)."""
         if not self._overlaps(layer) or (self._next is not None and self._next[0] is layer):
             return
         if self._next is not None:
             self._next[2].exception()  # one prefetch at a time: let the other one finish
         slots = tensor_slots(layer)
         sources = list({id(tensor): tensor.detach() for _, _, _, tensor in slots}.values())
-        self._next = (layer, slots, self._workers["in"].submit(self._copy_in, sources))
+        self._next = (layer, slots, self._workers["in"].submit(self._stage, sources))
+        self._uploaded = None
+
+    def upload_prefetched(self) -> None:
+        """Start copying the prefetched layer's staged tensors to the device (a no-op when none
+        is prefetched or its upload has started); waits for the staging."""
+        if self._next is None or self._uploaded is not None:
+            return
+        staged = self._next[2].result()
+        if not self._streams:
+            self._uploaded = (staged, None)
+            return
+        stream = self._streams["in"]
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            copies = [t.to(self.device, non_blocking=True) for t in staged]
+            self._uploaded = (copies, stream.record_event())
 
     def move_in(self, layer: torch.nn.Module) -> None:
         """Put ``layer`` on the device: its prefetched copies, else copied now."""
@@ -81,9 +106,9 @@ class LayerMover:
             layer.to(self.device)
             return
         self.prefetch(layer)
-        _, slots, future = self._next
-        self._next = None
-        copies, ready = future.result()
+        self.upload_prefetched()
+        (_, slots, _), (copies, ready) = self._next, self._uploaded
+        self._next = self._uploaded = None
         if ready is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(ready)
@@ -112,22 +137,50 @@ class LayerMover:
         devices = {t.device.type for t in [*layer.parameters(), *layer.buffers()]}
         return self.overlap and devices == {"cpu"}
 
-    def _copy_in(self, sources: list) -> tuple[list, Optional[torch.cuda.Event]]:
-        if not self._streams:  # copies, as on CUDA, even where the device is the CPU
-            return [t.to(self.device, copy=True) for t in sources], None
-        stream = self._streams["in"]
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            copies = [t.pin_memory().to(self.device, non_blocking=True) for t in sources]
-            return copies, stream.record_event()
+    def _stage(self, sources: list) -> list:
+        """On CUDA, pinned host copies of ``sources``; elsewhere the copies themselves (the
+        same thread and bookkeeping, so that CPU tests run them)."""
+        if not self._streams:
+            return [t.to(self.device, copy=True) for t in sources]
+        return [t.pin_memory() for t in sources]
 
     def _move_home(self, layer: torch.nn.Module, home: torch.device, ready) -> None:
-        if ready is None:
+        if ready is None or home.type != "cpu":
             layer.to(home)
             return
         stream = self._streams["home"]
+        sources = []  # alive until copied: their blocks would otherwise be reused meanwhile
+
+        def staged(tensor: torch.Tensor) -> torch.Tensor:
+            if not tensor.is_cuda:
+                return tensor
+            sources.append(tensor)
+            return torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(tensor, non_blocking=True)
+
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(ready)
-            layer.to(home)  # to pageable memory: returns once copied, before the GPU copy is freed
+            _map_layer_tensors(layer, staged)
+            stream.synchronize()
+        sources.clear()
+        _map_layer_tensors(layer, lambda t: t.clone() if t.is_pinned() else t)
+
+
+def _map_layer_tensors(layer: torch.nn.Module, fn) -> None:
+    """Replace every tensor ``layer`` holds by ``fn`` of it, as ``module.to`` does (inside a
+    tensor subclass, ``fn`` of each inner tensor); a tensor held in two places is mapped once,
+    so ties survive."""
+    mapped = {}  # id -> (the tensor, kept alive so that its id stays its own; fn of it)
+
+    def apply(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in mapped:
+            if is_traceable_wrapper_subclass(tensor):
+                result = transform_subclass(tensor, lambda _, inner: apply(inner))
+            else:
+                result = fn(tensor.detach())
+            mapped[id(tensor)] = (tensor, result)
+        return mapped[id(tensor)][1]
+
+    layer._apply(apply)
 
 
 def tensor_slots(module: torch.nn.Module, recurse: bool = True) -> list[tuple]:

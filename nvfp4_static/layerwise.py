@@ -10,9 +10,10 @@ is (e.g. on CPU) and holds one decoder layer at a time on ``device``:
    forward. Those parts move back;
 2. for each decoder layer in turn: move it to ``device``, prepare its linears, run every
    cached batch through it (calibrating them), convert it, keep its outputs as the next
-   layer's inputs, move it back. On CUDA the next layer is copied to ``device`` while this one
-   calibrates, and finished layers move back in the background (``nvfp4_static.layer_mover``);
-   a layer whose calibration fails moves back too.
+   layer's inputs, move it back. On CUDA the next layer is staged in pinned host memory while
+   this one calibrates and copied to ``device`` while it converts, and finished layers move
+   back in the background (``nvfp4_static.layer_mover``); a layer whose calibration fails moves
+   back too.
 
 The next layer sees the float layer's outputs, exactly as in a whole-model calibration, so
 the scales are the same bit for bit; ``propagate_quantized=True`` feeds it the converted
@@ -260,9 +261,10 @@ def calibrate_layer_by_layer(
             raises, changing nothing) and loads them instead of calibrating them again
             (``nvfp4_static.layerwise_resume``). With ``group``, rank 0 writes it and every
             rank reads it: a folder all ranks share.
-        prefetch: copy the next layer to ``device`` while this one calibrates, and move finished
-            layers home in the background (``nvfp4_static.layer_mover``); one more layer of
-            device memory. Default: on CUDA.
+        prefetch: stage the next layer while this one calibrates, copy it to ``device`` while
+            this one converts, and move finished layers home in the background
+            (``nvfp4_static.layer_mover``); one more layer of device memory while converting.
+            Default: on CUDA.
         timings: a dict to which the seconds of each phase are added ("record inputs", "move
             in", "prepare", "calibrate", "sync statistics", "convert", "propagate", "move
             back", ...). On CUDA each phase then waits for the device at its end.
@@ -356,12 +358,14 @@ def calibrate_layer_by_layer(
                             _calibrate_data_parallel(layer, calibration_run, outputs, group,
                                                      rank == anchor_source,
                                                      config.act_calibration == "mse", clock)
+                            mover.upload_prefetched()
                             with clock.phase("convert"):
                                 convert_data_parallel(layer, convert, layer_filter, group)
                         else:
                             with clock.phase("calibrate"):
                                 for b in range(len(hidden)):
                                     outputs[b] = calibration_run(b)
+                            mover.upload_prefetched()  # past this layer's activation peak
                             with clock.phase("convert"):
                                 quantize_(layer, convert, filter_fn=layer_filter)
                     if propagate_quantized:

@@ -8,9 +8,11 @@ import threading
 import pytest
 import torch
 from conftest import requires_cuda
+from tiny_llama import converted_llama, logits
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from nvfp4_static import layer_mover
-from nvfp4_static.layer_mover import LayerMover
+from nvfp4_static.layer_mover import LayerMover, _map_layer_tensors
 
 CPU = torch.device("cpu")
 
@@ -50,7 +52,7 @@ def test_a_failed_prefetch_raises_at_move_in_and_leaves_the_layer_as_it_was(monk
     def fail(self, sources):
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(LayerMover, "_copy_in", fail)
+    monkeypatch.setattr(LayerMover, "_stage", fail)
     layer = Tied()
     storage = {k: v.data_ptr() for k, v in layer.state_dict().items()}
     with pytest.raises(RuntimeError, match="copy failed"), LayerMover(CPU, overlap=True) as mover:
@@ -102,3 +104,54 @@ def test_on_cuda_a_layer_moves_in_and_back_exactly():
         mover.wait_moved_back()
         assert all(v.device == CPU for v in layer.state_dict().values())
     assert all(torch.equal(v, values[k]) for k, v in layer.state_dict().items())
+
+
+def inner_tensors(module: torch.nn.Module) -> dict:
+    """Every plain tensor ``module`` holds, a tensor subclass's inner tensors included, by name."""
+    found = {}
+
+    def visit(name, tensor):
+        if is_traceable_wrapper_subclass(tensor):
+            for inner in tensor.__tensor_flatten__()[0]:
+                visit(f"{name}.{inner}", getattr(tensor, inner))
+        else:
+            found[name] = tensor
+
+    for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        visit(name, tensor)
+    return found
+
+
+def test_mapping_a_converted_model_maps_each_inner_tensor_once_and_keeps_its_outputs():
+    model = converted_llama()
+    before = logits(model)
+    tensors = {k: (t.data_ptr(), t.clone()) for k, t in inner_tensors(model).items()}
+    seen = []
+    _map_layer_tensors(model, lambda t: seen.append(t) or t.clone())
+    assert len(seen) == len({id(t) for t in seen}) == len({ptr for ptr, _ in tensors.values()})
+    after = inner_tensors(model)
+    assert after.keys() == tensors.keys()
+    assert all(after[k].data_ptr() != ptr and torch.equal(after[k], t) for k, (ptr, t) in tensors.items())
+    assert torch.equal(logits(model), before)
+
+
+def test_mapping_keeps_tied_parameters_and_buffers_tied():
+    layer = Tied()
+    _map_layer_tensors(layer, torch.clone)
+    assert layer.b.weight is layer.a.weight and layer.a.scale is layer.b.scale
+
+
+@requires_cuda
+def test_on_cuda_a_converted_layer_goes_home_through_pinned_staging_into_pageable_memory():
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    model = converted_llama()
+    expected = logits(model)
+    tensors = {k: t.clone() for k, t in inner_tensors(model).items()}
+    model.to(cuda)
+    with LayerMover(cuda, overlap=True) as mover:
+        for layer in model.model.layers:
+            mover.move_back(layer, CPU)
+    model.to(CPU)  # what is not a decoder layer
+    home = inner_tensors(model)
+    assert all(t.device == CPU and not t.is_pinned() and torch.equal(t, tensors[k]) for k, t in home.items())
+    assert torch.equal(logits(model), expected)

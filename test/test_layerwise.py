@@ -147,9 +147,9 @@ def mover_threads() -> int:
 
 
 def test_prefetched_layers_give_the_whole_model_scales(monkeypatch):
-    copied, copy_in = [], LayerMover._copy_in
-    monkeypatch.setattr(LayerMover, "_copy_in", lambda self, sources: copied.append(len(sources))
-                        or copy_in(self, sources))
+    copied, stage = [], LayerMover._stage
+    monkeypatch.setattr(LayerMover, "_stage", lambda self, sources: copied.append(len(sources))
+                        or stage(self, sources))
     layered = layer_by_layer("b_min", "mse", prefetch=True)
     assert len(copied) == 2  # each layer's tensors went through the worker
     assert_same_scales(converted_scales(whole_model("b_min", "mse")), converted_scales(layered))
