@@ -20,6 +20,13 @@ hides those copies behind the compute:
   and the host-side copy makes no CUDA call (a copy straight into pageable memory is a
   synchronous driver call for the whole transfer, which slows the compute thread's launches).
 
+Data-parallel (``data_parallel=True``, every rank of ``group`` moving the same layers), each rank
+stages and uploads only its share of every tensor's bytes, and an all-gather over the devices'
+link (NVLink between GPUs of one host) completes each tensor on every rank: each rank's host
+copies and host-to-device transfer shrink with the number of ranks. The all-gathers are issued
+by the calling thread, where the ranks' other collectives are, so their order is the same on
+every rank.
+
 Only the calling thread changes a layer before and while it computes (``move_in``); the
 move-back worker changes it only after (``move_back``). Copies are exact, so overlapping changes
 no result. Between ``upload_prefetched`` and the end of a layer's work the device holds one more
@@ -31,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
 
 __all__ = ["LayerMover", "put_tensor", "tensor_slots"]
@@ -41,11 +49,16 @@ class LayerMover:
     docstring). On leaving it, the moves in flight finish and the workers stop; a failed move
     raises there unless an error is already on its way out."""
 
-    def __init__(self, device: torch.device, overlap: bool):
+    def __init__(self, device: torch.device, overlap: bool, data_parallel: bool = False, group=None):
         if device.type == "cuda" and device.index is None:  # the worker's current device is 0
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.overlap = overlap
+        # Data-parallel ranks hold the same layers: each stages and uploads its share of every
+        # tensor's bytes, and an all-gather on the device puts the whole tensor on each.
+        self._share = None
+        if overlap and data_parallel and dist.get_world_size(group) > 1:
+            self._share = (dist.get_rank(group), dist.get_world_size(group), group)
         self._workers = {
             direction: ThreadPoolExecutor(1, f"nvfp4_static-layer-mover-{direction}")
             for direction in ("in", "home")
@@ -83,7 +96,7 @@ class LayerMover:
             self._next[2].exception()  # one prefetch at a time: let the other one finish
         slots = tensor_slots(layer)
         sources = list({id(tensor): tensor.detach() for _, _, _, tensor in slots}.values())
-        self._next = (layer, slots, self._workers["in"].submit(self._stage, sources))
+        self._next = (layer, slots, self._workers["in"].submit(self._stage, sources), sources)
         self._uploaded = None
 
     def upload_prefetched(self) -> None:
@@ -91,13 +104,13 @@ class LayerMover:
         is prefetched or its upload has started); waits for the staging."""
         if self._next is None or self._uploaded is not None:
             return
-        staged = self._next[2].result()
+        staged, sources = self._next[2].result(), self._next[3]
         if not self._streams:
-            self._uploaded = (staged, None)
+            self._uploaded = ([self._gathered(t, s) for t, s in zip(staged, sources)], None)
             return
         stream = self._streams["in"]
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            copies = [t.to(self.device, non_blocking=True) for t in staged]
+            copies = [self._gathered(t.to(self.device, non_blocking=True), s) for t, s in zip(staged, sources)]
             self._uploaded = (copies, stream.record_event())
 
     def move_in(self, layer: torch.nn.Module) -> None:
@@ -107,7 +120,7 @@ class LayerMover:
             return
         self.prefetch(layer)
         self.upload_prefetched()
-        (_, slots, _), (copies, ready) = self._next, self._uploaded
+        (_, slots, _, _), (copies, ready) = self._next, self._uploaded
         self._next = self._uploaded = None
         if ready is not None:
             compute = torch.cuda.current_stream(self.device)
@@ -138,11 +151,39 @@ class LayerMover:
         return self.overlap and devices == {"cpu"}
 
     def _stage(self, sources: list) -> list:
-        """On CUDA, pinned host copies of ``sources``; elsewhere the copies themselves (the
-        same thread and bookkeeping, so that CPU tests run them)."""
-        if not self._streams:
-            return [t.to(self.device, copy=True) for t in sources]
-        return [t.pin_memory() for t in sources]
+        """Host copies of ``sources`` (data-parallel: of this rank's share of each one's bytes),
+        pinned on CUDA; elsewhere the copies themselves (the same thread and bookkeeping, so
+        that CPU tests run them)."""
+        pinned = bool(self._streams)
+        staged = []
+        for source in sources:
+            if self._shares(source):
+                rank, world, _ = self._share
+                data = source.contiguous().reshape(-1).view(torch.uint8)
+                part = -(-data.numel() // world)
+                mine = data[rank * part:(rank + 1) * part]
+                staged.append(torch.empty(part, dtype=torch.uint8, pin_memory=pinned))
+                staged[-1][:mine.numel()].copy_(mine)
+            elif pinned:
+                staged.append(source.pin_memory())
+            else:
+                staged.append(source.to(self.device, copy=True))
+        return staged
+
+    def _shares(self, source: torch.Tensor) -> bool:
+        return self._share is not None and type(source) is torch.Tensor and source.numel() > 0
+
+    def _gathered(self, uploaded: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """``source`` on the device from ``uploaded``: the staged copy itself, or with a shared
+        copy in, the ranks' shares all-gathered (in the calling thread, so that every rank
+        issues its collectives in the same order)."""
+        if not self._shares(source):
+            return uploaded
+        _, world, group = self._share
+        gathered = torch.empty(uploaded.numel() * world, dtype=torch.uint8, device=self.device)
+        dist.all_gather_into_tensor(gathered, uploaded, group=group)
+        nbytes = source.numel() * source.element_size()
+        return gathered[:nbytes].view(source.dtype).view(source.shape)
 
     def _move_home(self, layer: torch.nn.Module, home: torch.device, ready) -> None:
         if ready is None or home.type != "cpu":

@@ -315,7 +315,7 @@ def calibrate_layer_by_layer(
     bar = tqdm(total=len(layers), desc="nvfp4_static layer by layer", unit="layer",
                disable=not progress or rank != 0)
     overlap = device.type == "cuda" if prefetch is None else prefetch
-    with bar, LayerMover(device, overlap) as mover:
+    with bar, LayerMover(device, overlap, data_parallel, group) as mover:
         for index, layer in enumerate(layers):
             name = f"{prefix}.{index}"
             bar.set_postfix_str(name)

@@ -25,6 +25,7 @@ from nvfp4_static.distributed import (  # noqa: E402
     data_parallel_calibration,
     sync_mse_anchors,
 )
+from nvfp4_static.layer_mover import LayerMover  # noqa: E402
 from nvfp4_static.layerwise import calibrate_layer_by_layer  # noqa: E402
 from nvfp4_static.experts import NVFP4StaticExperts  # noqa: E402
 from nvfp4_static.linear import NVFP4StaticLinear  # noqa: E402
@@ -196,6 +197,19 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         return {"scales": converted_scales(model), "timings": timings}
 
     save("layerwise-dp", layerwise())
+    staged = []
+
+    def recording_stage(self, sources):
+        """This rank's staged bytes per layer."""
+        parts = stage(self, sources)
+        staged.append(sum(t.numel() * t.element_size() for t in parts))
+        return parts
+
+    stage, LayerMover._stage = LayerMover._stage, recording_stage
+    try:
+        save("layerwise-dp-prefetch", {**layerwise(prefetch=True), "staged bytes": staged})
+    finally:
+        LayerMover._stage = stage
 
     moe_mine = [moe_batch(seed) for seed in MOE_SHARDS[rank]]
     for act, weight in MOE_RECIPES:

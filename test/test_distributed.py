@@ -190,6 +190,18 @@ def test_layer_by_layer_data_parallel_equals_whole_model_shards(results):
     assert {"calibrate", "sync statistics", "convert"} <= rank0["timings"].keys()
 
 
+def test_layer_by_layer_data_parallel_with_prefetch_stages_half_of_each_layer_on_each_rank(results):
+    rank0, rank1 = results("layerwise-dp-prefetch")
+    assert_same(rank0, results("layerwise-dp")[0], logits=False)
+    assert_same(rank1, results("layerwise-dp")[1], logits=False)
+    layer_bytes = sum(t.numel() * t.element_size() for t in tiny_llama().model.layers[0].state_dict().values())
+    tensors = len(tiny_llama().model.layers[0].state_dict())
+    for rank in (rank0, rank1):
+        assert len(rank["staged bytes"]) == 2  # both layers went through the worker
+        # each tensor's share rounds up by at most one byte
+        assert all(layer_bytes / WORLD <= staged <= layer_bytes / WORLD + tensors for staged in rank["staged bytes"])
+
+
 def test_layer_by_layer_data_parallel_resumes_from_the_folder_rank_0_wrote(results):
     assert [r["error"] for r in results("layerwise-dp-interrupted")] == ["RuntimeError: interrupted"] * 2
     resumed, uninterrupted = results("layerwise-dp-resumed"), results("layerwise-dp")
