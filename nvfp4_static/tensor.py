@@ -22,12 +22,8 @@ from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 from torchao.utils import TorchAOBaseTensor, fill_defaults
 
 from nvfp4_static.backends import linear_function, resolve_backend
-from nvfp4_static.numerics import (
-    BLOCK_SIZE,
-    per_tensor_amax_to_scale,
-    quantize_nvfp4,
-    scale_reciprocal_overflows,
-)
+from nvfp4_static.kernels import quantize_weight_nvfp4
+from nvfp4_static.numerics import BLOCK_SIZE, per_tensor_amax_to_scale, scale_reciprocal_overflows
 
 __all__ = ["NVFP4StaticTensor", "static_linear"]
 
@@ -118,7 +114,7 @@ class NVFP4StaticTensor(NVFP4Tensor):
         if weight_global_amax is None:
             weight_global_amax = weight.detach().abs().amax()
         weight_per_tensor_scale = per_tensor_amax_to_scale(weight_global_amax.detach())
-        qdata, scale = quantize_nvfp4(weight.detach(), weight_per_tensor_scale, block_scales_e4m3)
+        qdata, scale = quantize_weight_nvfp4(weight.detach(), weight_per_tensor_scale, block_scales_e4m3)
         return cls(
             qdata,
             scale,

@@ -10,21 +10,27 @@ import torch
 from conftest import DTYPE_IDS, DTYPES, requires_cuda, smallest_accepted_per_tensor_scale
 from triton_interpreter import run_interpreted
 
-from nvfp4_static.kernels.act_quantize import launch_activation_quantize
+from nvfp4_static.kernels.act_quantize import _activation_quantize_kernel, launch_activation_quantize
+from nvfp4_static.kernels.launch import recording_launches
 from nvfp4_static.kernels.ops import (
     deinterleave_blocks,
+    fp8_scale_sweep,
     gemm_activation_operand,
     quantize_activation_nvfp4,
+    quantize_weight_nvfp4,
     runs_eagerly,
 )
 from nvfp4_static.numerics import (
     E2M1_MAX,
     E4M3_MAX,
+    compute_block_scales,
     dequantize_nvfp4,
     e4m3_positive_values,
+    per_tensor_amax_to_scale,
     quantize_nvfp4,
     scale_reciprocal_overflows,
 )
+from nvfp4_static.tensor import NVFP4StaticTensor
 
 LAUNCHER = "nvfp4_static.kernels.act_quantize:launch_activation_quantize"
 
@@ -94,10 +100,75 @@ CASES = {
     for M, K in [(1, 16), (5, 48), (6, 1040)]
 }
 
+# Weights quantized under given scales: K below, at and past the kernel's 1024-column tile.
+GIVEN_SCALES_CASES = {
+    f"{dtype_id}-{M}x{K}": (M, K, dtype)
+    for dtype, dtype_id in zip(DTYPES, DTYPE_IDS)
+    for M, K in [(1, 1040), (5, 48), (3, 2048)]
+}
+
+# Every FP8 subnormal code and the largest scale, 448.
+SUBNORMAL_AND_MAX_CODES = torch.tensor([0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x7E], dtype=torch.uint8)
+
+
+def sweep_like_scales(x: torch.Tensor, per_tensor_scale: torch.Tensor, seed: int) -> torch.Tensor:
+    """FP8 block scales as a weight sweep gives them: each block's max-based scale moved a few
+    codes down or up (into the subnormals for the smallest blocks; a block whose scale went down
+    clips at +-6), with the first blocks set to every subnormal code and to 448."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = compute_block_scales(x, per_tensor_scale).view(torch.uint8).to(torch.int32)
+    codes = (codes + torch.randint(-4, 4, codes.shape, generator=generator)).clamp(1, 0x7E).to(torch.uint8)
+    flat = codes.view(-1)
+    count = min(flat.numel(), len(SUBNORMAL_AND_MAX_CODES))
+    flat[:count] = SUBNORMAL_AND_MAX_CODES[:count]
+    return codes.view(torch.float8_e4m3fn)
+
+
+E2M1_TIE_BLOCK = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0])
+
+
+def given_scale_ties() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 blocks of every E2M1 midpoint (both signs, and -0.0) times their given scale, for
+    power-of-two scales from the smallest subnormal (2^-9) to 256, and -1 (the sign bit decodes
+    too), per-tensor scale 1: each scaled element lands exactly halfway between two E2M1 values."""
+    codes = [0x01, 0x02, 0x04, 0x08, 0x38, 0x78, 0xB8]
+    scales = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    x = E2M1_TIE_BLOCK[None, :] * scales.to(torch.float32)[:, None]
+    return x, torch.tensor(1.0), scales[:, None].clone()
+
+
+def given_scale_near_ties() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under per-tensor scale 0.1, for every FP8 scale: the E2M1 midpoints times scale and
+    per-tensor scale in fp32, and one float32 step either side, so that which element rounds
+    which way depends on the reciprocal's two roundings (``(1 / 0.1) / s``, not ``1 / (0.1 s)``)."""
+    per_tensor_scale = torch.tensor(0.1)
+    scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    near = (E2M1_TIE_BLOCK[None, :] * scales.to(torch.float32)[:, None] * per_tensor_scale).reshape(1, -1)
+    x = torch.cat([near, torch.nextafter(near, near * 2), torch.nextafter(near, near / 2)])
+    return x, per_tensor_scale, scales.expand(3, -1).clone()
+
+
+def given_scales_inputs() -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    inputs = {}
+    for seed, (name, (M, K, dtype)) in enumerate(GIVEN_SCALES_CASES.items()):
+        x, per_tensor_scale = wide_range_activation(M, K, dtype, seed=100 + seed)
+        inputs[name] = (x, per_tensor_scale, sweep_like_scales(x, per_tensor_scale, seed))
+    inputs["ties"] = given_scale_ties()
+    inputs["near_ties"] = given_scale_near_ties()
+    return inputs
+
+
+def assert_quantized_under_given_scales(x, per_tensor_scale, scales, qdata, scales_after):
+    expected_qdata, _ = quantize_nvfp4(x.cpu(), per_tensor_scale.cpu(), scales.cpu())
+    assert torch.equal(qdata.cpu(), expected_qdata)
+    assert torch.equal(scales_after.cpu().view(torch.uint8), scales.cpu().view(torch.uint8))
+
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    """Every case's inputs and kernel outputs, from one interpreted child process."""
+    """Every case's inputs and kernel outputs, from one interpreted child process: the
+    activation cases (computed scales, both output forms) and, under ``given:<name>``, the
+    weight cases quantized under given scales."""
     inputs = {name: wide_range_activation(M, K, dtype, seed) for seed, (name, (M, K, dtype)) in enumerate(CASES.items())}
     inputs["ties"] = rounding_ties()
     inputs["smallest_accepted_scale"] = smallest_accepted_scale()
@@ -107,18 +178,43 @@ def interpreted_results():
         launches[f"{name}-packed"] = (LAUNCHER, (x, per_tensor_scale, qdata, block_scales, None))
         for operand in operands:
             launches[f"{name}-{operand.dtype}"] = (LAUNCHER, (x, per_tensor_scale, None, None, operand))
+    given = given_scales_inputs()
+    for name, (x, per_tensor_scale, scales) in given.items():
+        qdata = torch.full((x.shape[0], x.shape[1] // 2), 0xAB, dtype=torch.uint8)
+        launches[f"given:{name}"] = (LAUNCHER, (x, per_tensor_scale, qdata, scales.clone(), None, True))
     results = run_interpreted(launches)
     outputs = {}
     for name, (x, per_tensor_scale) in inputs.items():
         _, _, qdata, block_scales, _ = results[f"{name}-packed"].args
         operands = [results[f"{name}-{dtype}"].args[4] for dtype in OPERAND_DTYPES]
         outputs[name] = (x, per_tensor_scale, qdata, block_scales, operands)
+    for name, (x, per_tensor_scale, scales) in given.items():
+        _, _, qdata, scales_after, _, _ = results[f"given:{name}"].args
+        outputs[f"given:{name}"] = (x, per_tensor_scale, scales, qdata, scales_after)
     return outputs
 
 
 @pytest.mark.parametrize("case", list(CASES) + ["ties", "smallest_accepted_scale"])
 def test_interpreted_kernel_matches_reference_bit_for_bit(interpreted_results, case):
     assert_quantized_like_reference(*interpreted_results[case])
+
+
+@pytest.mark.parametrize("case", list(GIVEN_SCALES_CASES) + ["ties", "near_ties"])
+def test_interpreted_kernel_under_given_scales_matches_reference_bit_for_bit(interpreted_results, case):
+    """The packed codes equal the reference's under the same scales, which stay as they were."""
+    assert_quantized_under_given_scales(*interpreted_results[f"given:{case}"])
+
+
+def test_given_scales_cases_cover_subnormal_max_clipping_zero_and_negative_zero_blocks():
+    """Guards the cases above: they hold what they are meant to test."""
+    inputs = given_scales_inputs()
+    codes = torch.cat([scales.view(torch.uint8).flatten() for _, _, scales in inputs.values()])
+    assert set(SUBNORMAL_AND_MAX_CODES.tolist()) <= set(codes.tolist())
+    x, per_tensor_scale, scales = inputs["fp32-3x2048"]
+    reciprocal = (1.0 / per_tensor_scale) / scales.to(torch.float32)
+    scaled = x.reshape(3, -1, 16) * reciprocal[..., None]
+    assert (scaled > E2M1_MAX).any() and (scaled < -E2M1_MAX).any()
+    assert (x[:, :16] == 0).all() and torch.signbit(x[:, 16:32]).all()
 
 
 def test_smallest_accepted_scale_case_sits_at_the_overflow_edge():
@@ -138,6 +234,44 @@ def test_ops_route_cpu_tensors_to_the_reference():
     qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
     operands = [gemm_activation_operand(x, per_tensor_scale, dtype) for dtype in OPERAND_DTYPES]
     assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["computed_scales", "given_scales"])
+def test_weight_quantize_routes_cpu_tensors_to_the_reference(given):
+    x, per_tensor_scale = wide_range_activation(4, 64, torch.bfloat16, seed=1)
+    scales = sweep_like_scales(x, per_tensor_scale, seed=1) if given else None
+    with recording_launches() as launches:
+        qdata, block_scales = quantize_weight_nvfp4(x, per_tensor_scale, scales)
+    expected_qdata, expected_scales = quantize_nvfp4(x, per_tensor_scale, scales)
+    assert launches == []
+    assert torch.equal(qdata, expected_qdata)
+    assert torch.equal(block_scales.view(torch.uint8), expected_scales.view(torch.uint8))
+
+
+def _scales(shape, dtype=torch.float8_e4m3fn, device="cpu"):
+    return torch.ones(shape, device=device).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "weight_shape,scales,message",
+    [
+        ((8, 64), _scales((8, 3)), r"weight of shape \(8, 64\) must be float8_e4m3fn of shape \(8, 4\).*shape \(8, 3\)"),
+        ((8, 64), _scales((4, 8)), r"shape \(8, 64\).*shape \(4, 8\)"),
+        ((8, 64), _scales((8, 64)), r"shape \(8, 64\).*shape \(8, 64\)"),
+        ((8, 64), _scales((8, 4, 1)), r"shape \(8, 64\).*shape \(8, 4, 1\)"),
+        ((8, 64), _scales((1, 4)), r"shape \(8, 64\).*shape \(1, 4\)"),
+        ((8, 64), _scales((8, 4), torch.float32), r"shape \(8, 64\).*got torch.float32"),
+        ((8, 64), _scales((8, 4), torch.uint8), r"shape \(8, 64\).*got torch.uint8"),
+        ((2, 4, 64), _scales((8, 4)), r"shape \(2, 4, 64\) must be float8_e4m3fn of shape \(2, 4, 4\)"),
+        ((8, 64), _scales((8, 4), device="meta"), r"block scales on meta for a weight on cpu"),
+    ],
+    ids=["too_few_blocks", "transposed", "per_element", "extra_dim", "one_row", "float32", "uint8", "3d_weight", "device"],
+)
+def test_weight_quantize_refuses_wrong_block_scales(weight_shape, scales, message):
+    """Refused before anything runs, naming the weight's shape and what the scales should be."""
+    weight = torch.randn(weight_shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        quantize_weight_nvfp4(weight, torch.tensor(0.01), scales)
 
 
 def test_operand_of_another_dtype_is_an_error():
@@ -166,6 +300,65 @@ def test_gpu_corner_cases_match_reference_bit_for_bit(case):
     qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
     operands = [gemm_activation_operand(x, per_tensor_scale, dtype) for dtype in OPERAND_DTYPES]
     assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("N,K", [(4096, 14336), (14336, 4096), (1, 1040)], ids=str)
+def test_gpu_weight_quantize_matches_reference_bit_for_bit(dtype, N, K):
+    """At real shapes, under the weight sweep's own scales and under computed ones: the kernel
+    runs (one launch) and its codes and scales equal the reference's."""
+    generator = torch.Generator(device="cuda").manual_seed(N + K)
+    weight = (torch.randn(N, K, device="cuda", generator=generator) * 0.02).to(dtype)
+    weight[0, :16] = 0.0
+    weight[0, 16:32] = -0.0
+    global_amax = weight.abs().amax().float()
+    per_tensor_scale = per_tensor_amax_to_scale(global_amax)
+    swept = fp8_scale_sweep(weight, global_amax)
+    for given in (swept, None):
+        scales_before = None if given is None else given.clone()
+        with recording_launches() as launches:
+            qdata, block_scales = quantize_weight_nvfp4(weight, per_tensor_scale, given)
+        assert [call.kernel for call in launches] == [_activation_quantize_kernel]
+        expected_qdata, expected_scales = quantize_nvfp4(weight, per_tensor_scale, given)
+        assert torch.equal(qdata, expected_qdata)
+        assert torch.equal(block_scales.view(torch.uint8), expected_scales.view(torch.uint8))
+        if given is not None:
+            assert torch.equal(given.view(torch.uint8), scales_before.view(torch.uint8))
+
+
+@requires_cuda
+def test_gpu_weight_quantize_of_other_ranks_takes_the_reference():
+    x, per_tensor_scale = wide_range_activation(6, 32, torch.float32, seed=2)
+    x = x.reshape(2, 3, 32)
+    scales = sweep_like_scales(x, per_tensor_scale, seed=2)
+    x, per_tensor_scale, scales = x.cuda(), per_tensor_scale.cuda(), scales.cuda()
+    with recording_launches() as launches:
+        qdata, block_scales = quantize_weight_nvfp4(x, per_tensor_scale, scales)
+    assert launches == []
+    assert torch.equal(qdata, quantize_nvfp4(x, per_tensor_scale, scales)[0])
+    assert block_scales is scales
+
+
+@requires_cuda
+def test_gpu_given_scales_corner_cases_match_reference_bit_for_bit():
+    inputs = given_scales_inputs()
+    for name, (x, per_tensor_scale, scales) in inputs.items():
+        x, per_tensor_scale, scales = x.cuda(), per_tensor_scale.cuda(), scales.cuda()
+        qdata, scales_after = quantize_weight_nvfp4(x, per_tensor_scale, scales)
+        assert_quantized_under_given_scales(x, per_tensor_scale, scales, qdata, scales_after)
+
+
+@requires_cuda
+def test_gpu_from_float_quantizes_with_the_kernel_like_the_reference():
+    weight = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    global_amax = weight.abs().amax().float()
+    swept = fp8_scale_sweep(weight, global_amax)
+    with recording_launches() as launches:
+        tensor = NVFP4StaticTensor.from_float(weight, torch.tensor(3.0, device="cuda"), swept)
+    assert _activation_quantize_kernel in [call.kernel for call in launches]
+    expected_qdata, _ = quantize_nvfp4(weight, per_tensor_amax_to_scale(global_amax), swept)
+    assert torch.equal(tensor.qdata, expected_qdata)
 
 
 def test_traced_ops_are_graph_nodes_under_compile_and_equal_in_eager():

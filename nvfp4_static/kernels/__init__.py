@@ -23,6 +23,7 @@ from nvfp4_static.kernels.ops import (
     grouped_static_nvfp4_linear,
     nvfp4_gemm,
     quantize_activation_nvfp4,
+    quantize_weight_nvfp4,
     quantizing_nvfp4_gemm,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "accumulate_block_hessian",
     "gptq_block",
     "quantize_activation_nvfp4",
+    "quantize_weight_nvfp4",
     "gemm_activation_operand",
     "nvfp4_gemm",
     "quantizing_nvfp4_gemm",

@@ -1,8 +1,9 @@
-"""Quantize an activation to NVFP4 under a static global scale, in one read, in Triton.
+"""Quantize a 2D tensor to NVFP4 under a static global scale, in one read, in Triton.
 
 Per 16-element block: amax -> FP8 E4M3 block scale -> E2M1 codes, with exactly the arithmetic of
 ``numerics.quantize_nvfp4`` (fp32, correctly rounded divisions, reciprocal multiply, ties to
-even), so that the two agree bit for bit. The kernel writes either form the backends need:
+even), so that the two agree bit for bit. At inference it quantizes activations and writes
+either form the backends need:
 
 - packed codes + FP8 scales (the operands of a real FP4 GEMM; the op
   ``ops.quantize_activation_nvfp4``);
@@ -12,6 +13,10 @@ even), so that the two agree bit for bit. The kernel writes either form the back
   this is the A operand of the faithful GEMM (``kernels.gemm``), whose Triton kernel reads even
   and odd elements as two contiguous halves because they sit in the low and high nibbles of the
   packed weight.
+
+At convert it quantizes weights (``ops.quantize_weight_nvfp4``), also under block scales given
+to it (the weight sweep's, FP8 subnormals included): it then reads each block's scale instead of
+computing it and writes only the packed codes.
 
 ``launch_activation_quantize`` is the launcher, which the ops call on CUDA tensors and the tests
 run on CPU under ``TRITON_INTERPRET=1``; ``quantize_to_operand_halves`` is the same arithmetic
@@ -57,6 +62,17 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def e4m3_value(code):
+    """fp32 values of FP8 E4M3 code bytes (any but the NaN codes 0x7F and 0xFF), subnormals
+    (0x01-0x07: multiples of 2^-9) included; the inverse of ``round_to_e4m3``'s bit arithmetic."""
+    code = code.to(tl.int32)
+    magnitude = code & 0x7F
+    normal = ((magnitude << 20) + ((127 - 7) << 23)).to(tl.float32, bitcast=True)
+    value = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
+    return tl.where(code >= 0x80, value * -1.0, value)
+
+
+@triton.jit
 def e2m1_magnitude_code(a):
     """E2M1 code (0..7) of fp32 magnitudes in [0, 6], ties to even as ``numerics.round_to_e2m1``."""
     code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
@@ -71,8 +87,14 @@ def nvfp4_block_scale(block_amax, per_tensor_scale):
     scale = tl.math.div_rn(tl.math.div_rn(block_amax, _E2M1_MAX), per_tensor_scale)
     scale = tl.minimum(tl.maximum(scale, _E4M3_MIN_NORMAL), _E4M3_MAX)
     scale, scale_code = round_to_e4m3(scale)
-    reciprocal = tl.math.div_rn(tl.math.div_rn(1.0, per_tensor_scale), scale)
-    return scale, scale_code, reciprocal
+    return scale, scale_code, block_reciprocal(scale, per_tensor_scale)
+
+
+@triton.jit
+def block_reciprocal(scale, per_tensor_scale):
+    """``(1 / per_tensor_scale) / scale``, both divisions correctly rounded, as
+    ``numerics.quantize_nvfp4`` maps a block onto the E2M1 range."""
+    return tl.math.div_rn(tl.math.div_rn(1.0, per_tensor_scale), scale)
 
 
 @triton.jit
@@ -129,6 +151,7 @@ def _activation_quantize_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     WRITE_PACKED: tl.constexpr,
+    SCALES_GIVEN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -141,7 +164,14 @@ def _activation_quantize_kernel(
     blocks = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, 16))
 
     per_tensor_scale = tl.load(per_tensor_scale_ptr)
-    scale, scale_code, reciprocal = nvfp4_block_scale(tl.max(tl.abs(blocks), axis=2), per_tensor_scale)
+    group_cols = pid_k * GROUPS + tl.arange(0, GROUPS)
+    scales_mask = (rows[:, None] < M) & (group_cols[None, :] < K // 16)
+    scales_offsets = rows[:, None] * (K // 16) + group_cols[None, :]
+    if SCALES_GIVEN:
+        scale = e4m3_value(tl.load(scales_ptr + scales_offsets, mask=scales_mask, other=0))
+        reciprocal = block_reciprocal(scale, per_tensor_scale)
+    else:
+        scale, scale_code, reciprocal = nvfp4_block_scale(tl.max(tl.abs(blocks), axis=2), per_tensor_scale)
     magnitude, negative = round_to_e2m1(blocks * reciprocal[:, :, None])
 
     if WRITE_PACKED:
@@ -152,12 +182,8 @@ def _activation_quantize_kernel(
             packed,
             mask=(rows[:, None] < M) & (half_cols[None, :] < K // 2),
         )
-        group_cols = pid_k * GROUPS + tl.arange(0, GROUPS)
-        tl.store(
-            scales_ptr + rows[:, None] * (K // 16) + group_cols[None, :],
-            scale_code,
-            mask=(rows[:, None] < M) & (group_cols[None, :] < K // 16),
-        )
+        if not SCALES_GIVEN:
+            tl.store(scales_ptr + scales_offsets, scale_code, mask=scales_mask)
     else:
         q = e2m1_value(magnitude, negative) * scale[:, :, None]
         deinterleaved = tl.permute(tl.reshape(q, (BLOCK_M, GROUPS, 8, 2)), (0, 1, 3, 2))
@@ -168,16 +194,16 @@ def _activation_quantize_kernel(
         )
 
 
-def _check_activation(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> None:
-    check_dtype(x, "activation")
+def _check_input(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> None:
+    check_dtype(x, "the tensor to quantize")
     if x.dim() != 2 or x.shape[1] % BLOCK_SIZE != 0:
         raise ValueError(
-            f"nvfp4_static: the activation quantize kernel takes [M, K] with K a multiple of "
+            f"nvfp4_static: the NVFP4 quantize kernel takes [M, K] with K a multiple of "
             f"{BLOCK_SIZE}; got shape {tuple(x.shape)} (flatten leading dims first)"
         )
     if per_tensor_scale.numel() != 1:
         raise ValueError(
-            f"nvfp4_static: act per_tensor_scale must be a scalar, got shape "
+            f"nvfp4_static: the quantize kernel's per_tensor_scale must be a scalar, got shape "
             f"{tuple(per_tensor_scale.shape)}"
         )
 
@@ -188,15 +214,23 @@ def launch_activation_quantize(
     qdata: Optional[torch.Tensor],
     block_scales: Optional[torch.Tensor],
     gemm_operand: Optional[torch.Tensor],
+    scales_given: bool = False,
 ) -> None:
     """Run the kernel into preallocated outputs: pass ``qdata`` + ``block_scales`` (packed form)
-    or ``gemm_operand`` (fp16 or bf16 ``q * s_b``, block-deinterleaved), the other as None."""
-    _check_activation(x, per_tensor_scale)
+    or ``gemm_operand`` (fp16 or bf16 ``q * s_b``, block-deinterleaved), the other as None.
+
+    With ``scales_given`` (packed form only), ``block_scales`` (FP8 ``[M, K/16]``) is an input:
+    the kernel quantizes under those scales and writes only ``qdata``."""
+    _check_input(x, per_tensor_scale)
+    if scales_given and gemm_operand is not None:
+        raise ValueError("nvfp4_static: given block scales apply to the packed form (qdata), not to the GEMM operand")
     # K and the row stride reach the kernel as compile-time constants, known 16-byte aligned
     # even in a dynamic-shape graph (see kernels.gemm.launch_nvfp4_gemm).
     x = x if x.stride(1) == 1 else x.contiguous()
     M, K = x.shape
     write_packed = gemm_operand is None
+    if scales_given:
+        block_scales = block_scales.contiguous()
     grid = (ceil_div(M, BLOCK_ROWS), ceil_div(K, BLOCK_COLS))
     KernelCall(
         _activation_quantize_kernel,
@@ -211,5 +245,11 @@ def launch_activation_quantize(
             K,
             x.stride(0),
         ),
-        dict(BLOCK_M=BLOCK_ROWS, BLOCK_K=BLOCK_COLS, WRITE_PACKED=write_packed, num_warps=NUM_WARPS),
+        dict(
+            BLOCK_M=BLOCK_ROWS,
+            BLOCK_K=BLOCK_COLS,
+            WRITE_PACKED=write_packed,
+            SCALES_GIVEN=scales_given,
+            num_warps=NUM_WARPS,
+        ),
     ).launch()

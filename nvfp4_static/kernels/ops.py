@@ -22,6 +22,9 @@ mixture-of-experts layer, is a ``custom_op`` like the calibration ops: its torch
 over the experts with data-dependent row counts, which a traced body could not;
 ``grouped_static_nvfp4_linear_reference`` is that fallback as an op on every device.
 
+``quantize_weight_nvfp4`` is a plain function, not an op: convert runs it eagerly, the activation
+quantize kernel on a 2D CUDA weight, the torch reference on every other.
+
 Without the ``triton`` package (CPU-only installs: it comes with torch's CUDA wheels, not with
 this package) every op keeps its name, schema and torch fallback, so the CPU workflow runs as
 it does with Triton; the names this module takes from the kernel files are then functions that
@@ -267,6 +270,46 @@ def quantize_activation_nvfp4(
     block_scales = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=x.device)
     launch_activation_quantize(x, per_tensor_scale, qdata, block_scales, None)
     return qdata, block_scales
+
+
+def quantize_weight_nvfp4(
+    weight: torch.Tensor, per_tensor_scale: torch.Tensor, block_scales: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``numerics.quantize_nvfp4(weight, per_tensor_scale, block_scales)`` bit for bit, for convert.
+
+    A 2D CUDA weight runs the activation quantize kernel (under ``block_scales`` when given, FP8
+    ``[N, K/16]``, e.g. the weight sweep's; else computing them from block maxes): one read of
+    the weight and no temporaries, where the torch reference makes several float32 and int32
+    copies of it. Every other weight (CPU, other ranks, no Triton, under
+    tracing) takes the reference. A plain function, not an op: convert runs it eagerly.
+    """
+    if block_scales is not None:
+        _check_given_block_scales(weight, block_scales)
+    if not (HAS_TRITON and weight.is_cuda and weight.dim() == 2 and runs_eagerly(weight, per_tensor_scale, block_scales)):
+        return quantize_nvfp4(weight, per_tensor_scale, block_scales)
+    M, K = weight.shape
+    per_tensor_scale = per_tensor_scale.to(device=weight.device, dtype=torch.float32)
+    qdata = torch.empty((M, K // 2), dtype=torch.uint8, device=weight.device)
+    if block_scales is None:
+        scales = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=weight.device)
+        launch_activation_quantize(weight, per_tensor_scale, qdata, scales, None)
+        return qdata, scales
+    launch_activation_quantize(weight, per_tensor_scale, qdata, block_scales, None, scales_given=True)
+    return qdata, block_scales
+
+
+def _check_given_block_scales(weight: torch.Tensor, block_scales: torch.Tensor) -> None:
+    expected_shape = (*weight.shape[:-1], weight.shape[-1] // BLOCK_SIZE)
+    if block_scales.dtype != torch.float8_e4m3fn or tuple(block_scales.shape) != expected_shape:
+        raise ValueError(
+            f"nvfp4_static: block scales for a weight of shape {tuple(weight.shape)} must be "
+            f"float8_e4m3fn of shape {expected_shape}; got {block_scales.dtype} of shape "
+            f"{tuple(block_scales.shape)}"
+        )
+    if block_scales.device != weight.device:
+        raise ValueError(
+            f"nvfp4_static: block scales on {block_scales.device} for a weight on {weight.device}"
+        )
 
 
 def deinterleave_blocks(x: torch.Tensor) -> torch.Tensor:
