@@ -4,6 +4,7 @@ On CPU the overlapping mover copies CPU to CPU, which runs its thread and bookke
 tests check the real moves (pinned staging, side stream)."""
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -155,3 +156,20 @@ def test_on_cuda_a_converted_layer_goes_home_through_pinned_staging_into_pageabl
     home = inner_tensors(model)
     assert all(t.device == CPU and not t.is_pinned() and torch.equal(t, tensors[k]) for k, t in home.items())
     assert torch.equal(logits(model), expected)
+
+
+def test_a_moved_in_layer_s_host_tensors_are_freed_in_the_worker_not_the_caller(monkeypatch):
+    freed_in = []
+    stage = LayerMover._stage
+
+    def stage_watching_sources(self, sources):
+        for source in sources:
+            weakref.finalize(source, lambda: freed_in.append(threading.current_thread().name))
+        return stage(self, sources)
+
+    monkeypatch.setattr(LayerMover, "_stage", stage_watching_sources)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    with LayerMover(CPU, overlap=True) as mover:
+        mover.prefetch(layer)
+        mover.move_in(layer)
+    assert len(freed_in) == 4 and all(name.startswith("nvfp4_static-layer-mover-in") for name in freed_in)
