@@ -136,7 +136,10 @@ class NVFP4StaticGroupedLinear(torch.nn.Module):
         with shape-static ops (no host sync, one compiled graph for every routing)."""
         magnitude = rows.detach().abs()
         row_index = torch.arange(magnitude.shape[0], device=magnitude.device)
-        expert_of_row = torch.searchsorted(expert_offsets[1:], row_index, right=True)
+        # Rows before expert_offsets[1] are expert 0's: the offsets at or below a row, less one,
+        # clamped at 0. The boundaries are not sliced (expert_offsets[1:]): Inductor's CUDA
+        # lowering of searchsorted ignores a slice's offset (pytorch/pytorch#160964).
+        expert_of_row = (torch.searchsorted(expert_offsets, row_index, right=True) - 1).clamp(min=0)
         limits = torch.cat([self.act_global_amax, self.act_global_amax.new_full((1,), torch.inf)])
         clipped = (magnitude > limits.to(magnitude.dtype)[expert_of_row, None]).sum(dim=-1)
         counters = self.clip_counters
