@@ -56,9 +56,11 @@ class LayerMover:
         self.overlap = overlap
         # Data-parallel ranks hold the same layers: each stages and uploads its share of every
         # tensor's bytes, and an all-gather on the device puts the whole tensor on each.
+        # (NCCL moves device tensors, gloo host ones: other pairings copy whole layers.)
         self._share = None
         if overlap and data_parallel and dist.get_world_size(group) > 1:
-            self._share = (dist.get_rank(group), dist.get_world_size(group), group)
+            if (dist.get_backend(group) == "nccl") == (device.type == "cuda"):
+                self._share = (dist.get_rank(group), dist.get_world_size(group), group)
         self._workers = {
             direction: ThreadPoolExecutor(1, f"nvfp4_static-layer-mover-{direction}")
             for direction in ("in", "home")
@@ -104,7 +106,7 @@ class LayerMover:
         is prefetched or its upload has started); waits for the staging."""
         if self._next is None or self._uploaded is not None:
             return
-        staged, sources = self._next[2].result(), self._next[3]
+        staged, sources = self._staged_on_every_rank(), self._next[3]
         if not self._streams:
             self._uploaded = ([self._gathered(t, s) for t, s in zip(staged, sources)], None)
             return
@@ -112,6 +114,25 @@ class LayerMover:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             copies = [self._gathered(t.to(self.device, non_blocking=True), s) for t, s in zip(staged, sources)]
             self._uploaded = (copies, stream.record_event())
+
+    def _staged_on_every_rank(self) -> list:
+        """The prefetched layer's staged tensors. Data-parallel, a rank whose staging failed
+        makes every rank raise, rather than leave the others waiting in the all-gathers."""
+        future = self._next[2]
+        if self._share is None:
+            return future.result()
+        error = future.exception()
+        _, world, group = self._share
+        failed = torch.tensor([error is not None], dtype=torch.int32, device=self.device)
+        every_rank = torch.empty(world, dtype=torch.int32, device=self.device)
+        dist.all_gather_into_tensor(every_rank, failed, group=group)
+        failed_ranks = every_rank.nonzero().flatten().tolist()
+        if failed_ranks:
+            raise RuntimeError(
+                f"nvfp4_static: staging the next layer for the device failed on rank(s) "
+                f"{failed_ranks}" + (f": {type(error).__name__}: {error}" if error else "")
+            ) from error
+        return future.result()
 
     def move_in(self, layer: torch.nn.Module) -> None:
         """Put ``layer`` on the device: its prefetched copies, else copied now."""

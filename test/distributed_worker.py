@@ -205,9 +205,17 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         staged.append(sum(t.numel() * t.element_size() for t in parts))
         return parts
 
-    stage, LayerMover._stage = LayerMover._stage, recording_stage
+    def stage_failing_on_rank_1(self, sources):
+        if rank == 1:
+            raise MemoryError("no pinned memory left")
+        return stage(self, sources)
+
+    stage = LayerMover._stage
     try:
+        LayerMover._stage = recording_stage
         save("layerwise-dp-prefetch", {**layerwise(prefetch=True), "staged bytes": staged})
+        LayerMover._stage = stage_failing_on_rank_1
+        save("layerwise-dp-staging-fails", error_of(lambda: layerwise(prefetch=True)))
     finally:
         LayerMover._stage = stage
 

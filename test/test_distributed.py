@@ -202,6 +202,13 @@ def test_layer_by_layer_data_parallel_with_prefetch_stages_half_of_each_layer_on
         assert all(layer_bytes / WORLD <= staged <= layer_bytes / WORLD + tensors for staged in rank["staged bytes"])
 
 
+def test_a_rank_failing_to_stage_a_layer_makes_every_rank_raise_naming_it(results):
+    errors = [r["error"] for r in results("layerwise-dp-staging-fails")]
+    expected = "RuntimeError: nvfp4_static: staging the next layer for the device failed on rank(s) [1]"
+    assert errors[0] == expected
+    assert errors[1] == expected + ": MemoryError: no pinned memory left"
+
+
 def test_layer_by_layer_data_parallel_resumes_from_the_folder_rank_0_wrote(results):
     assert [r["error"] for r in results("layerwise-dp-interrupted")] == ["RuntimeError: interrupted"] * 2
     resumed, uninterrupted = results("layerwise-dp-resumed"), results("layerwise-dp")
