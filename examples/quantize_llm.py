@@ -18,7 +18,10 @@ Every ``nn.Linear`` but ``lm_head`` is quantized. Recipes are ``<activation>+<we
 activations) and ``w4a16+<weight>`` (our weight scales, e.g. ``w4a16+mse``, float activations:
 what W4A4 is measured against). A Hessian recipe may end in ``@upstream`` or ``@quantized``: after calibration, a second pass
 gathers its Hessians under quantized activations, from each layer's input before or after its
-own quantization (``nvfp4_static.calibrate_hessians_under_quantized_activations``).
+own quantization (``nvfp4_static.calibrate_hessians_under_quantized_activations``). A W4A4
+recipe may also end in ``+smooth`` (before any ``@``: ``b_min+hessian_mse+smooth``): the norms
+feeding q/k/v and gate/up are smoothed first, from the first calibration batch
+(``nvfp4_static.smooth_norm_inputs``).
 
 ``--export DIR`` writes each W4A4 recipe's model to ``DIR/<recipe>`` as a folder serving engines
 load (``--format compressed-tensors`` for ``vllm serve DIR/<recipe>``, or ``modelopt``), with
@@ -40,7 +43,9 @@ DEFAULT_RECIPES = "torchao,b_min+mse,b_min+hessian_mse,w4a16"
 RECIPE_ALIASES = {"torchao": "max+max"}
 WEIGHT_ONLY = "w4a16"
 # Recipe keys the example handles itself, not NVFP4StaticActivationConfig.
-EXAMPLE_KEYS = ("hessian_pass", "weight_only")
+EXAMPLE_KEYS = ("hessian_pass", "weight_only", "smooth")
+# Recipe suffix: smooth the norms' outputs first (nvfp4_static.smooth_norm_inputs).
+SMOOTH = "+smooth"
 # Recipe suffix -> own_input_quantized of the quantized-activation Hessian pass.
 HESSIAN_PASSES = {"upstream": False, "quantized": True}
 EXPORT_FORMATS = ("compressed-tensors", "modelopt")  # nvfp4_static.export.FORMATS (a test checks)
@@ -103,6 +108,7 @@ from nvfp4_static import (  # noqa: E402
     calibrate_hessians_under_quantized_activations,
     export_checkpoint,
     is_quantizable,
+    smooth_norm_inputs,
     tie_fused_layers,
 )
 from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics  # noqa: E402
@@ -168,6 +174,8 @@ def parse_recipe(name: str, b_min_options: dict):
         recipe = parse_recipe("max+" + name.removeprefix(WEIGHT_ONLY + "+"), b_min_options)
         return {**recipe, "weight_only": True}
     base, _, hessian_pass = name.partition("@")
+    smooth = base.endswith(SMOOTH)
+    base = base.removesuffix(SMOOTH)
     act, _, weight = RECIPE_ALIASES.get(base, base).partition("+")
     recipe = {"act_calibration": act, "weight_scale": weight}
     if act == "b_min":
@@ -186,6 +194,8 @@ def parse_recipe(name: str, b_min_options: dict):
                 f"{' or '.join('@' + suffix for suffix in HESSIAN_PASSES)}"
             )
         recipe["hessian_pass"] = hessian_pass
+    if smooth:
+        recipe["smooth"] = True
     return recipe
 
 
@@ -277,6 +287,8 @@ def quantize(float_model, recipe: dict, calib_batches, name: str, tie: bool = Fa
         quantize_(model, NVFP4WeightOnlyConfig(), filter_fn=all_but_lm_head)
         return model
     config = {key: value for key, value in recipe.items() if key not in EXAMPLE_KEYS}
+    if recipe.get("smooth"):  # the channel maxima of the first batch are enough
+        smooth_norm_inputs(model, lambda m: m(calib_batches[0], use_cache=False))
     quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=all_but_lm_head)
     calibrate(model, calib_batches, f"calibrate {name}")
     if tie:

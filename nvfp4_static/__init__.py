@@ -25,6 +25,7 @@ from nvfp4_static.export import export_checkpoint
 from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups, tie_fused_layers
 from nvfp4_static.layerwise import calibrate_layer_by_layer
 from nvfp4_static.linear import NVFP4StaticLinear
+from nvfp4_static.norm_smoothing import smooth_norm_inputs
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers import (
     BlockHessianAccumulator,
@@ -77,4 +78,5 @@ __all__ = [
     "convert_data_parallel",
     "calibrate_layer_by_layer",
     "calibrate_hessians_under_quantized_activations",
+    "smooth_norm_inputs",
 ]

@@ -278,3 +278,26 @@ def test_weight_only_rows_with_our_weight_scales_keep_activations_float():
     assert not torch.equal(w4a16(x), w4a4(x))  # W4A4 also quantizes the activations
     with pytest.raises(SystemExit, match="w4a16\\+<weight_scale>"):
         example.parse_recipe("w4a16+nonsense", {})
+
+
+@pytest.mark.skipif(
+    bool(missing_llm_deps),
+    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
+)
+def test_smooth_recipes_fold_scales_into_the_norms_of_the_copy_they_quantize():
+    from tiny_llama import tiny_llama, token_ids
+
+    example = llm_example()
+    recipe = example.parse_recipe("b_min+hessian_mse+smooth@upstream", {})
+    assert recipe["smooth"] and recipe["hessian_pass"] == "upstream"
+    assert recipe["weight_scale"] == "hessian_mse" and "smooth" not in example.parse_recipe("max+max", {})
+    float_model = tiny_llama()
+    with torch.no_grad():
+        float_model.model.layers[0].input_layernorm.weight.copy_(torch.logspace(-2, 1, 64))
+    norm_before = float_model.model.layers[0].input_layernorm.weight.clone()
+    calib = [token_ids(0)]
+    smoothed = example.quantize(float_model, example.parse_recipe("max+max+smooth", {}), calib, "s")
+    plain = example.quantize(float_model, example.parse_recipe("max+max", {}), calib, "p")
+    assert torch.equal(float_model.model.layers[0].input_layernorm.weight, norm_before)
+    assert torch.equal(plain.model.layers[0].input_layernorm.weight, norm_before)
+    assert not torch.allclose(smoothed.model.layers[0].input_layernorm.weight, norm_before, rtol=0.1)

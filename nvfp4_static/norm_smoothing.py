@@ -1,0 +1,172 @@
+"""Per-channel smoothing of the inputs a normalization layer feeds, folded into the float model.
+
+In a decoder layer, q/k/v read the output of ``input_layernorm`` and gate/up the output of
+``post_attention_layernorm``. The channels of those outputs differ in size by orders of
+magnitude, always the same channels. An NVFP4 activation block's scale follows its largest
+value, so in a block that holds a large channel the small ones round to zero. Dividing channel
+``k`` of the norm's weight (and bias) by ``s_k`` and multiplying column ``k`` of every consumer's
+weight by ``s_k`` computes the same function in float, and with (SmoothQuant's choice)
+
+    s_k = a_k ** alpha / w_k ** (1 - alpha),    then divided by the geometric mean of all s_k
+
+where ``a_k`` is the channel's largest ``|input|`` over the batches ``forward_loop`` runs and
+``w_k`` the consumers' largest ``|weight|`` in column ``k``, it moves part of each channel's size
+from the activation, whose blocks cannot follow it, into the weight, whose block scales are
+chosen offline. The dividing by the geometric mean leaves the overall size of the input alone.
+
+Run it on the float model before ``step="prepare"``: calibration then sees the smoothed inputs.
+The result is an ordinary model with other norm and linear weights, so every export format holds
+it, and q/k/v and gate/up keep one input each (``tie_fused_layers`` still applies).
+"""
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+
+__all__ = ["DEFAULT_NORM_CONSUMERS", "smooth_norm_inputs"]
+
+# Norm attribute -> the linears (relative to the same parent) that read its output: the
+# transformers names of Llama, Mistral, Qwen2/3 and SmolLM decoder layers.
+DEFAULT_NORM_CONSUMERS = {
+    "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+}
+DEFAULT_ALPHA = 0.5
+
+
+@torch.no_grad()
+def smooth_norm_inputs(
+    model: torch.nn.Module,
+    forward_loop: Callable[[torch.nn.Module], None],
+    *,
+    alpha: float = DEFAULT_ALPHA,
+    norm_consumers: Optional[dict[str, tuple[str, ...]]] = None,
+) -> dict[str, torch.Tensor]:
+    """Fold per-channel smoothing scales into every norm and the linears that read it.
+
+    Args:
+        model: the float model, before ``step="prepare"``.
+        forward_loop: runs calibration batches through the model it is given (a batch or two is
+            enough: only each channel's largest value is kept).
+        alpha: how much of each channel's size moves into the weight, in [0, 1]; 0 divides by
+            the weights' column maxima only, 1 by the activations' channel maxima only.
+        norm_consumers: norm attribute -> names of the linears reading it, relative to the
+            module holding the norm (default ``DEFAULT_NORM_CONSUMERS``).
+
+    Returns:
+        Each smoothed norm's name -> the scales ``s`` its weight was divided by.
+
+    Raises:
+        ValueError: ``alpha`` outside [0, 1]; no norm with all its consumers in ``model``; a
+            consumer that is not a plain ``nn.Linear`` of the norm's width (e.g. already
+            prepared or converted); a norm without a weight; a norm ``forward_loop`` did not
+            reach, or whose output was not finite. In every case the model is left as it was.
+    """
+    if not 0.0 <= alpha <= 1.0:  # also refuses NaN
+        raise ValueError(f"nvfp4_static: smooth_norm_inputs: alpha={alpha} must lie in [0, 1]")
+    groups = _norm_groups(model, norm_consumers or DEFAULT_NORM_CONSUMERS)
+    channel_amax = _norm_output_channel_amax(model, groups, forward_loop)
+    scales = {
+        name: _smoothing_scales(channel_amax[name], consumers, alpha)
+        for name, (_, consumers) in groups.items()
+    }
+    for name, (norm, consumers) in groups.items():
+        s = scales[name]
+        norm.weight.copy_((norm.weight.float() / s).to(norm.weight.dtype))
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.copy_((norm.bias.float() / s).to(norm.bias.dtype))
+        for linear in consumers:
+            linear.weight.copy_((linear.weight.float() * s).to(linear.weight.dtype))
+    return scales
+
+
+def _norm_groups(model: torch.nn.Module, norm_consumers: dict) -> dict:
+    """Norm name -> (norm, [consumer linears]), checked before anything changes."""
+    groups = {}
+    for parent_name, parent in model.named_modules():
+        for norm_attr, consumer_names in norm_consumers.items():
+            norm = getattr(parent, norm_attr, None)
+            consumers = [_submodule_or_none(parent, name) for name in consumer_names]
+            if norm is None or any(c is None for c in consumers):
+                continue
+            name = f"{parent_name}.{norm_attr}" if parent_name else norm_attr
+            _check_group(name, norm, consumers, consumer_names)
+            groups[name] = (norm, consumers)
+    if not groups:
+        raise ValueError(
+            f"nvfp4_static: smooth_norm_inputs found no norm with its consumers in the model "
+            f"(looked for {dict(norm_consumers)}); pass norm_consumers for this architecture"
+        )
+    return groups
+
+
+def _submodule_or_none(parent: torch.nn.Module, name: str):
+    try:
+        return parent.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _check_group(name: str, norm, consumers, consumer_names) -> None:
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 1:
+        raise ValueError(
+            f"nvfp4_static: smooth_norm_inputs: norm '{name}' has no 1-D weight to fold the "
+            f"scales into (elementwise_affine=False?)"
+        )
+    for linear, linear_name in zip(consumers, consumer_names):
+        if type(linear) is not torch.nn.Linear or linear.in_features != weight.numel():
+            raise ValueError(
+                f"nvfp4_static: smooth_norm_inputs: '{linear_name}' next to norm '{name}' is a "
+                f"{type(linear).__name__} ({getattr(linear, 'in_features', '?')} inputs), not a "
+                f"float nn.Linear of the norm's width {weight.numel()}; smooth the float model "
+                f"before step='prepare'"
+            )
+
+
+def _norm_output_channel_amax(model, groups: dict, forward_loop) -> dict[str, torch.Tensor]:
+    """Each norm's largest ``|output|`` per channel over ``forward_loop``, float32."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def recorder(name):
+        def hook(module, args, output):
+            seen = output.detach().abs().flatten(0, -2).amax(0).float()
+            amax[name] = seen if name not in amax else torch.maximum(amax[name], seen)
+        return hook
+
+    handles = [norm.register_forward_hook(recorder(name)) for name, (norm, _) in groups.items()]
+    try:
+        forward_loop(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    unseen = [name for name in groups if name not in amax]
+    if unseen:
+        raise ValueError(
+            f"nvfp4_static: smooth_norm_inputs: norms {', '.join(unseen)} saw no input; "
+            f"forward_loop must run batches through the model it is given. Nothing was changed"
+        )
+    bad = [name for name, a in amax.items() if not bool(torch.isfinite(a).all())]
+    if bad:
+        raise ValueError(
+            f"nvfp4_static: smooth_norm_inputs: the output of norms {', '.join(bad)} was not "
+            f"finite during forward_loop. Nothing was changed"
+        )
+    return amax
+
+
+def _smoothing_scales(channel_amax: torch.Tensor, consumers, alpha: float) -> torch.Tensor:
+    """``a^alpha / w^(1 - alpha)`` over the geometric mean; 1 where a channel or column is 0
+    (nothing to balance there)."""
+    weight_amax = torch.stack([c.weight.detach().abs().amax(0).float() for c in consumers]).amax(0)
+    weight_amax = weight_amax.to(channel_amax.device)
+    live = (channel_amax > 0) & (weight_amax > 0)
+    log_s = torch.where(
+        live,
+        alpha * channel_amax.clamp(min=1e-30).log() - (1 - alpha) * weight_amax.clamp(min=1e-30).log(),
+        0.0,
+    )
+    if bool(live.any()):
+        log_s = torch.where(live, log_s - log_s[live].mean(), 0.0)
+    return log_s.exp().to(consumers[0].weight.device)

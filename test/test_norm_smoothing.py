@@ -1,0 +1,173 @@
+"""smooth_norm_inputs: the float model is unchanged, the scales are SmoothQuant's, the quantized
+error falls where a channel dominates its blocks, and bad calls leave the model as it was."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import all_but_lm_head, prepare
+from nvfp4_static import smooth_norm_inputs
+from nvfp4_static.numerics import fake_quantize_nvfp4, per_tensor_amax_to_scale
+from nvfp4_static.observers.mse import nvfp4_fake_quantize_with_amax
+from tiny_llama import logits, tiny_llama, token_ids
+
+K = 32
+
+
+class ChannelScale(torch.nn.Module):
+    """A norm whose output is ``x * weight``: each channel's largest output is known."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class NormThenLinears(torch.nn.Module):
+    def __init__(self, width: int = K, out: int = 32):
+        super().__init__()
+        self.norm = ChannelScale(width)
+        self.proj = torch.nn.Linear(width, out, bias=False)
+        self.gate = torch.nn.Linear(width, out, bias=False)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return self.proj(y) + self.gate(y)
+
+
+CONSUMERS = {"norm": ("proj", "gate")}
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_state(model, before):
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+def test_the_float_llama_computes_what_it_did():
+    model = tiny_llama()
+    with torch.no_grad():  # channels of very different sizes, as in trained models
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.copy_(torch.logspace(-2, 1, 64)[torch.randperm(64)])
+    before = logits(model)
+    scales = smooth_norm_inputs(model, lambda m: m(token_ids(1)))
+    assert set(scales) == {
+        f"model.layers.{i}.{norm}" for i in range(2)
+        for norm in ("input_layernorm", "post_attention_layernorm")
+    }
+    # the input norms' channels span 1000x: the scales must move them, not stay near 1
+    assert float(scales["model.layers.0.input_layernorm"].max()) > 4
+    torch.testing.assert_close(logits(model), before, rtol=1e-4, atol=1e-4)
+
+
+def test_scales_are_the_square_root_of_activation_over_weight_over_their_geometric_mean():
+    model = NormThenLinears()
+    # channel k's largest |input| is 4^(k % 4), every weight column's largest |value| is 1
+    x = torch.zeros(3, K)
+    x[1] = 4.0 ** (torch.arange(K) % 4)
+    with torch.no_grad():
+        model.proj.weight.fill_(0.5)
+        model.proj.weight[0] = 1.0
+        model.gate.weight.fill_(-1.0)
+    scales = smooth_norm_inputs(model, lambda m: m(x), norm_consumers=CONSUMERS)["norm"]
+    # sqrt(4^j / 1) = 2^j for j = 0..3, geometric mean 2^1.5
+    expected = 2.0 ** ((torch.arange(K) % 4).float() - 1.5)
+    torch.testing.assert_close(scales, expected)
+    torch.testing.assert_close(model.norm.weight.detach(), 1 / expected)
+    torch.testing.assert_close(model.gate.weight[:, 5].detach(), torch.full((32,), -expected[5]))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0], ids=["weights-only", "activations-only"])
+def test_alpha_picks_which_maxima_set_the_scales(alpha):
+    model = NormThenLinears()
+    x = (torch.arange(K) % 4 + 1).float().expand(2, K)
+    with torch.no_grad():
+        model.proj.weight.copy_((torch.arange(K) % 2 + 1).float().expand(32, K))
+        model.gate.weight.fill_(0.1)
+    scales = smooth_norm_inputs(model, lambda m: m(x), alpha=alpha, norm_consumers=CONSUMERS)["norm"]
+    # alpha 1: the channel maxima (k % 4 + 1); alpha 0: one over the column maxima (k % 2 + 1)
+    raw = x[0] if alpha == 1.0 else 1 / (torch.arange(K) % 2 + 1).float()
+    expected = raw / math.exp(float(raw.log().mean()))
+    torch.testing.assert_close(scales, expected)
+
+
+def test_a_channel_that_dominates_its_blocks_loses_less_to_nvfp4_after_smoothing():
+    torch.manual_seed(0)
+    model = NormThenLinears()
+    x = torch.randn(256, K)
+    x[:, ::16] *= 200  # one channel per block 200x the others: they round to zero beside it
+    with torch.no_grad():
+        reference = model(x)
+
+    @torch.no_grad()
+    def quantized_output_error(m):
+        y = m.norm(x)
+        yq = nvfp4_fake_quantize_with_amax(y, y.abs().amax())
+        out = 0
+        for linear in (m.proj, m.gate):
+            w = linear.weight.detach()
+            wq = fake_quantize_nvfp4(w, per_tensor_amax_to_scale(w.abs().amax()))
+            out = out + yq @ wq.T
+        return float(((out - reference) ** 2).mean() / (reference ** 2).mean())
+
+    before = quantized_output_error(model)
+    smooth_norm_inputs(model, lambda m: m(x), norm_consumers=CONSUMERS)
+    torch.testing.assert_close(model(x).detach(), reference, rtol=1e-4, atol=1e-3)
+    assert quantized_output_error(model) < 0.5 * before
+
+
+@pytest.mark.parametrize("alpha", [-0.1, 1.5, float("nan")], ids=["negative", "above-1", "nan"])
+def test_bad_alpha_is_refused_and_nothing_changes(alpha):
+    model = tiny_llama()
+    before = state(model)
+    with pytest.raises(ValueError, match="alpha"):
+        smooth_norm_inputs(model, lambda m: m(token_ids(1)), alpha=alpha)
+    assert_same_state(model, before)
+
+
+def test_a_model_without_the_named_norms_is_refused():
+    model = torch.nn.Sequential(torch.nn.LayerNorm(K), torch.nn.Linear(K, K))
+    with pytest.raises(ValueError, match="found no norm with its consumers"):
+        smooth_norm_inputs(model, lambda m: m(torch.randn(2, K)))
+
+
+def test_a_prepared_model_is_refused_naming_the_layer_and_nothing_changes():
+    model = prepare(tiny_llama(), filter_fn=all_but_lm_head, weight_scale="max")
+    before = state(model)
+    with pytest.raises(ValueError, match=r"self_attn.q_proj.*NVFP4StaticObservedLinear.*before step='prepare'"):
+        smooth_norm_inputs(model, lambda m: m(token_ids(1)))
+    assert_same_state(model, before)
+
+
+def test_a_norm_without_weight_is_refused():
+    model = NormThenLinears()
+    model.norm = torch.nn.LayerNorm(K, elementwise_affine=False)
+    with pytest.raises(ValueError, match="norm 'norm' has no 1-D weight"):
+        smooth_norm_inputs(model, lambda m: m(torch.randn(2, K)), norm_consumers=CONSUMERS)
+
+
+def test_a_loop_that_runs_nothing_is_refused_and_nothing_changes():
+    model = tiny_llama()
+    before = state(model)
+    with pytest.raises(ValueError, match="model.layers.0.input_layernorm.*saw no input"):
+        smooth_norm_inputs(model, lambda m: None)
+    assert_same_state(model, before)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_non_finite_norm_outputs_are_refused_and_nothing_changes(bad):
+    model = NormThenLinears()
+    before = state(model)
+    x = torch.randn(2, K)
+    x[1, 3] = bad
+    with pytest.raises(ValueError, match="output of norms norm was not finite"):
+        smooth_norm_inputs(model, lambda m: m(x), norm_consumers=CONSUMERS)
+    assert_same_state(model, before)
