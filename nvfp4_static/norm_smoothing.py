@@ -5,7 +5,8 @@ In a decoder layer, q/k/v read the output of ``input_layernorm`` and gate/up the
 magnitude, always the same channels. An NVFP4 activation block's scale follows its largest
 value, so in a block that holds a large channel the small ones round to zero. Dividing channel
 ``k`` of the norm's weight (and bias) by ``s_k`` and multiplying column ``k`` of every consumer's
-weight by ``s_k`` computes the same function in float, and with (SmoothQuant's choice)
+weight by ``s_k`` computes the same function (up to one rounding of each changed weight to its
+dtype), and with (SmoothQuant's choice)
 
     s_k = a_k ** alpha / w_k ** (1 - alpha),    then divided by the geometric mean of all s_k
 
