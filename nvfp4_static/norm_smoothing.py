@@ -20,6 +20,7 @@ The result is an ordinary model with other norm and linear weights, so every exp
 it, and q/k/v and gate/up keep one input each (``tie_fused_layers`` still applies).
 """
 
+import copy
 from collections.abc import Callable
 from typing import Optional
 
@@ -61,8 +62,9 @@ def smooth_norm_inputs(
     Raises:
         ValueError: ``alpha`` outside [0, 1]; no norm with all its consumers in ``model``; a
             consumer that is not a plain ``nn.Linear`` of the norm's width (e.g. already
-            prepared or converted); a norm without a weight; a norm ``forward_loop`` did not
-            reach, or whose output was not finite. In every case the model is left as it was.
+            prepared or converted); a norm without a weight, or whose output does not scale with
+            its weight (Gemma's ``1 + weight``); a norm ``forward_loop`` did not reach, or whose
+            output was not finite. In every case the model is left as it was.
     """
     if not 0.0 <= alpha <= 1.0:  # also refuses NaN
         raise ValueError(f"nvfp4_static: smooth_norm_inputs: alpha={alpha} must lie in [0, 1]")
@@ -72,6 +74,8 @@ def smooth_norm_inputs(
         name: _smoothing_scales(channel_amax[name], consumers, alpha)
         for name, (_, consumers) in groups.items()
     }
+    for name, (norm, _) in groups.items():
+        _check_output_follows_weight(name, norm, scales[name])
     for name, (norm, consumers) in groups.items():
         s = scales[name]
         norm.weight.copy_((norm.weight.float() / s).to(norm.weight.dtype))
@@ -155,6 +159,25 @@ def _norm_output_channel_amax(model, groups: dict, forward_loop) -> dict[str, to
             f"finite during forward_loop. Nothing was changed"
         )
     return amax
+
+
+def _check_output_follows_weight(name: str, norm: torch.nn.Module, s: torch.Tensor) -> None:
+    """Refuse a norm whose output does not divide by ``s`` when its weight (and bias) do, e.g.
+    Gemma's ``x * (1 + weight)``: folding the scales there would change what the model
+    computes. Checked on a copy of the norm with a random input."""
+    folded = copy.deepcopy(norm)
+    folded.weight.copy_((folded.weight.float() / s).to(folded.weight.dtype))
+    if getattr(folded, "bias", None) is not None:
+        folded.bias.copy_((folded.bias.float() / s).to(folded.bias.dtype))
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(4, s.numel(), generator=generator).to(norm.weight.device, norm.weight.dtype)
+    expected = norm(x).float() / s.to(x.device)
+    if not torch.allclose(folded(x).float(), expected, rtol=2e-2, atol=1e-6 * float(expected.abs().max())):
+        raise ValueError(
+            f"nvfp4_static: smooth_norm_inputs: norm '{name}' ({type(norm).__name__}) does not "
+            f"scale its output with its weight, so the smoothing cannot be folded into it. "
+            f"Nothing was changed"
+        )
 
 
 def _smoothing_scales(channel_amax: torch.Tensor, consumers, alpha: float) -> torch.Tensor:

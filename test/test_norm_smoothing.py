@@ -171,3 +171,23 @@ def test_non_finite_norm_outputs_are_refused_and_nothing_changes(bad):
     with pytest.raises(ValueError, match="output of norms norm was not finite"):
         smooth_norm_inputs(model, lambda m: m(x), norm_consumers=CONSUMERS)
     assert_same_state(model, before)
+
+
+class OnePlusWeightNorm(ChannelScale):
+    """Gemma's parametrization: ``x * (1 + weight)``, which dividing the weight does not scale."""
+
+    def forward(self, x):
+        return x * (1.0 + self.weight)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5, -0.5], ids=["zero", "positive", "negative"])
+def test_a_norm_whose_output_does_not_follow_its_weight_is_refused_and_nothing_changes(weight):
+    model = NormThenLinears()
+    model.norm = OnePlusWeightNorm(K)
+    model.norm.weight.data.fill_(weight)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loud = torch.ones(8, K)
+    loud[:, 0] = 100.0  # one dominant channel: scales far from 1
+    with pytest.raises(ValueError, match="'norm' \\(OnePlusWeightNorm\\) does not scale its output"):
+        smooth_norm_inputs(model, lambda m: m(loud), norm_consumers={"norm": ("proj", "gate")})
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
