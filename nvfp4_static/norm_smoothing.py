@@ -78,9 +78,7 @@ def smooth_norm_inputs(
         _check_output_follows_weight(name, norm, scales[name])
     for name, (norm, consumers) in groups.items():
         s = scales[name]
-        norm.weight.copy_((norm.weight.float() / s).to(norm.weight.dtype))
-        if getattr(norm, "bias", None) is not None:
-            norm.bias.copy_((norm.bias.float() / s).to(norm.bias.dtype))
+        _divide_norm_by(norm, s)
         for linear in consumers:
             linear.weight.copy_((linear.weight.float() * s).to(linear.weight.dtype))
     return scales
@@ -161,14 +159,19 @@ def _norm_output_channel_amax(model, groups: dict, forward_loop) -> dict[str, to
     return amax
 
 
+def _divide_norm_by(norm: torch.nn.Module, s: torch.Tensor) -> None:
+    """Divide the norm's weight (and bias) by ``s`` per channel, rounding once to their dtype."""
+    norm.weight.copy_((norm.weight.float() / s).to(norm.weight.dtype))
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.copy_((norm.bias.float() / s).to(norm.bias.dtype))
+
+
 def _check_output_follows_weight(name: str, norm: torch.nn.Module, s: torch.Tensor) -> None:
     """Refuse a norm whose output does not divide by ``s`` when its weight (and bias) do, e.g.
     Gemma's ``x * (1 + weight)``: folding the scales there would change what the model
     computes. Checked on a copy of the norm with a random input."""
     folded = copy.deepcopy(norm)
-    folded.weight.copy_((folded.weight.float() / s).to(folded.weight.dtype))
-    if getattr(folded, "bias", None) is not None:
-        folded.bias.copy_((folded.bias.float() / s).to(folded.bias.dtype))
+    _divide_norm_by(folded, s)
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(4, s.numel(), generator=generator).to(norm.weight.device, norm.weight.dtype)
     expected = norm(x).float() / s.to(x.device)
