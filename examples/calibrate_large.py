@@ -41,6 +41,7 @@ from nvfp4_static import (
     smooth_norm_inputs,
 )
 from nvfp4_static.linear import NVFP4StaticLinear
+from nvfp4_static.norm_smoothing import DEFAULT_ALPHA
 
 PRESETS = {
     # hidden, intermediate, layers, heads, kv heads, vocab
@@ -116,7 +117,7 @@ def whole_model_run(args, config, shards, device, dtype) -> tuple[dict, dict]:
             calibrate_in_shards(model, batches, forward=decoder_forward)
 
     seconds = {"float forward": timed(forward_all, device), "smooth": 0.0}
-    if args.smooth:  # from the first batch, as the LLM example's '+smooth' recipes do
+    if args.smooth:  # from the first batch of all, as calibrate_layer_by_layer smooths
         seconds["smooth"] = timed(
             lambda: smooth_norm_inputs(model, lambda m: decoder_forward(m, batches[0][0])), device
         )
@@ -140,9 +141,9 @@ def main(argv=None) -> None:
     parser.add_argument("--act", default="b_min", help="act_calibration")
     parser.add_argument("--weight", default="mse", help="weight_scale")
     parser.add_argument("--propagate", action="store_true", help="feed each layer the quantized outputs")
-    parser.add_argument("--smooth", action="store_true",
-                        help="whole-model run only: smooth_norm_inputs before prepare (timed; its "
-                             "scales are then not compared with the unsmoothed layer-by-layer run)")
+    parser.add_argument("--smooth", action=argparse.BooleanOptionalAction, default=True,
+                        help="smooth the norms' outputs from the first batch (default; the "
+                             "whole-model run calls smooth_norm_inputs before prepare, timed)")
     parser.add_argument("--resume-dir", default=None, help="save finished layers there; resume from it")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                         help="copy the next layer to the device while one calibrates (default: on CUDA)")
@@ -184,12 +185,14 @@ def main(argv=None) -> None:
     layer_by_layer = timed(lambda: calibrate_layer_by_layer(
         model, shards[rank], config, device=device, cache_device=args.cache_device,
         filter_fn=not_lm_head, propagate_quantized=args.propagate, group=True if distributed else None,
+        smooth_alpha=DEFAULT_ALPHA if args.smooth else None,
         resume_dir=args.resume_dir, prefetch=args.prefetch, timings=timings,
     ), device)
     tokens = args.batches * args.batch_size * args.seq_len
     if rank == 0:
         print(f"{args.preset} Llama, {params / 1e6:.0f}M parameters, {world} rank(s), {tokens} tokens "
-              f"({args.act}+{args.weight}{', propagated' if args.propagate else ''}): "
+              f"({args.act}+{args.weight}{'+smooth' if args.smooth else ''}"
+              f"{', propagated' if args.propagate else ''}): "
               f"layer by layer in {layer_by_layer:.1f} s")
         phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in timings.items())
         print(f"  where it went (s, rank 0): {phases}, other "
@@ -221,10 +224,9 @@ def main(argv=None) -> None:
         ours = scales(model)
         equal = ours.keys() == theirs.keys() and all(
             torch.equal(a, b) for name in ours for a, b in zip(ours[name], theirs[name]))
-        if not args.smooth:
-            print(f"scales equal to one process calibrating the whole model ({len(ours)} layers): {equal}")
-            if not equal:
-                raise SystemExit(1)
+        print(f"scales equal to one process calibrating the whole model ({len(ours)} layers): {equal}")
+        if not equal:
+            raise SystemExit(1)
     if distributed:
         dist.destroy_process_group()
 

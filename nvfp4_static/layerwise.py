@@ -51,6 +51,8 @@ from nvfp4_static.distributed import (
 )
 from nvfp4_static.layer_mover import LayerMover, put_tensor, tensor_slots
 from nvfp4_static.layerwise_resume import FinishedLayers, layer_fingerprint, run_fingerprint
+from nvfp4_static.layerwise_smoothing import LayerSmoothing
+from nvfp4_static.norm_smoothing import DEFAULT_ALPHA
 from nvfp4_static.workflow import is_quantizable
 
 __all__ = ["calibrate_layer_by_layer", "find_decoder_layers"]
@@ -228,6 +230,7 @@ def calibrate_layer_by_layer(
     filter_fn: Callable[[torch.nn.Module, str], bool] = is_quantizable,
     forward: Optional[Callable[[torch.nn.Module, Any], Any]] = None,
     propagate_quantized: bool = False,
+    smooth_alpha: Optional[float] = DEFAULT_ALPHA,
     offload: bool = True,
     group=None,
     progress: bool = True,
@@ -251,6 +254,11 @@ def calibrate_layer_by_layer(
         forward: ``forward(model, batch)``; default ``model(batch, use_cache=False)``
             (``model(**batch, use_cache=False)`` for a dict).
         propagate_quantized: feed each layer the converted previous layer's outputs.
+        smooth_alpha: before each layer is prepared, fold ``smooth_norm_inputs``'s scales with
+            this alpha into the norms feeding its q/k/v and gate/up, from the first batch
+            (``nvfp4_static.layerwise_smoothing``: the scales that ``smooth_norm_inputs`` on
+            the whole model over the first batch gives); a layer without such norms is left as
+            it is, with a warning. None: no smoothing.
         offload: move each converted layer back where it was (default); False leaves the
             converted layers on ``device``.
         group: a ``torch.distributed`` process group (or ``True`` for the default group):
@@ -283,12 +291,16 @@ def calibrate_layer_by_layer(
     data_parallel = group is not None
     group = None if group is True else group
     rank = anchor_source = 0
+    counts = [len(batches)]
     if data_parallel:
         import torch.distributed as dist
 
         rank = dist.get_rank(group)
         counts = _gather(len(batches), group)
         anchor_source = next((r for r, n in enumerate(counts) if n), 0)
+    if smooth_alpha is not None and not 0.0 <= smooth_alpha <= 1.0:  # also refuses NaN
+        raise ValueError(f"nvfp4_static: calibrate_layer_by_layer: smooth_alpha={smooth_alpha} "
+                         f"must lie in [0, 1] (or None: no smoothing)")
 
     def layer_filter_of(name):
         return lambda module, fqn: filter_fn(module, f"{name}.{fqn}" if fqn else name)
@@ -296,7 +308,8 @@ def calibrate_layer_by_layer(
     finished = None
     if resume_dir is not None:
         finished = _finished_layers(resume_dir, model, prefix, layers, layer_filter_of, config,
-                                    propagate_quantized, batches, data_parallel, group, rank)
+                                    propagate_quantized, smooth_alpha, batches, data_parallel,
+                                    group, rank)
 
     clock = _PhaseClock(timings, device)
     with clock.phase("record inputs"):
@@ -311,6 +324,16 @@ def calibrate_layer_by_layer(
     hidden = [_hidden_states_of_call(args, kwargs) for args, kwargs in records]
     inputs = [_with_hidden_states(args, kwargs, None) for args, kwargs in records]  # no 2nd copy
     del records
+    smoothing = None
+    if smooth_alpha is not None and any(counts):
+        def first_batch_through(layer, hidden):
+            args, kwargs = _with_hidden_states(*inputs[0], hidden)
+            args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(device))
+            return _hidden_states(layer(*args, **kwargs)).detach().to(cache_device)
+
+        first = hidden[0] if hidden and rank == anchor_source else None
+        smoothing = LayerSmoothing(smooth_alpha, first, first_batch_through, group, anchor_source,
+                                   device, data_parallel)
 
     bar = tqdm(total=len(layers), desc="nvfp4_static layer by layer", unit="layer",
                disable=not progress or rank != 0)
@@ -342,6 +365,11 @@ def calibrate_layer_by_layer(
                 if index + 1 < len(layers):
                     mover.prefetch(layers[index + 1])
                 with torch.no_grad():
+                    if finished is not None and not resumed:
+                        fingerprint = layer_fingerprint(layer, name, layer_filter)
+                    if smoothing is not None:
+                        with clock.phase("smooth"):
+                            smoothing.smooth(layer, name)
                     if resumed:  # the outputs the interrupted run computed, from the same layer
                         if not propagate_quantized:
                             with clock.phase("calibrate"):
@@ -349,9 +377,6 @@ def calibrate_layer_by_layer(
                         with clock.phase("load finished layer"):
                             finished.load(index, layer, name, config.backend)
                     else:
-                        fingerprint = None
-                        if finished is not None:
-                            fingerprint = layer_fingerprint(layer, name, layer_filter)
                         with clock.phase("prepare"):
                             quantize_(layer, prepare, filter_fn=layer_filter)
                         if data_parallel:
@@ -385,6 +410,8 @@ def calibrate_layer_by_layer(
             bar.update()
         with clock.phase("move back"):
             mover.wait_moved_back()
+    if smoothing is not None:
+        smoothing.warn_about_unsmoothed()
     return model
 
 
@@ -409,13 +436,14 @@ class _PhaseClock:
 
 
 def _finished_layers(folder, model, prefix, layers, layer_filter_of, config, propagate_quantized,
-                     batches, data_parallel, group, rank) -> FinishedLayers:
+                     smooth_alpha, batches, data_parallel, group, rank) -> FinishedLayers:
     """The resume folder's finished layers, checked against this run; data-parallel, checked
     on every rank, and every rank raises if any rank's check failed or found another count."""
     def gather(digest):
         return _gather(digest, group) if data_parallel else [digest]
 
-    run = run_fingerprint(model, len(layers), config, propagate_quantized, batches, gather)
+    run = run_fingerprint(model, len(layers), config, propagate_quantized, smooth_alpha, batches,
+                          gather)
 
     def fingerprint(index):
         name = f"{prefix}.{index}"

@@ -23,7 +23,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -67,6 +67,7 @@ def run_fingerprint(
     layer_count: int,
     config: NVFP4StaticActivationConfig,
     propagate_quantized: bool,
+    smooth_alpha: Optional[float],
     batches: Sequence[Any],
     gather: Callable[[str], list],
 ) -> dict:
@@ -79,6 +80,7 @@ def run_fingerprint(
         "layers": layer_count,
         "config": recipe,
         "propagate_quantized": propagate_quantized,
+        "smooth_alpha": smooth_alpha,
         "batches of each rank": gather(_batches_digest(batches)),
     })
 

@@ -26,7 +26,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DEFAULT_NORM_CONSUMERS", "smooth_norm_inputs"]
+__all__ = [
+    "DEFAULT_NORM_CONSUMERS",
+    "find_norm_groups",
+    "fold_smoothing_scales",
+    "smooth_norm_inputs",
+    "smoothing_scales",
+]
 
 # Norm attribute -> the linears (relative to the same parent) that read its output: the
 # transformers names of Llama, Mistral, Qwen2/3 and SmolLM decoder layers.
@@ -66,29 +72,17 @@ def smooth_norm_inputs(
             its weight (Gemma's ``1 + weight``); a norm ``forward_loop`` did not reach, or whose
             output was not finite. In every case the model is left as it was.
     """
-    if not 0.0 <= alpha <= 1.0:  # also refuses NaN
-        raise ValueError(f"nvfp4_static: smooth_norm_inputs: alpha={alpha} must lie in [0, 1]")
     groups = _norm_groups(model, norm_consumers or DEFAULT_NORM_CONSUMERS)
-    channel_amax = _norm_output_channel_amax(model, groups, forward_loop)
-    scales = {
-        name: _smoothing_scales(channel_amax[name], consumers, alpha)
-        for name, (_, consumers) in groups.items()
-    }
-    for name, (norm, _) in groups.items():
-        _check_output_follows_weight(name, norm, scales[name])
-    for name, (norm, consumers) in groups.items():
-        s = scales[name]
-        _divide_norm_by(norm, s)
-        for linear in consumers:
-            linear.weight.copy_((linear.weight.float() * s).to(linear.weight.dtype))
+    scales = smoothing_scales(model, groups, forward_loop, alpha)
+    fold_smoothing_scales(groups, scales)
     return scales
 
 
-def _norm_groups(model: torch.nn.Module, norm_consumers: dict) -> dict:
-    """Norm name -> (norm, [consumer linears]), checked before anything changes."""
+def find_norm_groups(module: torch.nn.Module, norm_consumers: Optional[dict] = None) -> dict:
+    """Norm name -> (norm, [consumer linears]) in ``module``, each group checked; may be empty."""
     groups = {}
-    for parent_name, parent in model.named_modules():
-        for norm_attr, consumer_names in norm_consumers.items():
+    for parent_name, parent in module.named_modules():
+        for norm_attr, consumer_names in (norm_consumers or DEFAULT_NORM_CONSUMERS).items():
             norm = getattr(parent, norm_attr, None)
             consumers = [_submodule_or_none(parent, name) for name in consumer_names]
             if norm is None or any(c is None for c in consumers):
@@ -96,6 +90,37 @@ def _norm_groups(model: torch.nn.Module, norm_consumers: dict) -> dict:
             name = f"{parent_name}.{norm_attr}" if parent_name else norm_attr
             _check_group(name, norm, consumers, consumer_names)
             groups[name] = (norm, consumers)
+    return groups
+
+
+@torch.no_grad()
+def smoothing_scales(model: torch.nn.Module, groups: dict, forward_loop, alpha: float) -> dict:
+    """Each group's scales ``s`` from the norm outputs ``forward_loop`` produces; checks that
+    every norm can take them, changing nothing."""
+    if not 0.0 <= alpha <= 1.0:  # also refuses NaN
+        raise ValueError(f"nvfp4_static: smooth_norm_inputs: alpha={alpha} must lie in [0, 1]")
+    channel_amax = _norm_output_channel_amax(model, groups, forward_loop)
+    scales = {
+        name: _smoothing_scales(channel_amax[name], consumers, alpha)
+        for name, (_, consumers) in groups.items()
+    }
+    for name, (norm, _) in groups.items():
+        _check_output_follows_weight(name, norm, scales[name])
+    return scales
+
+
+@torch.no_grad()
+def fold_smoothing_scales(groups: dict, scales: dict) -> None:
+    """Divide each norm by its scales and multiply its consumers' weight columns by them."""
+    for name, (norm, consumers) in groups.items():
+        s = scales[name]
+        _divide_norm_by(norm, s)
+        for linear in consumers:
+            linear.weight.copy_((linear.weight.float() * s).to(linear.weight.dtype))
+
+
+def _norm_groups(model: torch.nn.Module, norm_consumers: dict) -> dict:
+    groups = find_norm_groups(model, norm_consumers)
     if not groups:
         raise ValueError(
             f"nvfp4_static: smooth_norm_inputs found no norm with its consumers in the model "

@@ -197,6 +197,14 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         return {"scales": converted_scales(model), "timings": timings}
 
     save("layerwise-dp", layerwise())
+
+    def nan_in_rank_0s_first_batch(model, batch):
+        embeds = model.model.embed_tokens(batch)
+        if rank == 0 and torch.equal(batch, mine[0]):
+            embeds[0, 3, 5] = float("nan")
+        return model(inputs_embeds=embeds, use_cache=False)
+
+    save("layerwise-dp-smoothing-nan", error_of(lambda: layerwise(forward=nan_in_rank_0s_first_batch)))
     staged = []
 
     def recording_stage(self, sources):

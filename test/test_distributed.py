@@ -36,7 +36,12 @@ from distributed_worker import (
 from test_experts import tiny_model
 from tiny_llama import all_but_lm_head, convert_llama, tiny_llama, token_ids
 
-from nvfp4_static import NVFP4StaticActivationConfig, NVFP4StaticObservedExperts, NVFP4StaticObservedLinear
+from nvfp4_static import (
+    NVFP4StaticActivationConfig,
+    NVFP4StaticObservedExperts,
+    NVFP4StaticObservedLinear,
+    smooth_norm_inputs,
+)
 from nvfp4_static.distributed import calibrate_in_shards, sync_calibration
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
@@ -103,8 +108,13 @@ def union_run(act, weight, seeds):
     return finished(model, act, weight)
 
 
-def shards_run(act, weight, shards):
-    model = prepared(act, weight)
+def shards_run(act, weight, shards, smooth=False):
+    """``calibrate_in_shards`` on the tiny Llama; ``smooth``: its norms smoothed first from the
+    first batch of all, as ``calibrate_layer_by_layer`` smooths by default."""
+    model = tiny_llama()
+    if smooth:
+        smooth_norm_inputs(model, lambda m: m(token_ids(shards[0][0])))
+    model = prepared(act, weight, model)
     calibrate_in_shards(model, [batches(shard) for shard in shards])
     return finished(model, act, weight)
 
@@ -184,7 +194,7 @@ def test_nan_on_one_rank_raises_the_same_error_on_every_rank(results):
 
 def test_layer_by_layer_data_parallel_equals_whole_model_shards(results):
     rank0, rank1 = results("layerwise-dp")
-    reference = shards_run("mse", "hessian_mse", SHARDS)
+    reference = shards_run("mse", "hessian_mse", SHARDS, smooth=True)
     assert_same(rank0, rank1, logits=False)
     assert_same(rank0, reference, logits=False)
     assert {"calibrate", "sync statistics", "convert"} <= rank0["timings"].keys()
@@ -209,6 +219,14 @@ def test_a_rank_failing_to_stage_a_layer_makes_every_rank_raise_naming_it(result
     assert errors[1] == expected + ": MemoryError: no pinned memory left"
 
 
+def test_non_finite_smoothing_statistics_on_the_first_batch_make_every_rank_raise_naming_it(results):
+    errors = [r["error"] for r in results("layerwise-dp-smoothing-nan")]
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("RuntimeError: nvfp4_static: data-parallel norm smoothing failed on rank 0: "
+                                "ValueError: nvfp4_static: smooth_norm_inputs: the output of norms "
+                                "model.layers.0.input_layernorm")
+
+
 def test_layer_by_layer_data_parallel_resumes_from_the_folder_rank_0_wrote(results):
     assert [r["error"] for r in results("layerwise-dp-interrupted")] == ["RuntimeError: interrupted"] * 2
     resumed, uninterrupted = results("layerwise-dp-resumed"), results("layerwise-dp")
@@ -219,8 +237,10 @@ def test_layer_by_layer_data_parallel_resumes_from_the_folder_rank_0_wrote(resul
 # --- mixture of experts: the tiny Qwen3-MoE -------------------------------------------------------
 
 
-def moe_prepared(act, weight):
+def moe_prepared(act, weight, smooth=False):
     model = tiny_model("qwen3_moe")
+    if smooth:  # only q/k/v: gate/up are experts
+        smooth_norm_inputs(model, lambda m: m(moe_batch(MOE_SHARDS[0][0])))
     quantize_(model, NVFP4StaticActivationConfig(
         step="prepare", act_calibration=act, weight_scale=weight, expert_min_tokens=MOE_MIN_TOKENS),
         filter_fn=all_but_lm_head)
@@ -246,8 +266,8 @@ def moe_tokens_per_expert(seeds) -> list:
     return [m.tokens_per_expert for m in model.modules() if isinstance(m, NVFP4StaticObservedExperts)]
 
 
-def moe_union_run(act, weight):
-    model = moe_prepared(act, weight)
+def moe_union_run(act, weight, smooth=False):
+    model = moe_prepared(act, weight, smooth)
     with torch.no_grad():
         for seed in [seed for shard in MOE_SHARDS for seed in shard]:
             model(moe_batch(seed))
@@ -314,7 +334,7 @@ def test_moe_experts_anchored_on_different_ranks_raise_the_same_error_naming_the
 
 def test_moe_layer_by_layer_data_parallel_equals_the_whole_model_on_all_the_data(results):
     rank0, rank1 = results("moe-layerwise-dp")
-    union = moe_union_run("b_min", "mse")
+    union = moe_union_run("b_min", "mse", smooth=True)
     assert_same_moe(rank0, rank1, logits=False)
     assert_same_moe(rank0, union, logits=False)
 

@@ -10,7 +10,7 @@ from conftest import requires_cuda
 from distributed_worker import converted_scales
 from tiny_llama import all_but_lm_head, convert_llama, logits, prepared_and_calibrated, tiny_llama, token_ids
 
-from nvfp4_static import NVFP4StaticActivationConfig, calibrate_layer_by_layer, workflow
+from nvfp4_static import NVFP4StaticActivationConfig, calibrate_layer_by_layer, smooth_norm_inputs, workflow
 from nvfp4_static.layer_mover import LayerMover
 from nvfp4_static.layerwise import (
     _capture_first_layer_inputs,
@@ -24,9 +24,14 @@ from nvfp4_static.linear import NVFP4StaticLinear
 BATCHES = (0, 1)  # the token_ids seeds prepared_and_calibrated feeds the whole model
 
 
-def whole_model(act, weight):
+def whole_model(act, weight, smooth=True):
+    """The whole-model run calibrate_layer_by_layer's defaults equal: the norms smoothed from
+    the first batch, then prepare, both batches, convert."""
     config = dict(act_calibration=act, weight_scale=weight)
-    return convert_llama(prepared_and_calibrated(tiny_llama(), **config), **config)
+    model = tiny_llama()
+    if smooth:
+        smooth_norm_inputs(model, lambda m: m(token_ids(BATCHES[0])))
+    return convert_llama(prepared_and_calibrated(model, **config), **config)
 
 
 def layer_by_layer(act, weight, model=None, seeds=BATCHES, **options):
@@ -38,12 +43,13 @@ def layer_by_layer(act, weight, model=None, seeds=BATCHES, **options):
 
 
 @pytest.mark.parametrize(
-    "act, weight, cache_device",
-    [("b_min", "hessian_mse", "cpu"), ("mse", "mse", None), ("percentile", "max", None), ("max", "hessian_mse", None)],
+    "act, weight, cache_device, smooth",
+    [("b_min", "hessian_mse", "cpu", True), ("mse", "mse", None, True), ("percentile", "max", None, True),
+     ("max", "hessian_mse", None, True), ("b_min", "hessian_mse", None, False)],
 )
-def test_layer_by_layer_equals_whole_model_bit_for_bit(act, weight, cache_device):
-    whole = whole_model(act, weight)
-    layered = layer_by_layer(act, weight, cache_device=cache_device)
+def test_layer_by_layer_equals_whole_model_bit_for_bit(act, weight, cache_device, smooth):
+    whole = whole_model(act, weight, smooth)
+    layered = layer_by_layer(act, weight, cache_device=cache_device, smooth_alpha=0.5 if smooth else None)
     a, b = converted_scales(whole), converted_scales(layered)
     assert a.keys() == b.keys() and len(a) == 14
     for name in a:
@@ -51,6 +57,38 @@ def test_layer_by_layer_equals_whole_model_bit_for_bit(act, weight, cache_device
             assert torch.equal(x, y), name
     assert not isinstance(layered.lm_head, NVFP4StaticLinear)
     assert torch.equal(logits(whole, seed=7), logits(layered, seed=7))
+
+
+def with_outlier_channels(model):
+    """A few channels of every norm 30x the others, as in trained models' norms."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[::9] *= 30
+            layer.post_attention_layernorm.weight[::9] *= 30
+    return model
+
+
+def test_smoothing_changes_the_norm_fed_layers_scales_and_lowers_their_error():
+    float_logits = logits(with_outlier_channels(tiny_llama()), seed=7)
+    smoothed = layer_by_layer("b_min", "hessian_mse", model=with_outlier_channels(tiny_llama()))
+    plain = layer_by_layer("b_min", "hessian_mse", model=with_outlier_channels(tiny_llama()),
+                           smooth_alpha=None)
+    a, b = converted_scales(smoothed), converted_scales(plain)
+    for name in a:
+        if name.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            assert not all(torch.equal(x, y) for x, y in zip(a[name], b[name])), name
+    error = {key: (logits(model, seed=7) - float_logits).square().mean()
+             for key, model in (("smoothed", smoothed), ("plain", plain))}
+    assert error["smoothed"] < 0.9 * error["plain"]
+
+
+@pytest.mark.parametrize("alpha", [-0.1, 1.5, float("nan")])
+def test_a_bad_smoothing_alpha_is_refused_and_nothing_changes(alpha):
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"smooth_alpha={alpha} must lie in"):
+        layer_by_layer("b_min", "mse", model=model, smooth_alpha=alpha)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_propagating_the_quantized_outputs_changes_only_the_later_layers():
@@ -251,8 +289,11 @@ def without_q_proj(module, fqn):
         (dict(propagate_quantized=True), "'propagate_quantized' is False there and True now"),
         (dict(model_seed=1), "layer 0 (model.layers.0) differs at 'tensors.mlp.down_proj.weight.sampled sha256'"),
         (dict(filter_fn=without_q_proj), "layer 0 (model.layers.0) differs at 'selected"),
+        (dict(smooth_alpha=None), "'smooth_alpha' is 0.5 there and None now"),
+        (dict(smooth_alpha=0.25), "'smooth_alpha' is 0.5 there and 0.25 now"),
     ],
-    ids=["act recipe", "weight recipe", "data", "propagation", "weights", "filter"],
+    ids=["act recipe", "weight recipe", "data", "propagation", "weights", "filter", "no smoothing",
+         "smoothing alpha"],
 )
 def test_a_resume_folder_of_another_run_is_refused_and_nothing_changes(tmp_path, rerun, names):
     with pytest.raises(Interrupted):
