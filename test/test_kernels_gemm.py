@@ -76,7 +76,8 @@ def test_interleave_undoes_deinterleave():
 # tiles), M and N edges, and a split K (programs_per_sm large against the CPU's one "SM"). The
 # split-K configs split K = 224 three ways, unevenly (3 + 3 + 1 tiles). The
 # quantizing configs take the raw activation: one row per tile (M = 3: three tiles), two rows
-# spread over the 16 MMA rows with a split K, and one transposed.
+# spread over the 16 MMA rows with a split K, and one transposed. The one-dot configs multiply
+# each K tile in one dot over the joined halves: transposed with a split K, and quantizing.
 INTERPRETER_CONFIGS = {
     "one-pass": GemmConfig(16, 16, 32, num_warps=4, num_stages=1),
     "split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, group_n=2, programs_per_sm=64),
@@ -85,6 +86,10 @@ INTERPRETER_CONFIGS = {
     "quantizing-1-row": GemmConfig(16, 16, 32, num_warps=4, num_stages=1, activation_rows=1),
     "quantizing-2-rows-split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, activation_rows=2),
     "quantizing-weight-as-a": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, weight_as_mma_a=True, activation_rows=4),
+    "one-dot-weight-as-a-split-k": GemmConfig(
+        16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True, one_dot=True
+    ),
+    "quantizing-one-dot": GemmConfig(16, 16, 32, num_warps=4, num_stages=1, activation_rows=4, one_dot=True),
 }
 INTERPRETER_SHAPES = [(3, 40, 48), (17, 70, 224), (2, 24, 16)]
 OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
@@ -232,6 +237,27 @@ def test_gpu_gemm_matches_fp64_reference(dtype, with_bias, M, N, K):
     out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
     launch_nvfp4_gemm(*operands, out)
     assert relative_error(out, reference_gemm(*operands)) <= gpu_tolerance(K, dtype)
+
+
+# Wide one-dot tiles (the dequantized weight shared by up to 256 activation rows), split K or
+# not; tune_gemm.WIDE_TILES are the candidates for the mid-size buckets.
+WIDE_ONE_DOT_CONFIGS = [
+    GemmConfig(128, 128, 128, 8, 3, programs_per_sm=1, weight_as_mma_a=True, one_dot=True),
+    GemmConfig(256, 128, 64, 8, 4, weight_as_mma_a=True, one_dot=True),
+    GemmConfig(256, 64, 64, 4, 4, programs_per_sm=1, weight_as_mma_a=True, one_dot=True),
+]
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", WIDE_ONE_DOT_CONFIGS, ids=str)
+@pytest.mark.parametrize("M,N,K", [(100, 14336, 4096), (512, 4096, 14336), (333, 96, 16)], ids=str)
+def test_gpu_wide_one_dot_tiles_match_fp64_reference(config, M, N, K):
+    """Wide tiles with one dot per K tile: row and column edges, a K shorter than one tile, a
+    split K summed in the GEMM."""
+    operands = gemm_operands(M, N, K, seed=M, device="cuda")
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    launch_nvfp4_gemm(*operands, out, config)
+    assert relative_error(out, reference_gemm(*operands)) <= gpu_tolerance(K, torch.bfloat16)
 
 
 @requires_cuda

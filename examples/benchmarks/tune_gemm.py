@@ -1,16 +1,24 @@
 """Sweep tile configs of the Triton NVFP4 GEMM per M, to (re)fill ``kernels.gemm.GEMM_CONFIGS``.
 
-For each weight shape and M, every candidate runs as the whole Triton linear
-(``backends.triton_route.static_nvfp4_linear`` with the table replaced by that one config: the
-activation kernel and the GEMM, or one GEMM that quantizes the activation itself), is checked
-against a float32 product of the same dequantized operands, and is timed as a CUDA graph replay
-(GPU time without Python launch overhead; do_bench median, L2 flushed between replays). Prints
-the best per (K, N, M), and the bf16 ``F.linear`` time of the same shape for scale. Run on one GPU:
+For each weight shape and M, the shipped table and every candidate run as the whole Triton linear
+(``backends.triton_route.static_nvfp4_linear`` with the table replaced by that one config, given
+the host scale product an ``NVFP4StaticTensor`` carries: the activation kernel and the GEMM, or
+one GEMM that quantizes the activation itself, or dequantize + cuBLAS), are checked against a
+float32 product of the same dequantized operands (a candidate off by more than ``MAX_ERROR`` is
+reported and left out), and are timed as a CUDA graph replay (GPU time without Python launch
+overhead; do_bench median, L2 flushed between replays), beside bf16 ``F.linear`` on the same
+shape. Prints the fastest candidates per (K, N, M), then a summary: per (K, N, M) bf16, the
+table and the best candidate; per M the one candidate whose slowest shape against bf16 is
+fastest, the entry to put in the table for that M's bucket. Run on one GPU:
 
-    python examples/benchmarks/tune_gemm.py
+    python examples/benchmarks/tune_gemm.py [--m 1 16 64 512 4096] [--candidates full|wide]
+
+``--candidates wide`` times only the table and the wide one-dot tiles (``WIDE_TILES``) from
+M = 17 up; ``--budget-s`` stops starting new candidates after that many seconds.
 """
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +28,7 @@ from nvfp4_static.backends import triton_route
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm, gemm_activation_operand
 from nvfp4_static.kernels.gemm import CublasAfterDequantize, GemmConfig
+from nvfp4_static.kernels.launch import next_power_of_2
 from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
 
 SHAPES = [(8192, 8192), (4096, 14336), (14336, 4096)]
@@ -36,13 +45,44 @@ DECODE_TILES = [
 MID_TILES = [(64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (32, 128, 256, 4, 3), (64, 128, 256, 8, 3)]
 # Transposed tiles (GemmConfig.weight_as_mma_a): the weight is the MMA's M side, so block_n >= 64.
 MID_TILES_WEIGHT_AS_A = [(64, 256, 256, 8, 3), (64, 128, 256, 4, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3)]
+# Wide tiles: transposed, one dot per K tile (GemmConfig.one_dot), up to 256 activation rows
+# (the wgmma's N) sharing each dequantized weight tile, 64 weight rows per warpgroup. Each
+# compiles for sm_90 under 227 KiB of shared memory and without register spills.
+WIDE_TILES = [
+    (64, 256, 128, 8, 3),
+    (64, 128, 128, 4, 4),
+    (128, 128, 128, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 64, 128, 4, 3),
+    (256, 128, 128, 8, 3),
+    (256, 128, 64, 8, 4),
+    (256, 64, 64, 4, 4),
+]
 PREFILL_CANDIDATES = [CublasAfterDequantize(), GemmConfig(128, 256, 128, 8, 3)]
+# Relative error against the float32 product above which a candidate counts as wrong: a bf16
+# output's own rounding gives about 2^-9.
+MAX_ERROR = 1e-2
 
 
-def candidates(M: int) -> list:
+def wide_candidates(M: int) -> list:
+    """The wide tiles for M: those with at most max(64, M rounded up to a power of 2) rows and
+    at most 4 row tiles (256-row tiles only beyond 1024 rows); split K only where one row tile
+    covers M (``GemmConfig``: a split entry's tile covers its bucket)."""
+    rows = next_power_of_2(M)
+    configs = []
+    for tile in WIDE_TILES:
+        block_m = tile[0]
+        if block_m > max(64, rows) or block_m < min(rows // 4, 256):
+            continue
+        for programs_per_sm in (0, 1) if block_m >= M else (0,):
+            configs.append(GemmConfig(*tile, programs_per_sm=programs_per_sm, weight_as_mma_a=True, one_dot=True))
+    return configs
+
+
+def full_candidates(M: int) -> list:
     if M <= 16:
         # Each decode tile twice: after the activation kernel, and quantizing its rows itself.
-        rows = 1 << (M - 1).bit_length()
+        rows = next_power_of_2(M)
         return [
             GemmConfig(*tile, programs_per_sm=p, activation_rows=r)
             for tile in DECODE_TILES
@@ -50,60 +90,135 @@ def candidates(M: int) -> list:
             for r in (0, rows)
         ]
     if M <= 64:
-        return [GemmConfig(*tile, programs_per_sm=p) for tile in MID_TILES for p in (0, 1, 2)] + [
-            GemmConfig(*tile, programs_per_sm=p, weight_as_mma_a=True) for tile in MID_TILES_WEIGHT_AS_A for p in (0, 1, 2)
-        ]
-    return PREFILL_CANDIDATES
+        return (
+            [GemmConfig(*tile, programs_per_sm=p) for tile in MID_TILES for p in (0, 1, 2)]
+            + [
+                GemmConfig(*tile, programs_per_sm=p, weight_as_mma_a=True)
+                for tile in MID_TILES_WEIGHT_AS_A
+                for p in (0, 1, 2)
+            ]
+            + wide_candidates(M)
+        )
+    return PREFILL_CANDIDATES + wide_candidates(M)
 
 
-def use_only(config) -> None:
-    """Make ``config`` the whole tile table, in both modules that read it (the route imports
-    the table by name, so patching ``gemm`` alone would leave the route on the shipped one)."""
-    gemm.GEMM_CONFIGS = triton_route.GEMM_CONFIGS = ((None, config),)
+def candidates(M: int, which: str) -> list:
+    if which == "wide":
+        return wide_candidates(M) if M > 16 else []
+    return full_candidates(M)
+
+
+SHIPPED_TABLE = gemm.GEMM_CONFIGS
+
+
+def use_table(table) -> None:
+    """Make ``table`` the tile table, in both modules that read it (the route imports the table
+    by name, so patching ``gemm`` alone would leave the route on the shipped one)."""
+    gemm.GEMM_CONFIGS = triton_route.GEMM_CONFIGS = table
+
+
+def describe(config) -> str:
+    """A config as the Python that builds it, default fields left out: pasteable into the table."""
+    if isinstance(config, CublasAfterDequantize):
+        return "CublasAfterDequantize()"
+    defaults = GemmConfig(1, 1, 1, 1, 1)
+    fields = [f"{name}={getattr(config, name)!r}" for name in ("group_n", "programs_per_sm", "weight_as_mma_a",
+              "activation_rows", "one_dot") if getattr(config, name) != getattr(defaults, name)]
+    tile = (config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
+    return f"GemmConfig({', '.join(map(str, tile + tuple(fields)))})"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
+    parser.add_argument("--candidates", choices=["full", "wide"], default="full")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no candidate after this many seconds")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}")
-    best = []
-    for K, N in SHAPES:
-        weight = torch.randn(N, K, device="cuda")
-        weight_scale = weight.abs().max() / 2688
-        weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
-        dequantized_weight = dequantize_nvfp4(weight_qdata, weight_block_scales)
-        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        for M in args.m:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            act_scale = x.abs().max().float() / 2688
-            operand = gemm_activation_operand(x, act_scale)
-            in_k_order = operand.float().reshape(M, -1, 2, 8).transpose(-1, -2).reshape(M, K)
-            reference = (in_k_order @ dequantized_weight.t()) * (act_scale * weight_scale) + bias.float()
-            bf16_weight = dequantized_weight.to(torch.bfloat16)
-            bf16_ms = graph_ms(lambda: F.linear(x, bf16_weight, bias))
-            results = []
-            for config in candidates(M):
-                use_only(config)
-                run = lambda: static_nvfp4_linear(  # noqa: E731
-                    x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias
-                )
-                try:
-                    out = run()
-                except Exception as error:  # e.g. a tile that needs more shared memory than the GPU has
-                    print(f"  skip {config}: {type(error).__name__}: {str(error)[:120]}")
-                    continue
-                error = ((out.float() - reference).norm() / reference.norm()).item()
-                ms = graph_ms(run)
-                results.append((ms, error, config))
-            results.sort(key=lambda r: r[0])
-            for ms, error, config in results[:6]:
-                print(f"K={K:>5} N={N:>5} M={M:>4}  {ms:8.4f} ms  err {error:.1e}  bf16 {bf16_ms:.4f} ms  {config}")
-            best.append((K, N, M, results[0][0], bf16_ms, results[0][2]))
-    print("\nbest per shape (whole linear):")
-    for K, N, M, ms, bf16_ms, config in best:
-        print(f"K={K:>5} N={N:>5} M={M:>4}  {ms:8.4f} ms  bf16 {bf16_ms:8.4f} ms  {config}")
+    start = time.monotonic()
+    summary = []  # (K, N, M, bf16 ms, table ms, [(ms, config), ...] of the correct candidates)
+    skipped = 0
+    with torch.no_grad():
+        for K, N in SHAPES:
+            weight = torch.randn(N, K, device="cuda")
+            weight_scale = weight.abs().max() / 2688
+            weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
+            dequantized_weight = dequantize_nvfp4(weight_qdata, weight_block_scales)
+            bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+            for M in args.m:
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                act_scale = x.abs().max().float() / 2688
+                output_scale = float(act_scale * weight_scale)
+                operand = gemm_activation_operand(x, act_scale)
+                in_k_order = operand.float().reshape(M, -1, 2, 8).transpose(-1, -2).reshape(M, K)
+                reference = (in_k_order @ dequantized_weight.t()) * (act_scale * weight_scale) + bias.float()
+                bf16_weight = dequantized_weight.to(torch.bfloat16)
+                bf16_ms = graph_ms(lambda: F.linear(x, bf16_weight, bias))
+
+                def run():
+                    return static_nvfp4_linear(
+                        x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias, output_scale
+                    )
+
+                def measure(label):
+                    try:
+                        out = run()
+                    except Exception as error:  # e.g. a tile that needs more shared memory than the GPU has
+                        print(f"  skip {label}: {type(error).__name__}: {str(error)[:120]}")
+                        return None
+                    error = ((out.float() - reference).norm() / reference.norm()).item()
+                    if not error <= MAX_ERROR:
+                        print(f"  WRONG {label}: relative error {error:.1e}")
+                        return None
+                    return graph_ms(run), error
+
+                use_table(SHIPPED_TABLE)
+                table = measure("the shipped table")
+                results = []
+                for config in candidates(M, args.candidates):
+                    if args.budget_s is not None and time.monotonic() - start > args.budget_s:
+                        skipped += 1
+                        continue
+                    use_table(((None, config),))
+                    measured = measure(config)
+                    if measured is not None:
+                        results.append((*measured, config))
+                use_table(SHIPPED_TABLE)
+                results.sort(key=lambda r: r[0])
+                for ms, error, config in results[:6]:
+                    print(f"K={K:>5} N={N:>5} M={M:>4}  {ms:8.4f} ms  err {error:.1e}  bf16 {bf16_ms:.4f} ms  {config}")
+                summary.append((K, N, M, bf16_ms, table[0] if table else float("nan"), [(r[0], r[2]) for r in results]))
+    print(f"\n{time.monotonic() - start:.0f} s" + (f"; {skipped} candidates skipped (budget)" if skipped else ""))
+    print_summary(summary)
+
+
+def print_summary(summary) -> None:
+    """Per (K, N, M): bf16, the shipped table and the best candidate, with bf16 / ours; then per
+    M the candidate whose slowest shape against bf16 is fastest, against the table's."""
+    print("\nsummary, CUDA-graph ms; ratio = bf16 time / ours (above 1: ours faster)")
+    print(f"{'K':>6} {'N':>6} {'M':>5} | {'bf16':>8} {'table':>8} {'best':>8} | {'table x':>7} {'best x':>7} | best config")
+    for K, N, M, bf16_ms, table_ms, results in summary:
+        best_ms, best = results[0] if results else (float("nan"), None)
+        print(
+            f"{K:>6} {N:>6} {M:>5} | {bf16_ms:8.4f} {table_ms:8.4f} {best_ms:8.4f} | "
+            f"{bf16_ms / table_ms:7.2f} {bf16_ms / best_ms:7.2f} | {describe(best) if best else '-'}"
+        )
+    print("\nper M, one config for all shapes: the smallest bf16 / ours over the shapes")
+    for M in sorted({row[2] for row in summary}):
+        rows = [row for row in summary if row[2] == M]
+        table_worst = min(bf16_ms / table_ms for _, _, _, bf16_ms, table_ms, _ in rows)
+        ratios: dict = {}
+        for _, _, _, bf16_ms, _, results in rows:
+            for ms, config in results:
+                ratios.setdefault(config, []).append(bf16_ms / ms)
+        complete = {config: min(r) for config, r in ratios.items() if len(r) == len(rows)}
+        if not complete:
+            print(f"M={M:>5}  table {table_worst:.2f}x  (no candidate ran on every shape)")
+            continue
+        config = max(complete, key=complete.get)
+        per_shape = " / ".join(f"{r:.2f}" for r in ratios[config])
+        print(f"M={M:>5}  table {table_worst:.2f}x  best {complete[config]:.2f}x ({per_shape})  {describe(config)}")
 
 
 if __name__ == "__main__":

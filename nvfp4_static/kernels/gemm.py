@@ -94,17 +94,32 @@ def dequantize_weight_tile(packed, scale_codes, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
-def accumulate_halves(acc, a_even, a_odd, w_even, w_odd, WEIGHT_AS_A: tl.constexpr):
-    """``acc`` plus the product of the activation and weight tiles given as their even-K and
-    odd-K halves: ``W @ A^T`` (``acc [BLOCK_N, BLOCK_M]``) where ``WEIGHT_AS_A``, else
+def accumulate(acc, a, w, WEIGHT_AS_A: tl.constexpr):
+    """``acc`` plus the product of an activation tile ``a`` and a weight tile ``w`` (both
+    ``[rows, K]``): ``W @ A^T`` (``acc [BLOCK_N, BLOCK_M]``) where ``WEIGHT_AS_A``, else
     ``A @ W^T`` (``acc [BLOCK_M, BLOCK_N]``)."""
     if WEIGHT_AS_A:
-        acc = tl.dot(w_even, tl.trans(a_even), acc)
-        acc = tl.dot(w_odd, tl.trans(a_odd), acc)
+        acc = tl.dot(w, tl.trans(a), acc)
     else:
-        acc = tl.dot(a_even, tl.trans(w_even), acc)
-        acc = tl.dot(a_odd, tl.trans(w_odd), acc)
+        acc = tl.dot(a, tl.trans(w), acc)
     return acc
+
+
+@triton.jit
+def accumulate_halves(acc, a_even, a_odd, w_even, w_odd, WEIGHT_AS_A: tl.constexpr):
+    """``acc`` plus the product of the activation and weight tiles given as their even-K and
+    odd-K halves, one dot per half (see ``accumulate``)."""
+    acc = accumulate(acc, a_even, w_even, WEIGHT_AS_A)
+    return accumulate(acc, a_odd, w_odd, WEIGHT_AS_A)
+
+
+@triton.jit
+def joined_halves(even, odd, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The even-K and odd-K halves ``[ROWS, BLOCK_K / 2]`` of a tile as one ``[ROWS, BLOCK_K]``
+    tile in the GEMM operand's block-deinterleaved K order (each 16-block: its 8 even elements,
+    then its 8 odd ones), so that the tile takes one dot instead of two."""
+    blocks = tl.join(tl.reshape(even, (ROWS, BLOCK_K // 16, 8)), tl.reshape(odd, (ROWS, BLOCK_K // 16, 8)))
+    return tl.reshape(tl.permute(blocks, (0, 1, 3, 2)), (ROWS, BLOCK_K))
 
 
 @triton.jit
@@ -145,6 +160,7 @@ def _nvfp4_gemm_kernel(
     PTX: tl.constexpr,
     WEIGHT_AS_A: tl.constexpr,
     QUANTIZE_ROWS: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     # Grouped tile order: when M spans several tiles, GROUP_N weight tiles sweep over all
     # activation tiles together, so the weight tiles stay in L2 while the activation streams by.
@@ -199,6 +215,14 @@ def _nvfp4_gemm_kernel(
             a_even, a_odd = quantize_to_operand_halves(x, act_scale, ROWS, BLOCK_K)
             a_even = spread_rows(a_even, ROWS, SPREAD, BLOCK_K // 2).to(tl.float16)
             a_odd = spread_rows(a_odd, ROWS, SPREAD, BLOCK_K // 2).to(tl.float16)
+            if ONE_DOT:
+                a = joined_halves(a_even, a_odd, BLOCK_M, BLOCK_K)
+        elif ONE_DOT:
+            # The activation operand is stored block-deinterleaved, the order joined_halves
+            # gives the weight tile: the whole K tile loads as it is.
+            offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+            a_mask = valid_m[:, None] & (EVEN_K or offs_k[None, :] < K)
+            a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_k[None, :], mask=a_mask, other=0.0)
         else:
             # The activation operand is stored block-deinterleaved (each 16-block: its 8 even
             # elements, then its 8 odd ones), so the even and odd halves load as 16-byte runs.
@@ -217,7 +241,10 @@ def _nvfp4_gemm_kernel(
             other=0,
         )
         w_even, w_odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
-        acc = accumulate_halves(acc, a_even, a_odd, w_even, w_odd, WEIGHT_AS_A)
+        if ONE_DOT:
+            acc = accumulate(acc, a, joined_halves(w_even, w_odd, BLOCK_N, BLOCK_K), WEIGHT_AS_A)
+        else:
+            acc = accumulate_halves(acc, a_even, a_odd, w_even, w_odd, WEIGHT_AS_A)
 
     # Output coordinates of each accumulator element, in either orientation.
     if WEIGHT_AS_A:
@@ -341,6 +368,10 @@ class GemmConfig:
     ``activation_rows > 0`` hands the GEMM the raw activation: each program quantizes that many
     rows of it (its tile) in its K loop, so a decode linear needs no activation kernel (one
     launch fewer, and no operand round trip); ``block_m`` is then the MMA's row count.
+    ``one_dot`` multiplies each K tile in one dot over the joined even-K and odd-K halves
+    (``joined_halves``) rather than one dot per half: with the dequantized weight as the wgmma's
+    register operand, its MMAs then issue as each slice is dequantized, not in two groups per
+    K tile, the first waited on before the second starts.
     """
 
     block_m: int
@@ -352,6 +383,7 @@ class GemmConfig:
     programs_per_sm: int = 0
     weight_as_mma_a: bool = False
     activation_rows: int = 0
+    one_dot: bool = False
 
     def __post_init__(self):
         rows = self.activation_rows
@@ -644,6 +676,7 @@ def launch_nvfp4_gemm(
                 PTX=ptx,
                 WEIGHT_AS_A=config.weight_as_mma_a,
                 QUANTIZE_ROWS=quantize_rows,
+                ONE_DOT=config.one_dot,
                 num_warps=config.num_warps,
                 num_stages=config.num_stages,
             ),
