@@ -8,9 +8,11 @@ same observer statistics, hence the same scales at convert.
             model(batch)
     nvfp4_static.convert_data_parallel(model)   # quantize_'s convert, weight sweeps split
 
-``sync_calibration(model)`` gathers every rank's observer states (as CPU tensors, through
-``all_gather_object``) and every rank folds them the same way, by each state's
-``STATE_REDUCTIONS``:
+``sync_calibration(model)`` gathers every rank's observer states and every rank folds them the
+same way, by each state's ``STATE_REDUCTIONS``. What the ranks compare (layers, recipes, state
+shapes, errors) travels as Python objects (``all_gather_object``); the states themselves as one
+flat byte tensor per rank (``all_gather_into_tensor``, on the GPU under NCCL, on the CPU under
+gloo), folded where they arrive, without a host copy:
 
 - integer sums (histogram counts, token counts) and maxima (literal max, ``max`` recipe amax)
   are exact whatever the order, so the result equals, bit for bit, one process that calibrated
@@ -46,6 +48,7 @@ others waiting until the process group's timeout (``init_process_group(timeout=.
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
@@ -151,13 +154,9 @@ def _plain(value):
     return value
 
 
-def _cpu_state(state: Optional[dict]) -> Optional[dict]:
-    return None if state is None else {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-
 def _slot(name: str, role: str, observer, layer) -> dict:
     """What a rank says about one observer: its kind and settings (which must agree across
-    ranks), its MSE anchor, and its state (None: it saw no data)."""
+    ranks), its MSE anchor, and its state (the observer's own tensors; None: it saw no data)."""
     recipe = _plain(layer.activation_recipe) if role == "act" else None
     if isinstance(observer, FirstBatchMseCalibrator):
         search = observer.search
@@ -169,14 +168,14 @@ def _slot(name: str, role: str, observer, layer) -> dict:
             "anchor": _anchor(observer),
             "restarts": observer.restarts,
             "reductions": dict(MseCalibrator.STATE_REDUCTIONS),
-            "state": None if search is None else _cpu_state(search._state),
+            "state": None if search is None else search._state,
         }
     if isinstance(observer, (MergeableObserver, _ExpertTokenCounts)):
         observer.settle()  # raises for a refused batch still being checked (CUDA)
         return {
             "layer": name, "role": role, "kind": type(observer).__name__,
             "settings": (recipe, _plain(observer._merge_config())),
-            "anchor": None, "restarts": 0, "state": _cpu_state(observer._state),
+            "anchor": None, "restarts": 0, "state": observer._state,
             "reductions": dict(observer.STATE_REDUCTIONS),
         }
     raise TypeError(
@@ -224,8 +223,17 @@ def _check_same_structure(snapshots: Sequence[list]) -> None:
             )
 
 
-def _fold_slot(per_rank: Sequence[dict]) -> dict:
-    """One observer's slots from every rank (rank order) folded into one."""
+def _without_tensors(slot: dict) -> dict:
+    """A slot as the ranks compare it: its state's tensors replaced by their (shape, dtype)."""
+    state = slot["state"]
+    spec = None if state is None else {key: (tuple(v.shape), v.dtype) for key, v in state.items()}
+    return {**slot, "state": spec}
+
+
+def _folded_slot(per_rank: Sequence[dict]) -> dict:
+    """One observer's slots from every rank (rank order, states as (shape, dtype)) checked
+    against each other: what the folded slot says besides its state's values (its state the
+    spec of the ranks that have one; None: no rank saw data)."""
     having = [(rank, slot) for rank, slot in enumerate(per_rank) if slot["state"] is not None]
     first = per_rank[0]
     if not having:
@@ -243,24 +251,127 @@ def _fold_slot(per_rank: Sequence[dict]) -> dict:
                 f"act_calibration='b_min'. An expert's grid is anchored at the first batch "
                 f"routed to it, so each expert must get tokens in that first batch"
             )
-        for key, value in slot["state"].items():
-            theirs, ours = value, base["state"].get(key)
-            if ours is None or theirs.shape != ours.shape or theirs.dtype != ours.dtype:
+        for key in slot["state"].keys() | base["state"].keys():
+            theirs, ours = slot["state"].get(key), base["state"].get(key)
+            if theirs != ours:
                 raise ValueError(
                     f"nvfp4_static: layer '{first['layer']}' ({first['role']}): state '{key}' is "
-                    f"{tuple(theirs.shape)} {theirs.dtype} on rank {rank} but "
-                    f"{None if ours is None else (tuple(ours.shape), ours.dtype)} on rank {rank0}"
+                    f"{theirs} on rank {rank} but {ours} on rank {rank0}"
                 )
-    reductions = base["reductions"]
-    state = {key: value.clone() for key, value in base["state"].items()}
-    for _, slot in having[1:]:
-        state = {key: _REDUCE[reductions[key]](value, slot["state"][key]) for key, value in state.items()}
-    return {**base, "state": state, "restarts": sum(slot["restarts"] for _, slot in having)}
+    return {**base, "restarts": sum(slot["restarts"] for _, slot in having)}
 
 
-def _fold(snapshots: Sequence[list]) -> list[dict]:
-    _check_same_structure(snapshots)
-    return [_fold_slot([slots[i] for slots in snapshots]) for i in range(len(snapshots[0]))]
+# States travel as one flat byte buffer per rank: the states of one dtype and reduction end to
+# end (a "run"), each run starting on this many bytes, so that every run can be viewed as its
+# dtype in the buffer and in the all-gathered rows.
+_ALIGNMENT = 16
+# At most this many bytes of each rank's buffer per all-gather: the gathered rows take the
+# number of ranks times this (full GPTQ Hessians are hundreds of MiB per layer).
+_GATHER_CHUNK_BYTES = 64 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """States of one dtype and reduction at bytes ``[start, end)`` of the flat buffer; each
+    member ``(slot index, state key, shape, first element in the run)``."""
+
+    dtype: torch.dtype
+    reduction: str
+    start: int
+    end: int
+    members: tuple
+
+    def of(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This run in ``buffer`` (its last dim the flat bytes), viewed as its dtype."""
+        return _bytes_as(buffer, self.start, self.end, self.dtype)
+
+
+def _bytes_as(buffer: torch.Tensor, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes ``[start, end)`` of ``buffer``'s last dim (uint8), viewed as ``dtype``."""
+    return buffer[..., start:end].view(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where each observer's state sits in the flat buffer every rank (or shard) contributes,
+    and the folded slots (their states still (shape, dtype) specs), from every rank's slots."""
+
+    runs: tuple
+    nbytes: int
+    slots: list
+
+
+def _layout(described: Sequence[list]) -> _Layout:
+    """The layout of the ranks' slots (``_without_tensors``, rank order); raises, naming the
+    rank and layer, where they cannot be folded. Every rank computes the same one."""
+    _check_same_structure(described)
+    slots = [_folded_slot([ranks_slots[i] for ranks_slots in described])
+             for i in range(len(described[0]))]
+    grouped: dict[tuple, list] = {}
+    for i, slot in enumerate(slots):
+        for key, (shape, dtype) in (slot["state"] or {}).items():
+            grouped.setdefault((dtype, slot["reductions"][key]), []).append((i, key, shape))
+    runs, offset = [], 0
+    for (dtype, reduction), entries in grouped.items():
+        members, elements = [], 0
+        for i, key, shape in entries:
+            members.append((i, key, shape, elements))
+            elements += math.prod(shape)
+        end = offset + elements * dtype.itemsize
+        runs.append(_Run(dtype, reduction, offset, end, tuple(members)))
+        offset = -(-end // _ALIGNMENT) * _ALIGNMENT
+    return _Layout(tuple(runs), offset, slots)
+
+
+def _identity(dtype: torch.dtype, reduction: str):
+    """What a rank without a state contributes, leaving the fold as if it were skipped, bit for
+    bit: ``x + -0.0`` is ``x`` for every float ``x`` (``-0.0`` and ``+0.0`` included), and
+    ``max(x, -inf)`` is ``x``."""
+    if reduction == "sum":
+        return -0.0 if dtype.is_floating_point else 0
+    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+def _pack(layout: _Layout, slots: Sequence[dict], device: torch.device) -> torch.Tensor:
+    """This rank's (or shard's) states in ``layout``: a flat uint8 tensor on ``device``."""
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    for run in layout.runs:
+        parts = []
+        for i, key, shape, _ in run.members:
+            state = slots[i]["state"]
+            if state is None:
+                parts.append(torch.full((math.prod(shape),), _identity(run.dtype, run.reduction),
+                                        dtype=run.dtype, device=device))
+            else:
+                parts.append(state[key].detach().reshape(-1).to(device))
+        torch.cat(parts, out=run.of(flat))
+    return flat
+
+
+def _fold_rows(layout: _Layout, rows: torch.Tensor, into: torch.Tensor, offset: int = 0) -> None:
+    """Fold ``rows`` ``[ranks, n]``, bytes ``[offset, offset + n)`` of every rank's buffer, in
+    rank order, into the same bytes of ``into``: ``((S_0 + S_1) + S_2) + ...`` (or max) per
+    element, as ``MergeableObserver.merge`` folds states."""
+    for run in layout.runs:
+        start, end = max(run.start, offset), min(run.end, offset + rows.shape[-1])
+        if start >= end:
+            continue
+        ranks = _bytes_as(rows, start - offset, end - offset, run.dtype)
+        folded = _bytes_as(into, start, end, run.dtype)
+        folded.copy_(ranks[0])
+        for theirs in ranks[1:]:
+            _REDUCE[run.reduction](folded, theirs, out=folded)
+
+
+def _unpack(layout: _Layout, flat: torch.Tensor) -> list[dict]:
+    """The folded slots, their states views of ``flat`` (the folded buffer)."""
+    states = [{} for _ in layout.slots]
+    for run in layout.runs:
+        values = run.of(flat)
+        for i, key, shape, first in run.members:
+            states[i][key] = values[first:first + math.prod(shape)].view(shape)
+    return [{**slot, "state": state if slot["state"] is not None else None}
+            for slot, state in zip(layout.slots, states)]
 
 
 def _apply(model: torch.nn.Module, folded: list[dict]) -> None:
@@ -324,8 +435,8 @@ def sync_calibration(
     A rank with no data (or no data for some layers) contributes nothing. ``error``: an
     exception this rank's calibration raised; every rank then raises a ``RuntimeError`` naming
     this rank and the error, instead of waiting for it (``data_parallel_calibration`` passes
-    it). Works with any backend (gloo, NCCL): states travel as CPU tensors. See the module
-    docstring for the exact equality guaranteed.
+    it). Works with gloo (states gathered on the CPU) and NCCL (on the current CUDA device).
+    See the module docstring for the exact equality guaranteed.
 
     Raises (on every rank alike):
         RuntimeError: some rank's calibration failed.
@@ -333,16 +444,41 @@ def sync_calibration(
             or an MSE layer's ranks searched different grids.
     """
     local: dict = {"error": None, "slots": None}
+    slots = None
     if error is not None:
         local["error"] = _error_text(error)
     else:
         try:
-            local["slots"] = _snapshot(model)
+            slots = _snapshot(model)
+            local["slots"] = [_without_tensors(slot) for slot in slots]
         except Exception as caught:  # e.g. a NaN batch reported late (CUDA): tell the others
             local["error"] = _error_text(caught)
     gathered = _gather(local, group)
     _raise_any_rank_error(gathered)
-    _apply(model, _fold([item["slots"] for item in gathered]))
+    layout = _layout([item["slots"] for item in gathered])
+    flat = _pack(layout, slots, _collective_device(group))
+    _fold_across_ranks(layout, flat, group)
+    _apply(model, _unpack(layout, flat))
+
+
+def _fold_across_ranks(layout: _Layout, flat: torch.Tensor, group) -> None:
+    """Every rank's ``flat`` all-gathered and folded in rank order, into ``flat``, a chunk of
+    at most ``_GATHER_CHUNK_BYTES`` at a time."""
+    dist = _dist()
+    world = dist.get_world_size(group)
+    for start in range(0, layout.nbytes, _GATHER_CHUNK_BYTES):
+        chunk = flat[start:start + _GATHER_CHUNK_BYTES]
+        rows = torch.empty(world * chunk.numel(), dtype=torch.uint8, device=flat.device)
+        dist.all_gather_into_tensor(rows, chunk, group=group)
+        _fold_rows(layout, rows.view(world, -1), flat, start)
+
+
+def _collective_device(group) -> torch.device:
+    """Where the group's collectives take their tensors: the current CUDA device for NCCL,
+    else the CPU (gloo)."""
+    if _dist().get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -567,8 +703,7 @@ def _share_weight_computation(
     gathered = _gather(local, group)
     _raise_any_rank_error(gathered, "convert")
     _check_same_layers([item["layers"] for item in gathered])
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = _collective_device(group)
     for source, item in enumerate(gathered):
         if not item["computed"]:
             continue
@@ -645,12 +780,22 @@ def calibrate_in_shards(
                 forward(model, batch)
                 if index == 0:  # as sync_mse_anchors after the first batch of the first rank
                     _record_anchors(entries, anchors)
-        snapshots.append(_snapshot(model))
+        snapshots.append([_on_cpu(slot) for slot in _snapshot(model)])
     if not snapshots:
         return
     for _, _, observer, _ in entries:
         observer.reset()
-    _apply(model, _fold(snapshots))
+    layout = _layout([[_without_tensors(slot) for slot in slots] for slots in snapshots])
+    rows = torch.stack([_pack(layout, slots, torch.device("cpu")) for slots in snapshots])
+    _fold_rows(layout, rows, rows[0])
+    _apply(model, _unpack(layout, rows[0]))
+
+
+def _on_cpu(slot: dict) -> dict:
+    """``slot`` with a CPU copy of its state: the shards' states wait on the host."""
+    state = slot["state"]
+    return {**slot, "state": None if state is None else
+            {key: value.detach().to("cpu", copy=True) for key, value in state.items()}}
 
 
 def _record_anchors(entries: list, anchors: list) -> None:

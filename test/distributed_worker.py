@@ -98,6 +98,19 @@ def data_parallel_run(batches, act, weight, filter_fn=all_but_lm_head, forward=N
     return {"scales": converted_scales(model), "logits": logits, "pooled": pooled_experts(model)}
 
 
+def synced_states_run(batches) -> dict:
+    """``data_parallel_run`` of mse + hessian_mse, with every observer's state (CPU copies, in
+    ``_observers`` order) as convert finds them, after the sync."""
+    states = []
+
+    def recording_convert(model, config, filter_fn):
+        states.extend(None if slot["state"] is None else {k: v.cpu() for k, v in slot["state"].items()}
+                      for slot in distributed._snapshot(model))
+        quantize_convert(model, config, filter_fn)
+
+    return {**data_parallel_run(batches, "mse", "hessian_mse", convert=recording_convert), "states": states}
+
+
 def split_sweeps_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_head) -> dict:
     """``data_parallel_run`` converted by ``convert_data_parallel``, with the names of the
     layers whose weight sweep this rank ran (``fail_on_rank``: that rank's sweeps raise)."""
@@ -158,6 +171,14 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     for act in ACT_RECIPES:
         for weight in WEIGHT_RECIPES:
             save(f"dp-{act}-{weight}", data_parallel_run(mine, act, weight))
+
+    chunk = distributed._GATHER_CHUNK_BYTES
+    save("dp-one-chunk", synced_states_run(mine))
+    distributed._GATHER_CHUNK_BYTES = 1008  # some 70 all-gathers, their edges inside states
+    try:
+        save("dp-chunked", synced_states_run(mine))
+    finally:
+        distributed._GATHER_CHUNK_BYTES = chunk
 
     save("no-data", data_parallel_run(mine if rank == 0 else [], "mse", "hessian_mse"))
 

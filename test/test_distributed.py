@@ -144,6 +144,17 @@ def test_two_ranks_equal_one_process_on_the_same_shards(results, act, weight):
         assert_same(rank0, union, parts=parts, logits=exact_act and exact_weight)
 
 
+def test_states_gathered_in_many_chunks_fold_as_in_one(results):
+    for chunked, whole in zip(results("dp-chunked"), results("dp-one-chunk")):
+        assert_same(chunked, whole)
+        assert len(chunked["states"]) == len(whole["states"]) == 28  # an mse search and a Hessian per linear
+        for ours, theirs in zip(chunked["states"], whole["states"]):
+            assert ours.keys() == theirs.keys()
+            for key in ours:  # bit for bit, the sign of zero included
+                assert ours[key].dtype == theirs[key].dtype
+                assert torch.equal(ours[key].reshape(-1).view(torch.uint8), theirs[key].reshape(-1).view(torch.uint8))
+
+
 @pytest.mark.parametrize("weight", ("mse", "hessian_mse"))
 def test_weight_sweeps_split_across_ranks_equal_the_one_process_convert(results, weight):
     rank0, rank1 = results(f"split-sweeps-{weight}")
