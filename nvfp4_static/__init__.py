@@ -7,8 +7,12 @@
     for batch in calibration_batches:
         model(batch)
     quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
+
+For an LLM, ``calibrate_model(model, batches)`` also smooths the norms' outputs first (the
+default recipe), and ``calibrate_layer_by_layer`` does the same for models bigger than the GPU.
 """
 
+from nvfp4_static.calibrate_model import calibrate_model
 from nvfp4_static.checkpoint import load_quantized
 from nvfp4_static.clip_monitor import ClipCounts, clip_counts, disable_clip_monitor, enable_clip_monitor
 from nvfp4_static.config import NVFP4StaticActivationConfig
@@ -77,6 +81,7 @@ __all__ = [
     "calibrate_in_shards",
     "convert_data_parallel",
     "calibrate_layer_by_layer",
+    "calibrate_model",
     "calibrate_hessians_under_quantized_activations",
     "smooth_norm_inputs",
 ]

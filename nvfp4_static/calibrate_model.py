@@ -1,0 +1,98 @@
+"""The default recipe in one call, for a model that fits on its device.
+
+``quantize_`` with ``step="prepare"`` and ``"convert"`` works one module at a time and runs no
+batches, so the recipe's first step, smoothing the norms' outputs from the first batch
+(``smooth_norm_inputs``), is the caller's. ``calibrate_model`` does all of it: smooth, prepare,
+run the batches, convert. ``calibrate_layer_by_layer`` gives the same scales, bit for bit, for
+models that do not fit.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+from torchao.quantization import quantize_
+from tqdm.auto import tqdm
+
+from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.norm_smoothing import (
+    DEFAULT_ALPHA,
+    find_norm_groups,
+    fold_smoothing_scales,
+    smoothing_scales,
+)
+from nvfp4_static.workflow import is_quantizable
+
+__all__ = ["calibrate_model"]
+
+
+def _default_forward(model: torch.nn.Module, batch: Any) -> Any:
+    return model(**batch) if isinstance(batch, dict) else model(batch)
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {key: _to(value, device) for key, value in batch.items()}
+    return batch
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def calibrate_model(
+    model: torch.nn.Module,
+    batches: Sequence[Any],
+    config: Optional[NVFP4StaticActivationConfig] = None,
+    *,
+    forward: Optional[Callable[[torch.nn.Module, Any], Any]] = None,
+    filter_fn: Callable[[torch.nn.Module, str], bool] = is_quantizable,
+    smooth_alpha: Optional[float] = DEFAULT_ALPHA,
+    progress: bool = True,
+) -> torch.nn.Module:
+    """Smooth, prepare, calibrate on ``batches`` and convert ``model`` in place, on its device.
+
+    Args:
+        model: the float model.
+        batches: the calibration batches, each passed to ``forward`` (tensors, or dicts of
+            them, are moved to the model's device).
+        config: an ``NVFP4StaticActivationConfig`` (its ``step`` is ignored); default recipe.
+        forward: ``forward(model, batch)``; default ``model(batch)`` (``model(**batch)`` for a
+            dict).
+        filter_fn: ``quantize_``'s filter (e.g. leave ``lm_head`` out).
+        smooth_alpha: fold ``smooth_norm_inputs``'s scales with this alpha into the norms
+            feeding q/k/v and gate/up, from the first batch, before prepare; a model without
+            such norms is not smoothed. None: no smoothing.
+
+    Returns:
+        ``model``, its selected linears converted.
+
+    Raises:
+        ValueError: no batches, ``smooth_alpha`` outside [0, 1], or smoothing refused (see
+            ``smooth_norm_inputs``); in these cases the model is left as it was.
+    """
+    if not batches:
+        raise ValueError("nvfp4_static: calibrate_model needs at least one calibration batch")
+    if smooth_alpha is not None and not 0.0 <= smooth_alpha <= 1.0:  # also refuses NaN
+        raise ValueError(f"nvfp4_static: calibrate_model: smooth_alpha={smooth_alpha} must lie in "
+                         f"[0, 1] (or None: no smoothing)")
+    config = config or NVFP4StaticActivationConfig()
+    forward = forward or _default_forward
+    device = _device_of(model)
+    if smooth_alpha is not None:
+        groups = find_norm_groups(model)
+        if groups:
+            first = _to(batches[0], device)
+            scales = smoothing_scales(model, groups, lambda m: forward(m, first), smooth_alpha)
+            fold_smoothing_scales(groups, scales)
+    quantize_(model, dataclasses.replace(config, step="prepare"), filter_fn=filter_fn)
+    for batch in tqdm(batches, desc="nvfp4_static calibrate", unit="batch", disable=not progress):
+        forward(model, _to(batch, device))
+    quantize_(model, dataclasses.replace(config, step="convert"), filter_fn=filter_fn)
+    return model

@@ -1,0 +1,108 @@
+"""calibrate_model: the default recipe in one call equals the layer-by-layer run and the
+explicit quantize_ flow, and refuses bad calls before changing anything."""
+
+import pytest
+import torch
+from conftest import convert, prepare
+from distributed_worker import converted_scales
+from tiny_llama import all_but_lm_head, convert_llama, logits, prepared_and_calibrated, tiny_llama, token_ids
+
+from nvfp4_static import (
+    NVFP4StaticActivationConfig,
+    NVFP4StaticLinear,
+    calibrate_layer_by_layer,
+    calibrate_model,
+    smooth_norm_inputs,
+)
+
+CONFIG = NVFP4StaticActivationConfig(act_calibration="b_min", weight_scale="hessian_mse")
+
+
+def batches():
+    return [token_ids(0), token_ids(1)]  # the seeds prepared_and_calibrated runs
+
+
+def assert_same_model(a, b):
+    x, y = converted_scales(a), converted_scales(b)
+    assert x.keys() == y.keys() and len(x) == 14
+    for name in x:
+        assert all(torch.equal(p, q) for p, q in zip(x[name], y[name])), name
+    assert torch.equal(logits(a, seed=7), logits(b, seed=7))
+
+
+def test_equals_the_layer_by_layer_run_bit_for_bit():
+    whole = calibrate_model(tiny_llama(), batches(), CONFIG, filter_fn=all_but_lm_head, progress=False)
+    layered = calibrate_layer_by_layer(tiny_llama(), batches(), CONFIG, device="cpu",
+                                       filter_fn=all_but_lm_head, progress=False)
+    assert_same_model(whole, layered)
+    assert not isinstance(whole.lm_head, NVFP4StaticLinear)
+
+
+@pytest.mark.parametrize("smooth", [True, False])
+def test_equals_the_explicit_flow(smooth):
+    explicit = tiny_llama()
+    if smooth:
+        smooth_norm_inputs(explicit, lambda m: m(token_ids(0)))
+    recipe = dict(act_calibration="b_min", weight_scale="hessian_mse")
+    explicit = convert_llama(prepared_and_calibrated(explicit, **recipe), **recipe)
+    one_call = calibrate_model(tiny_llama(), batches(), CONFIG, filter_fn=all_but_lm_head,
+                               smooth_alpha=0.5 if smooth else None, progress=False)
+    assert_same_model(one_call, explicit)
+
+
+def test_a_model_without_norms_is_quantized_unsmoothed():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    reference = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    reference.load_state_dict(model.state_dict())
+    data = [torch.randn(8, 32, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    calibrate_model(model, data, CONFIG, progress=False)
+    prepare(reference, act_calibration="b_min", weight_scale="hessian_mse")
+    with torch.no_grad():
+        for x in data:
+            reference(x)
+    convert(reference, act_calibration="b_min", weight_scale="hessian_mse")
+    probe = torch.randn(4, 32)
+    with torch.no_grad():
+        assert torch.equal(model(probe), reference(probe))
+    assert isinstance(model[0], NVFP4StaticLinear) and isinstance(model[2], NVFP4StaticLinear)
+
+
+class OnePlusWeightNorm(torch.nn.Module):
+    """Gemma's norm: the output scales with 1 + weight, so no scale folds into it."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        return x * (1 + self.weight)
+
+
+def gemma_like_llama():
+    model = tiny_llama()
+    for layer in model.model.layers:
+        layer.input_layernorm = OnePlusWeightNorm(64)
+    return model
+
+
+@pytest.mark.parametrize(
+    "model_fn, data, options, message",
+    [
+        (tiny_llama, [], {}, "needs at least one calibration batch"),
+        (tiny_llama, None, {"smooth_alpha": -0.5}, "smooth_alpha=-0.5 must lie in"),
+        (tiny_llama, None, {"smooth_alpha": 2.0}, "smooth_alpha=2.0 must lie in"),
+        (tiny_llama, None, {"smooth_alpha": float("nan")}, "smooth_alpha=nan must lie in"),
+        (gemma_like_llama, None, {}, "does not scale its output with its weight"),
+    ],
+    ids=["no batches", "alpha below 0", "alpha above 1", "alpha nan", "gemma norm"],
+)
+def test_bad_calls_are_refused_and_nothing_changes(model_fn, data, options, message):
+    model = model_fn()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=message):
+        calibrate_model(model, batches() if data is None else data, CONFIG, filter_fn=all_but_lm_head,
+                        progress=False, **options)
+    assert [type(m) for m in model.modules()] == kinds
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
