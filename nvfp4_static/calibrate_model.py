@@ -16,6 +16,7 @@ from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.layerwise import _home_device, _map_tensors
 from nvfp4_static.norm_smoothing import (
     DEFAULT_ALPHA,
     find_norm_groups,
@@ -29,20 +30,6 @@ __all__ = ["calibrate_model"]
 
 def _default_forward(model: torch.nn.Module, batch: Any) -> Any:
     return model(**batch) if isinstance(batch, dict) else model(batch)
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {key: _to(value, device) for key, value in batch.items()}
-    return batch
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
 
 
 @torch.no_grad()
@@ -84,15 +71,15 @@ def calibrate_model(
                          f"[0, 1] (or None: no smoothing)")
     config = config or NVFP4StaticActivationConfig()
     forward = forward or _default_forward
-    device = _device_of(model)
+    device = _home_device(model)
     if smooth_alpha is not None:
         groups = find_norm_groups(model)
         if groups:
-            first = _to(batches[0], device)
+            first = _map_tensors(batches[0], lambda t: t.to(device))
             scales = smoothing_scales(model, groups, lambda m: forward(m, first), smooth_alpha)
             fold_smoothing_scales(groups, scales)
     quantize_(model, dataclasses.replace(config, step="prepare"), filter_fn=filter_fn)
     for batch in tqdm(batches, desc="nvfp4_static calibrate", unit="batch", disable=not progress):
-        forward(model, _to(batch, device))
+        forward(model, _map_tensors(batch, lambda t: t.to(device)))
     quantize_(model, dataclasses.replace(config, step="convert"), filter_fn=filter_fn)
     return model
