@@ -47,19 +47,18 @@ class LayerSmoothing:
 
     def smooth(self, layer: torch.nn.Module, name: str) -> None:
         """Fold the smoothing scales into ``layer`` and carry the first batch past it."""
-        groups = {f"{name}.{norm}": group for norm, group in find_norm_groups(layer).items()}
-        scales, error = None, None
-        if self.hidden is not None:
-            try:
+        groups, scales, error = {}, None, None
+        try:
+            groups = {f"{name}.{norm}": group for norm, group in find_norm_groups(layer).items()}
+            if self.hidden is not None:
                 if groups:
                     scales = smoothing_scales(layer, groups, self._advance, self.alpha)
                 else:
                     self._advance(layer)
-            except Exception as caught:
-                error = caught
+        except Exception as caught:
+            error = caught
         if self.data_parallel:
-            gathered = _gather({"error": _error_text(error) if error else None}, self.group)
-            _raise_any_rank_error(gathered, "norm smoothing")
+            self._raise_if_any_rank_failed(error)
             if groups:
                 scales = self._broadcast(groups, scales)
         elif error is not None:
@@ -78,6 +77,18 @@ class LayerSmoothing:
 
     def _advance(self, layer: torch.nn.Module) -> None:
         self.hidden = self.run(layer, self.hidden)
+
+    def _raise_if_any_rank_failed(self, error: Optional[BaseException]) -> None:
+        """Every rank raises the same error if any rank's smoothing failed (a flag per rank on
+        the device; the error texts are gathered only then)."""
+        import torch.distributed as dist
+
+        failed = torch.tensor([error is not None], dtype=torch.int32, device=self.device)
+        every_rank = torch.empty(dist.get_world_size(self.group), dtype=torch.int32, device=self.device)
+        dist.all_gather_into_tensor(every_rank, failed, group=self.group)
+        if bool(every_rank.any()):
+            gathered = _gather({"error": _error_text(error) if error else None}, self.group)
+            _raise_any_rank_error(gathered, "norm smoothing")
 
     def _broadcast(self, groups: dict, scales: Optional[dict]) -> dict:
         """The source rank's scales on every rank (one tensor, in the groups' order)."""
