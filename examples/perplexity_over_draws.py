@@ -59,6 +59,7 @@ from tqdm import tqdm  # noqa: E402
 import quantize_llm  # noqa: E402
 from nvfp4_static import NVFP4StaticActivationConfig, calibrate_layer_by_layer, kernels  # noqa: E402
 from nvfp4_static.linear import NVFP4StaticLinear  # noqa: E402
+from nvfp4_static.norm_smoothing import DEFAULT_ALPHA  # noqa: E402
 from nvfp4_static.observed import NVFP4StaticObservedLinear  # noqa: E402
 from nvfp4_static.tensor import NVFP4StaticTensor  # noqa: E402
 
@@ -183,7 +184,11 @@ def propagation_perplexities(args, float_model, token_ids, eval_batches) -> dict
     recipe = quantize_llm.parse_recipe(args.propagation, {})
     if recipe is None:
         raise SystemExit(f"--propagation {args.propagation}: a weight-only recipe calibrates nothing")
-    config = NVFP4StaticActivationConfig(**recipe)
+    if recipe.get("hessian_pass"):
+        raise SystemExit(f"--propagation {args.propagation}: the layer-by-layer run has no second Hessian pass")
+    config = NVFP4StaticActivationConfig(
+        **{key: value for key, value in recipe.items() if key not in quantize_llm.EXAMPLE_KEYS})
+    smooth_alpha = DEFAULT_ALPHA if recipe.get("smooth") else None  # the recipe's '+smooth'
     perplexities = {FLOAT_INPUTS: [], QUANTIZED_INPUTS: []}
     for start, calib_batches in calibration_draws(args, token_ids):
         for name, propagate in ((FLOAT_INPUTS, False), (QUANTIZED_INPUTS, True)):
@@ -192,7 +197,7 @@ def propagation_perplexities(args, float_model, token_ids, eval_batches) -> dict
                 model = calibrate_layer_by_layer(
                     copy.deepcopy(float_model), calib_batches, config, device=args.device,
                     filter_fn=quantize_llm.all_but_lm_head, propagate_quantized=propagate,
-                    progress=False,
+                    smooth_alpha=smooth_alpha, progress=False,
                 )
             ppl, _ = quantize_llm.evaluate(model, eval_batches, name)
             perplexities[name].append(ppl)

@@ -119,20 +119,21 @@ def test_perplexity_over_draws_matches_the_llm_example_draw_by_draw():
     bool(missing_llm_deps),
     reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
 )
-def test_propagation_study_without_propagation_scores_what_the_llm_example_scores():
-    """Layer-by-layer calibration without propagation gives the whole-model scales, so its row
-    must equal quantize_llm.py's on that draw; propagation changes the second layer's scales.
-    Block-max weight scales keep it to seconds."""
+@pytest.mark.parametrize("recipe", ["b_min+max", "b_min+max+smooth"])
+def test_propagation_study_without_propagation_scores_what_the_llm_example_scores(recipe):
+    """Layer-by-layer calibration without propagation gives the whole-model scales (smoothed
+    layer by layer too, for '+smooth'), so its row must equal quantize_llm.py's on that draw;
+    propagation changes the second layer's scales. Block-max weight scales keep it to seconds."""
     tiny = ["--num-layers", "2", "--n-calib", "1", "--n-eval", "2", "--seq-len", "32", "--batch-size", "2",
             "--calib-start", "1"]
-    stdout = run_script("examples/perplexity_over_draws.py", *tiny, "--draws", "1", "--propagation", "b_min+max",
+    stdout = run_script("examples/perplexity_over_draws.py", *tiny, "--draws", "1", "--propagation", recipe,
                         timeout=600)
     draw = dict(item.rsplit(" ", 1) for item in stdout.split("draw 0 (sequences 1-1): ", 1)[1].splitlines()[0].split(", "))
     example = results_table(run_script(
-        "examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--recipes", "b_min+max", "--diagnostics-rows", "0", timeout=600,
+        "examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--recipes", recipe, "--diagnostics-rows", "0", timeout=600,
     ))
-    assert float(draw["float layer inputs"]) == example["b_min+max"]
-    assert float(draw["quantized layer inputs"]) != example["b_min+max"]
+    assert float(draw["float layer inputs"]) == example[recipe]
+    assert float(draw["quantized layer inputs"]) != example[recipe]
 
 
 @pytest.mark.skipif(
