@@ -2,6 +2,7 @@
 numeric edges, the operands of a quantized linear, and the calibrate-then-convert flow on the
 small models of ``models.py``."""
 
+import warnings
 from typing import NamedTuple, Optional
 
 import pytest
@@ -17,6 +18,21 @@ from nvfp4_static.numerics import (
 )
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def device_waits(fn) -> list[str]:
+    """Where ``fn()`` made the host wait for the GPU, as ``file:line`` of the Python call: what
+    ``torch.cuda.set_sync_debug_mode`` warns about (a read of a GPU value, a blocking copy to
+    the GPU, a stream synchronize; not an event synchronize)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)]
 
 # The activation dtypes the kernels take, and their test ids.
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

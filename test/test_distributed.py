@@ -33,6 +33,7 @@ from distributed_worker import (
     moe_batch,
     pooled_experts,
 )
+from conftest import device_waits, requires_cuda
 from test_experts import tiny_model
 from tiny_llama import all_but_lm_head, convert_llama, tiny_llama, token_ids
 
@@ -42,7 +43,7 @@ from nvfp4_static import (
     NVFP4StaticObservedLinear,
     smooth_norm_inputs,
 )
-from nvfp4_static.distributed import calibrate_in_shards, sync_calibration
+from nvfp4_static.distributed import _snapshot, calibrate_in_shards, sync_calibration
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
 WORLD = 2
@@ -119,6 +120,12 @@ def shards_run(act, weight, shards, smooth=False):
     return finished(model, act, weight)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (``torch.equal`` takes -0.0 for 0.0)."""
+    return (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
 def assert_same(a: dict, b: dict, parts=("act", "weight"), logits=True) -> None:
     index = {"act": [0], "weight": [1, 2, 3]}
     assert a["scales"].keys() == b["scales"].keys() and len(a["scales"]) == 14
@@ -150,9 +157,7 @@ def test_states_gathered_in_many_chunks_fold_as_in_one(results):
         assert len(chunked["states"]) == len(whole["states"]) == 28  # an mse search and a Hessian per linear
         for ours, theirs in zip(chunked["states"], whole["states"]):
             assert ours.keys() == theirs.keys()
-            for key in ours:  # bit for bit, the sign of zero included
-                assert ours[key].dtype == theirs[key].dtype
-                assert torch.equal(ours[key].reshape(-1).view(torch.uint8), theirs[key].reshape(-1).view(torch.uint8))
+            assert all(same_bits(ours[key], theirs[key]) for key in ours)
 
 
 @pytest.mark.parametrize("weight", ("mse", "hessian_mse"))
@@ -372,6 +377,30 @@ def test_shards_fold_the_hessian_as_merge_does():
     accumulator = folded.get_submodule(name).hessian_accumulator
     assert torch.equal(accumulator.hessian, parts[0].hessian)
     assert accumulator.num_tokens == 4 * 4 * 16
+
+
+@requires_cuda
+def test_gpu_sync_waits_for_the_device_as_often_for_one_layer_as_for_the_model_and_keeps_one_ranks_states():
+    """Under NCCL the states travel as one tensor per rank and fold on the GPU: the host waits
+    only inside all_gather_object (a fixed few), not per state as a host copy of each would; a
+    rank alone keeps its states bit for bit."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        model = prepared("b_min", "hessian_mse", tiny_llama().cuda())
+        with torch.no_grad():
+            for batch in batches(SHARDS[0]):
+                model(batch.cuda())
+        before = [{k: v.clone() for k, v in slot["state"].items()} for slot in _snapshot(model)]
+        waits = [device_waits(lambda: sync_calibration(part)) for part in (model.model.layers[0], model)]
+        after = [slot["state"] for slot in _snapshot(model)]
+    finally:
+        dist.destroy_process_group()
+    assert len(before) == 28 and len(waits[0]) == len(waits[1]), waits  # 14 observers, 28
+    for ours, theirs in zip(before, after):
+        assert all(same_bits(ours[key], theirs[key]) for key in ours)
 
 
 def test_sync_without_a_process_group_says_what_is_missing():

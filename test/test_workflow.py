@@ -17,7 +17,9 @@ from torchao.utils import unwrap_tensor_subclass
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import DIM, requires_cuda, calibration_batches, make, quantized, sqnr_db
+from conftest import (
+    DIM, requires_cuda, calibration_batches, convert, device_waits, make, prepare, quantized, sqnr_db,
+)
 from models import MLP, TransformerBlock
 from nvfp4_static import (
     NVFP4MSECalibrator,
@@ -282,6 +284,28 @@ def test_gpu_compiled_model_serves_every_token_count_from_one_graph():
         with torch.no_grad():
             static = torch.compile(model, fullgraph=True, dynamic=False)(x)
         assert torch.equal(out, static), tuple(x.shape)
+
+
+@requires_cuda
+@pytest.mark.parametrize("weight_scale, waits_per_linear", [("mse", 8), ("hessian_mse", 9)])
+def test_gpu_convert_waits_for_the_device_a_few_times_per_linear(weight_scale, waits_per_linear):
+    """Each wait stops the host from queueing the next layer's work. Per linear: the histogram
+    (one read), the activation scale's usability, the sweep's global amax, the weight's
+    finiteness read with its per-tensor scale, the sweep's candidate factors (a read and a
+    blocking copy of the FP8 values), from_float's overflow check and output scale; and for
+    hessian_mse the Hessian's finiteness."""
+
+    def calibrated():
+        model = prepare(make(MLP, torch.bfloat16).cuda(), weight_scale=weight_scale)
+        with torch.no_grad():
+            for batch in calibration_batches(dtype=torch.bfloat16):
+                model(batch.cuda())
+        return model
+
+    convert(calibrated(), weight_scale=weight_scale)  # Triton compiles the kernels
+    model = calibrated()
+    waits = device_waits(lambda: convert(model, weight_scale=weight_scale))
+    assert len(waits) <= 2 * waits_per_linear, waits
 
 
 def test_convert_without_calibration_names_the_layer():

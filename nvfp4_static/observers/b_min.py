@@ -101,20 +101,22 @@ class NVFP4BMinCalibrator(BlockAmaxHistogramObserver):
 
     def compute_amax(self) -> torch.Tensor:
         """The activation global amax ``g_amax``, a float32 0-d tensor on the state's device."""
-        device = self._require_state("compute_amax()")["literal_max"].device
-        literal_max = self.literal_max
+        host = self._host_state("compute_amax()")
+        device = self._state["literal_max"].device
+        self._check_state_finite(host.literal_max)
+        literal_max = float(host.literal_max)
         if literal_max == 0.0:
             g_amax = self._all_zero_fallback()
             self.stats = {"literal_max": 0.0, "g_amax": g_amax, "set_by": "all-zero fallback"}
-            return torch.tensor(g_amax, dtype=torch.float32, device=device)
+            return self._amax_tensor(g_amax, device)
 
-        b_max = self.percentile(self.b_max_percentile)
-        b_min = self.percentile(self.b_min_percentile, floor=b_max / B_MIN_FLOOR_RATIO)
+        b_max = self._percentile_of(host, self.b_max_percentile)
+        b_min = self._percentile_of(host, self.b_min_percentile, floor=b_max / B_MIN_FLOOR_RATIO)
         rho_term, margin_term = self.rho * b_min, self.margin * b_max
         g_amax = max(rho_term, margin_term)
         self.stats = {
             "literal_max": literal_max,
-            "b_min_percentile_value": self.percentile(self.b_min_percentile),
+            "b_min_percentile_value": self._percentile_of(host, self.b_min_percentile),
             "b_max_percentile_value": b_max,
             "b_min": b_min,
             "b_max": b_max,
@@ -131,7 +133,7 @@ class NVFP4BMinCalibrator(BlockAmaxHistogramObserver):
                 f"g_amax = {g_amax:.4g} ({self.stats['set_by']}). Consider outlier mitigation "
                 "(e.g. SmoothQuant) or leaving this layer unquantized.",
             )
-        return torch.tensor(g_amax, dtype=torch.float32, device=device)
+        return self._amax_tensor(g_amax, device)
 
 
 class NVFP4ActMaxCalibrator(NVFP4BMinCalibrator):

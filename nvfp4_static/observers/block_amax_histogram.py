@@ -6,7 +6,7 @@ in bounded memory (``num_bins`` int64 counts) and merges by addition, across bat
 """
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -39,6 +39,14 @@ def _shared_bins(what: str, settings: tuple, device: torch.device) -> torch.Tens
         else:
             _SHARED_BINS[key] = histogram_bin_centres(*settings)
     return _SHARED_BINS[key]
+
+
+class HostHistogram(NamedTuple):
+    """A histogram observer's state on the host: ``counts`` float64 (exact below 2^53) and
+    ``literal_max`` float32, 0-d, both CPU tensors."""
+
+    counts: torch.Tensor
+    literal_max: torch.Tensor
 
 
 class BlockAmaxHistogramObserver(MergeableObserver):
@@ -108,13 +116,21 @@ class BlockAmaxHistogramObserver(MergeableObserver):
     @property
     def literal_max(self) -> float:
         """The largest block amax collected, i.e. ``max |x|`` over everything seen."""
-        literal_max = self._require_state("literal_max")["literal_max"]
+        literal_max = self._require_state("literal_max")["literal_max"].cpu()
         self._check_state_finite(literal_max)
         return float(literal_max)
 
+    def _host_state(self, what: str) -> HostHistogram:
+        """The state on the host, read in one copy (each read of a GPU tensor waits for the
+        device); ``what`` names the caller in the error raised before any collect."""
+        state = self._require_state(what)
+        both = torch.cat([state["counts"].to(torch.float64),
+                          state["literal_max"].to(torch.float64).reshape(1)]).cpu()
+        return HostHistogram(both[:-1], both[-1].to(torch.float32))
+
     def bin_index(self, value: float) -> int:
         """The bin a block amax of ``value`` is counted in (same float32 edges as collection)."""
-        edges = self._bin_edges.cpu()
+        edges = _shared_bins("edges", self._bins, torch.device("cpu"))
         return int(torch.searchsorted(edges, edges.new_tensor([value]), right=True)[0])
 
     def percentile(self, percentile: float, floor: Optional[float] = None) -> float:
@@ -131,11 +147,16 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         Returns:
             The value as a Python float; 0.0 if no block is counted.
         """
-        state = self._require_state("percentile()")
+        return self._percentile_of(self._host_state("percentile()"), percentile, floor)
+
+    def _percentile_of(self, host: HostHistogram, percentile: float, floor: Optional[float] = None) -> float:
+        """``percentile(percentile, floor)`` of the state read by ``_host_state``: a caller
+        reading several percentiles reads the state once."""
         if percentile >= 100.0:
-            return float(state["literal_max"])
-        counts = state["counts"].to("cpu", torch.float64)
+            return float(host.literal_max)
+        counts = host.counts
         if floor is not None:
+            counts = counts.clone()
             counts[: self.bin_index(floor)] = 0
         cdf = counts.cumsum(0)
         total = float(cdf[-1])
@@ -145,7 +166,14 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         # number (1% of 10000 blocks) is not pushed into the next bin by rounding.
         rank = max(percentile * total / 100.0, 1.0)
         index = int(torch.searchsorted(cdf, cdf.new_tensor([rank]))[0])
-        return self._reading_of_bin(index, float(state["literal_max"]))
+        return self._reading_of_bin(index, float(host.literal_max))
+
+    @staticmethod
+    def _amax_tensor(value: float, device: torch.device) -> torch.Tensor:
+        """``value`` as a float32 0-d tensor on ``device``. The copy does not wait for the
+        device (a plain copy to a GPU waits for all the work queued there): convert makes one
+        per layer."""
+        return torch.tensor(value, dtype=torch.float32).to(device, non_blocking=True)
 
     def _reading_of_bin(self, index: int, literal_max: float) -> float:
         """The bin's centre, except in the two edge bins, which also hold every value beyond

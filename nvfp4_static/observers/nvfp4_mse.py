@@ -4,12 +4,15 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static import kernels, references
+from nvfp4_static import kernels
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     E4M3_MAX,
     E4M3_MIN_NORMAL,
+    e4m3_positive_values,
     pad_to_block_multiple,
+    per_tensor_amax_to_scale,
+    scale_reciprocal_overflows,
 )
 from nvfp4_static.observers.base import Observer
 
@@ -73,12 +76,15 @@ class NVFP4MSECalibrator(Observer):
                 "minimises squared error, or dw^T H dw when a hessian is given"
             )
         global_amax = torch.as_tensor(global_amax).detach().to(torch.float32)
-        if global_amax.numel() != 1 or not bool(torch.isfinite(global_amax)) or global_amax < 0:
+        # On the host once: each read of a GPU tensor waits for the device.
+        host_amax = global_amax.cpu() if global_amax.numel() == 1 else None
+        if host_amax is None or not bool(torch.isfinite(host_amax)) or host_amax < 0:
             raise ValueError(
                 f"{self.describe()}: global_amax must be one finite value >= 0, got {global_amax}"
             )
         self.amax_shape = tuple(amax.shape)
         self.global_amax = global_amax.reshape(())
+        self._host_global_amax = float(host_amax)
         self.hessian = hessian
         self._block_scales_e4m3: Optional[torch.Tensor] = None
 
@@ -107,19 +113,28 @@ class NVFP4MSECalibrator(Observer):
                 f"{self.describe()}: already calibrated one weight; call reset() before "
                 "collecting another"
             )
-        weight = self._check_input(weight)
+        weight = self._check_input(weight, scan_for_non_finite=False)
+        global_amax = self.global_amax.to(weight.device)
+        # Whether the weight is finite and the per-tensor scale the sweep's candidates divide,
+        # as the sweep computes it (on the weight's device), read together.
+        finite, per_tensor_scale = torch.stack(
+            [torch.isfinite(weight).all().to(torch.float32), per_tensor_amax_to_scale(global_amax)]
+        ).cpu()
+        if not finite:
+            self._raise_if_non_finite(weight, weight)
         if weight.ndim != 2:
             raise ValueError(
                 f"{self.describe()}: expects a 2-D [N, K] weight, got shape {tuple(weight.shape)}"
             )
         weight = pad_to_block_multiple(weight, BLOCK_SIZE)
         self._check_shapes(weight)
-        global_amax = self.global_amax.to(weight.device)
-        if global_amax == 0:
+        # references.sweep_reciprocals_overflow's test, on the scale read above
+        too_small = scale_reciprocal_overflows(per_tensor_scale, float(e4m3_positive_values()[0]))
+        if self._host_global_amax == 0:
             shape = (weight.shape[0], weight.shape[1] // BLOCK_SIZE)
             scales = torch.full(shape, E4M3_MIN_NORMAL, device=weight.device)
             self._block_scales_e4m3 = scales.to(torch.float8_e4m3fn)
-        elif references.sweep_reciprocals_overflow(global_amax):
+        elif too_small:
             raise GlobalAmaxTooSmallError(
                 f"{self.describe()}: weight global amax {float(global_amax):.3g} is too small for "
                 f"the FP8 scale sweep: the smallest candidate's scale reciprocal overflows float32 "

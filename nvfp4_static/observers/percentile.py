@@ -42,9 +42,10 @@ class PercentileCalibrator(BlockAmaxHistogramObserver):
 
     def compute_amax(self) -> torch.Tensor:
         """The percentile block amax, a float32 0-d tensor on the state's device."""
-        device = self._require_state("compute_amax()")["literal_max"].device
-        if self.literal_max == 0.0:
+        host = self._host_state("compute_amax()")
+        self._check_state_finite(host.literal_max)
+        if float(host.literal_max) == 0.0:
             amax = self._all_zero_fallback()
         else:
-            amax = self.percentile(self.target_percentile)
-        return torch.tensor(amax, dtype=torch.float32, device=device)
+            amax = self._percentile_of(host, self.target_percentile)
+        return self._amax_tensor(amax, self._state["literal_max"].device)
