@@ -16,6 +16,7 @@ from nvfp4_static.kernels.ops import (
     deinterleave_blocks,
     fp8_scale_sweep,
     gemm_activation_operand,
+    in_mma_order,
     quantize_activation_nvfp4,
     quantize_weight_nvfp4,
     runs_eagerly,
@@ -85,13 +86,24 @@ def smallest_accepted_scale() -> tuple[torch.Tensor, torch.Tensor]:
     return x, per_tensor_scale
 
 
-def assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands):
+def assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands, mma_order=False):
     expected_qdata, expected_scales = quantize_nvfp4(x.cpu(), per_tensor_scale.cpu())
     assert torch.equal(qdata.cpu(), expected_qdata)
     assert torch.equal(block_scales.cpu().view(torch.uint8), expected_scales.view(torch.uint8))
+    assert_operands_like_reference(x, per_tensor_scale, operands, mma_order)
+
+
+def assert_operands_like_reference(x, per_tensor_scale, operands, mma_order=False):
+    """Each operand is the reference's ``q * s_b`` in its dtype, block-deinterleaved or in the MMA order."""
+    expected_qdata, expected_scales = quantize_nvfp4(x.cpu(), per_tensor_scale.cpu())
     for operand in operands:
-        expected = deinterleave_blocks(dequantize_nvfp4(expected_qdata, expected_scales, output_dtype=operand.dtype))
+        values = dequantize_nvfp4(expected_qdata, expected_scales, output_dtype=operand.dtype)
+        expected = in_mma_order(values) if mma_order else deinterleave_blocks(values)
         assert torch.equal(operand.cpu().view(torch.int16), expected.view(torch.int16)), operand.dtype
+
+
+# Operands in the MMA order: K a multiple of 32, below and past the kernel's 1024-column tile.
+MMA_ORDER_CASES = {"bf16-3x96": (3, 96, torch.bfloat16), "fp32-2x1056": (2, 1056, torch.float32)}
 
 
 CASES = {
@@ -182,6 +194,10 @@ def interpreted_results():
     for name, (x, per_tensor_scale, scales) in given.items():
         qdata = torch.full((x.shape[0], x.shape[1] // 2), 0xAB, dtype=torch.uint8)
         launches[f"given:{name}"] = (LAUNCHER, (x, per_tensor_scale, qdata, scales.clone(), None, True))
+    mma_inputs = {name: wide_range_activation(M, K, dtype, seed=7) for name, (M, K, dtype) in MMA_ORDER_CASES.items()}
+    for name, (x, per_tensor_scale) in mma_inputs.items():
+        for operand in empty_outputs(x)[2]:
+            launches[f"mma:{name}-{operand.dtype}"] = (LAUNCHER, (x, per_tensor_scale, None, None, operand, False, True))
     results = run_interpreted(launches)
     outputs = {}
     for name, (x, per_tensor_scale) in inputs.items():
@@ -191,7 +207,15 @@ def interpreted_results():
     for name, (x, per_tensor_scale, scales) in given.items():
         _, _, qdata, scales_after, _, _ = results[f"given:{name}"].args
         outputs[f"given:{name}"] = (x, per_tensor_scale, scales, qdata, scales_after)
+    for name, (x, per_tensor_scale) in mma_inputs.items():
+        operands = [results[f"mma:{name}-{dtype}"].args[4] for dtype in OPERAND_DTYPES]
+        outputs[f"mma:{name}"] = (x, per_tensor_scale, operands)
     return outputs
+
+
+@pytest.mark.parametrize("case", list(MMA_ORDER_CASES))
+def test_interpreted_operand_in_mma_order_matches_reference_bit_for_bit(interpreted_results, case):
+    assert_operands_like_reference(*interpreted_results[f"mma:{case}"], mma_order=True)
 
 
 @pytest.mark.parametrize("case", list(CASES) + ["ties", "smallest_accepted_scale"])
@@ -223,17 +247,39 @@ def test_smallest_accepted_scale_case_sits_at_the_overflow_edge():
     assert scale_reciprocal_overflows(torch.nextafter(per_tensor_scale, torch.tensor(0.0)))
 
 
+def test_mma_order_puts_each_threads_4_bytes_where_its_wgmma_registers_read_them():
+    """Position 16c + 8h + 2t + i of a 32-group holds element 8t + 4c + 2i + h (written out)."""
+    x = torch.arange(64.0).reshape(1, 64)
+    expected = [0, 2, 8, 10, 16, 18, 24, 26, 1, 3, 9, 11, 17, 19, 25, 27]
+    expected += [4, 6, 12, 14, 20, 22, 28, 30, 5, 7, 13, 15, 21, 23, 29, 31]
+    assert in_mma_order(x)[0].tolist() == [float(i) for i in expected + [32 + i for i in expected]]
+
+
+def test_operand_in_mma_order_refuses_partial_groups_and_the_packed_form():
+    x, per_tensor_scale = wide_range_activation(3, 48, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="32-element groups, got K = 48"):
+        gemm_activation_operand(x, per_tensor_scale, mma_order=True)
+    qdata, block_scales, operands = empty_outputs(x)
+    with pytest.raises(ValueError, match="32-element groups; got K = 48"):
+        launch_activation_quantize(x, per_tensor_scale, None, None, operands[0], mma_order=True)
+    x, per_tensor_scale = wide_range_activation(3, 64, torch.bfloat16, seed=0)
+    qdata, block_scales, _ = empty_outputs(x)
+    with pytest.raises(ValueError, match="got the packed form"):
+        launch_activation_quantize(x, per_tensor_scale, qdata, block_scales, None, mma_order=True)
+
+
 def test_deinterleave_blocks_puts_even_elements_first():
     x = torch.arange(32.0).reshape(1, 32)
     expected = [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]
     assert deinterleave_blocks(x)[0].tolist() == [float(i) for i in expected + [16 + i for i in expected]]
 
 
-def test_ops_route_cpu_tensors_to_the_reference():
+@pytest.mark.parametrize("mma_order", [False, True], ids=["deinterleaved", "mma_order"])
+def test_ops_route_cpu_tensors_to_the_reference(mma_order):
     x, per_tensor_scale = wide_range_activation(3, 64, torch.bfloat16, seed=0)
     qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
-    operands = [gemm_activation_operand(x, per_tensor_scale, dtype) for dtype in OPERAND_DTYPES]
-    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands)
+    operands = [gemm_activation_operand(x, per_tensor_scale, dtype, mma_order) for dtype in OPERAND_DTYPES]
+    assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands, mma_order)
 
 
 @pytest.mark.parametrize("given", [False, True], ids=["computed_scales", "given_scales"])
@@ -291,6 +337,16 @@ def test_gpu_kernel_matches_reference_bit_for_bit(dtype, M, K):
     for operand in operands:
         launch_activation_quantize(x, per_tensor_scale, None, None, operand)
     assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("M,K", [(1, 8192), (37, 4096), (3, 32)], ids=str)
+def test_gpu_operand_in_mma_order_matches_reference_bit_for_bit(dtype, M, K):
+    x, per_tensor_scale = wide_range_activation(M, K, dtype, seed=M + K)
+    x, per_tensor_scale = x.cuda(), per_tensor_scale.cuda()
+    operands = [gemm_activation_operand(x, per_tensor_scale, operand_dtype, True) for operand_dtype in OPERAND_DTYPES]
+    assert_operands_like_reference(x, per_tensor_scale, operands, mma_order=True)
 
 
 @requires_cuda

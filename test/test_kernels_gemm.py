@@ -18,11 +18,13 @@ from nvfp4_static.kernels.gemm import (
     CublasAfterDequantize,
     GemmConfig,
     activation_operand_dtype,
+    config_for_width,
     fuses_epilogue_into_cublas,
     gemm_bucket,
     gemm_config,
     launch_nvfp4_gemm,
     launch_weight_dequantize,
+    operand_in_mma_order,
     quantizes_activation_in_gemm,
     split_k_for,
     tile_counts,
@@ -48,10 +50,12 @@ def raw_gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
     )
 
 
-def gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
-    """Activation operand, packed weight, both global scales and a bias, as the backends pass them."""
+def gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu", config=None):
+    """Activation operand, packed weight, both global scales and a bias, as the backends pass them
+    to a GEMM with ``config`` (the operand in the MMA order where that config at width K takes it)."""
     x, *rest = raw_gemm_operands(M, N, K, seed, device)
-    return gemm_activation_operand(x, rest[2]), *rest
+    mma_order = config is not None and operand_in_mma_order(config_for_width(config, K))
+    return gemm_activation_operand(x, rest[2], mma_order=mma_order), *rest
 
 
 def interleave_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -76,8 +80,9 @@ def test_interleave_undoes_deinterleave():
 # tiles), M and N edges, and a split K (programs_per_sm large against the CPU's one "SM"). The
 # split-K configs split K = 224 three ways, unevenly (3 + 3 + 1 tiles). The
 # quantizing configs take the raw activation: one row per tile (M = 3: three tiles), two rows
-# spread over the 16 MMA rows with a split K, and one transposed. The one-dot configs multiply
-# each K tile in one dot over the joined halves: transposed with a split K, and quantizing.
+# spread over the 16 MMA rows with a split K, and one transposed. The MMA-order configs take the
+# operand in that order where K is a multiple of 32 (224) and run without it elsewhere (48, 16):
+# one transposed with a split K, one not.
 INTERPRETER_CONFIGS = {
     "one-pass": GemmConfig(16, 16, 32, num_warps=4, num_stages=1),
     "split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, group_n=2, programs_per_sm=64),
@@ -86,10 +91,10 @@ INTERPRETER_CONFIGS = {
     "quantizing-1-row": GemmConfig(16, 16, 32, num_warps=4, num_stages=1, activation_rows=1),
     "quantizing-2-rows-split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, activation_rows=2),
     "quantizing-weight-as-a": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, weight_as_mma_a=True, activation_rows=4),
-    "one-dot-weight-as-a-split-k": GemmConfig(
-        16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True, one_dot=True
+    "mma-order-weight-as-a-split-k": GemmConfig(
+        16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True, mma_order=True
     ),
-    "quantizing-one-dot": GemmConfig(16, 16, 32, num_warps=4, num_stages=1, activation_rows=4, one_dot=True),
+    "mma-order": GemmConfig(16, 16, 64, num_warps=4, num_stages=1, group_n=2, mma_order=True),
 }
 INTERPRETER_SHAPES = [(3, 40, 48), (17, 70, 224), (2, 24, 16)]
 OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
@@ -110,8 +115,9 @@ def interpreted_results():
                     if config.activation_rows:  # the raw activation the operand was made from
                         x = raw_gemm_operands(M, N, K, seed=shape_index)[0]
                         launches[name] = (LAUNCHER, (x, *operands[1:], out, config, True))
-                    else:
-                        launches[name] = (LAUNCHER, (*operands, out, config))
+                    else:  # the operand in the order the config takes (the reference reads operands)
+                        operand = gemm_operands(M, N, K, seed=shape_index, config=config)[0]
+                        launches[name] = (LAUNCHER, (operand, *operands[1:], out, config))
                     if config.programs_per_sm:  # the split K summed by the epilogue kernel instead
                         summed_apart = torch.full((M, N), float("nan"), dtype=dtype)
                         target, args = launches[name]
@@ -201,6 +207,19 @@ def test_gemm_config_refuses_activation_rows_that_do_not_tile_the_mma_rows(rows)
         GemmConfig(16, 64, 256, 4, 3, activation_rows=rows)
 
 
+@pytest.mark.parametrize("block_k,rows", [(256, 1), (16, 0), (48, 0)])
+def test_gemm_config_refuses_the_mma_order_with_its_own_rows_or_partial_groups(block_k, rows):
+    with pytest.raises(ValueError, match="mma_order"):
+        GemmConfig(16, 64, block_k, 4, 3, activation_rows=rows, mma_order=True)
+
+
+def test_the_mma_order_runs_only_on_whole_32_element_groups():
+    config = GemmConfig(64, 128, 128, 4, 3, mma_order=True)
+    assert operand_in_mma_order(config_for_width(config, 4096))
+    assert not operand_in_mma_order(config_for_width(config, 4112))
+    assert config_for_width(config, 4112) == GemmConfig(64, 128, 128, 4, 3)
+
+
 def test_only_large_m_with_a_host_scale_and_a_matching_bias_fuses_the_epilogue_into_cublas():
     bf16_bias = torch.zeros(8, dtype=torch.bfloat16)
     prefill, decode = gemm_config(4096), gemm_config(16)
@@ -239,24 +258,26 @@ def test_gpu_gemm_matches_fp64_reference(dtype, with_bias, M, N, K):
     assert relative_error(out, reference_gemm(*operands)) <= gpu_tolerance(K, dtype)
 
 
-# Wide one-dot tiles (the dequantized weight shared by up to 256 activation rows), split K or
+# Wide MMA-order tiles (the dequantized weight shared by up to 256 activation rows), split K or
 # not; tune_gemm.WIDE_TILES are the candidates for the mid-size buckets.
-WIDE_ONE_DOT_CONFIGS = [
-    GemmConfig(128, 128, 128, 8, 3, programs_per_sm=1, weight_as_mma_a=True, one_dot=True),
-    GemmConfig(256, 128, 64, 8, 4, weight_as_mma_a=True, one_dot=True),
-    GemmConfig(256, 64, 64, 4, 4, programs_per_sm=1, weight_as_mma_a=True, one_dot=True),
+WIDE_MMA_ORDER_CONFIGS = [
+    GemmConfig(128, 128, 128, 8, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True),
+    GemmConfig(256, 128, 64, 8, 4, weight_as_mma_a=True, mma_order=True),
+    GemmConfig(256, 64, 64, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True),
 ]
 
 
 @requires_cuda
-@pytest.mark.parametrize("config", WIDE_ONE_DOT_CONFIGS, ids=str)
-@pytest.mark.parametrize("M,N,K", [(100, 14336, 4096), (512, 4096, 14336), (333, 96, 16)], ids=str)
-def test_gpu_wide_one_dot_tiles_match_fp64_reference(config, M, N, K):
-    """Wide tiles with one dot per K tile: row and column edges, a K shorter than one tile, a
-    split K summed in the GEMM."""
+@pytest.mark.parametrize("config", WIDE_MMA_ORDER_CONFIGS, ids=str)
+@pytest.mark.parametrize("M,N,K", [(100, 14336, 4096), (512, 4096, 14336), (333, 96, 16), (70, 200, 4112)], ids=str)
+def test_gpu_wide_mma_order_tiles_match_fp64_reference(config, M, N, K):
+    """Wide MMA-order tiles: row and column edges, a split K summed in the GEMM, and K not a
+    multiple of 32 (the tiles then run on the block-deinterleaved operand): shorter than one tile,
+    and ragged."""
     operands = gemm_operands(M, N, K, seed=M, device="cuda")
+    operand = gemm_operands(M, N, K, seed=M, device="cuda", config=config)[0]
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    launch_nvfp4_gemm(*operands, out, config)
+    launch_nvfp4_gemm(operand, *operands[1:], out, config)
     assert relative_error(out, reference_gemm(*operands)) <= gpu_tolerance(K, torch.bfloat16)
 
 

@@ -13,12 +13,14 @@ fastest, the entry to put in the table for that M's bucket. Run on one GPU:
 
     python examples/benchmarks/tune_gemm.py [--m 1 16 64 512 4096] [--candidates full|wide]
 
-``--candidates wide`` times only the table and the wide one-dot tiles (``WIDE_TILES``) from
-M = 17 up; ``--budget-s`` stops starting new candidates after that many seconds.
+``--candidates wide`` times only the table and the wide MMA-order tiles (``WIDE_TILES``) from
+M = 17 up; ``--budget-s`` starts no further M after that many seconds (each M runs on
+every shape, so put the Ms that matter most first).
 """
 
 import argparse
 import time
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,18 +47,21 @@ DECODE_TILES = [
 MID_TILES = [(64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (32, 128, 256, 4, 3), (64, 128, 256, 8, 3)]
 # Transposed tiles (GemmConfig.weight_as_mma_a): the weight is the MMA's M side, so block_n >= 64.
 MID_TILES_WEIGHT_AS_A = [(64, 256, 256, 8, 3), (64, 128, 256, 4, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3)]
-# Wide tiles: transposed, one dot per K tile (GemmConfig.one_dot), up to 256 activation rows
-# (the wgmma's N) sharing each dequantized weight tile, 64 weight rows per warpgroup. Each
-# compiles for sm_90 under 227 KiB of shared memory and without register spills.
+# Wide tiles: transposed, in the MMA order (GemmConfig.mma_order), up to 256 activation rows
+# (the wgmma's N) sharing each dequantized weight tile, 64 weight rows per warpgroup; each with
+# whether it is also tried with a split K. Every one compiles for sm_90 (Triton 3.6) within
+# 227 KiB of shared memory and without register spills in its K loop; the split-K ones that
+# would spill are not split.
 WIDE_TILES = [
-    (64, 256, 128, 8, 3),
-    (64, 128, 128, 4, 4),
-    (128, 128, 128, 8, 3),
-    (128, 128, 64, 8, 4),
-    (128, 64, 128, 4, 3),
-    (256, 128, 128, 8, 3),
-    (256, 128, 64, 8, 4),
-    (256, 64, 64, 4, 4),
+    ((64, 256, 128, 8, 3), True),
+    ((64, 128, 128, 4, 4), True),
+    ((128, 128, 128, 8, 3), True),
+    ((128, 128, 64, 8, 4), True),
+    ((128, 64, 128, 4, 3), True),
+    ((128, 256, 64, 8, 4), True),
+    ((256, 128, 128, 8, 3), False),
+    ((256, 128, 64, 8, 4), True),
+    ((256, 64, 64, 4, 4), False),
 ]
 PREFILL_CANDIDATES = [CublasAfterDequantize(), GemmConfig(128, 256, 128, 8, 3)]
 # Relative error against the float32 product above which a candidate counts as wrong: a bf16
@@ -66,16 +71,16 @@ MAX_ERROR = 1e-2
 
 def wide_candidates(M: int) -> list:
     """The wide tiles for M: those with at most max(64, M rounded up to a power of 2) rows and
-    at most 4 row tiles (256-row tiles only beyond 1024 rows); split K only where one row tile
-    covers M (``GemmConfig``: a split entry's tile covers its bucket)."""
+    at most 4 row tiles (256-row tiles only beyond 1024 rows); split K where the tile allows it
+    and one row tile covers M (``GemmConfig``: a split entry's tile covers its bucket)."""
     rows = next_power_of_2(M)
     configs = []
-    for tile in WIDE_TILES:
+    for tile, splits in WIDE_TILES:
         block_m = tile[0]
         if block_m > max(64, rows) or block_m < min(rows // 4, 256):
             continue
-        for programs_per_sm in (0, 1) if block_m >= M else (0,):
-            configs.append(GemmConfig(*tile, programs_per_sm=programs_per_sm, weight_as_mma_a=True, one_dot=True))
+        for programs_per_sm in (0, 1) if splits and block_m >= M else (0,):
+            configs.append(GemmConfig(*tile, programs_per_sm=programs_per_sm, weight_as_mma_a=True, mma_order=True))
     return configs
 
 
@@ -123,73 +128,98 @@ def describe(config) -> str:
         return "CublasAfterDequantize()"
     defaults = GemmConfig(1, 1, 1, 1, 1)
     fields = [f"{name}={getattr(config, name)!r}" for name in ("group_n", "programs_per_sm", "weight_as_mma_a",
-              "activation_rows", "one_dot") if getattr(config, name) != getattr(defaults, name)]
+              "activation_rows", "mma_order") if getattr(config, name) != getattr(defaults, name)]
     tile = (config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
     return f"GemmConfig({', '.join(map(str, tile + tuple(fields)))})"
+
+
+class Weight(NamedTuple):
+    """One weight shape's operands: packed, dequantized (float32) and as bf16, with a bias."""
+
+    qdata: torch.Tensor
+    block_scales: torch.Tensor
+    scale: torch.Tensor
+    dequantized: torch.Tensor
+    bf16: torch.Tensor
+    bias: torch.Tensor
+
+
+def make_weight(K: int, N: int) -> Weight:
+    weight = torch.randn(N, K, device="cuda")
+    scale = weight.abs().max() / 2688
+    qdata, block_scales = quantize_nvfp4(weight, scale)
+    dequantized = dequantize_nvfp4(qdata, block_scales)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    return Weight(qdata, block_scales, scale, dequantized, dequantized.to(torch.bfloat16), bias)
+
+
+def tune(weight: Weight, M: int, configs: list) -> tuple[float, Optional[float], list]:
+    """bf16's time, the shipped table's (None if wrong) and ``[(ms, error, config)]`` of the
+    correct ``configs``, fastest first, at M rows."""
+    K = weight.qdata.shape[1] * 2
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    act_scale = x.abs().max().float() / 2688
+    output_scale = float(act_scale * weight.scale)
+    operand = gemm_activation_operand(x, act_scale)
+    in_k_order = operand.float().reshape(M, -1, 2, 8).transpose(-1, -2).reshape(M, K)
+    reference = (in_k_order @ weight.dequantized.t()) * (act_scale * weight.scale) + weight.bias.float()
+    bf16_ms = graph_ms(lambda: F.linear(x, weight.bf16, weight.bias))
+
+    def run():
+        return static_nvfp4_linear(
+            x, weight.qdata, weight.block_scales, weight.scale, act_scale, weight.bias, output_scale
+        )
+
+    def measure(label):
+        try:
+            out = run()
+        except Exception as error:  # e.g. a tile that needs more shared memory than the GPU has
+            print(f"  skip {label}: {type(error).__name__}: {str(error)[:120]}")
+            return None
+        error = ((out.float() - reference).norm() / reference.norm()).item()
+        if not error <= MAX_ERROR:
+            print(f"  WRONG {label}: relative error {error:.1e}")
+            return None
+        return graph_ms(run), error
+
+    use_table(SHIPPED_TABLE)
+    table = measure("the shipped table")
+    results = []
+    for config in configs:
+        use_table(((None, config),))
+        measured = measure(config)
+        if measured is not None:
+            results.append((*measured, config))
+    use_table(SHIPPED_TABLE)
+    results.sort(key=lambda r: r[0])
+    return bf16_ms, table[0] if table else None, results
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
     parser.add_argument("--candidates", choices=["full", "wide"], default="full")
-    parser.add_argument("--budget-s", type=float, default=None, help="start no candidate after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no M after this many seconds")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}")
     start = time.monotonic()
+    weights = {(K, N): make_weight(K, N) for K, N in SHAPES}
     summary = []  # (K, N, M, bf16 ms, table ms, [(ms, config), ...] of the correct candidates)
-    skipped = 0
     with torch.no_grad():
-        for K, N in SHAPES:
-            weight = torch.randn(N, K, device="cuda")
-            weight_scale = weight.abs().max() / 2688
-            weight_qdata, weight_block_scales = quantize_nvfp4(weight, weight_scale)
-            dequantized_weight = dequantize_nvfp4(weight_qdata, weight_block_scales)
-            bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-            for M in args.m:
-                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                act_scale = x.abs().max().float() / 2688
-                output_scale = float(act_scale * weight_scale)
-                operand = gemm_activation_operand(x, act_scale)
-                in_k_order = operand.float().reshape(M, -1, 2, 8).transpose(-1, -2).reshape(M, K)
-                reference = (in_k_order @ dequantized_weight.t()) * (act_scale * weight_scale) + bias.float()
-                bf16_weight = dequantized_weight.to(torch.bfloat16)
-                bf16_ms = graph_ms(lambda: F.linear(x, bf16_weight, bias))
-
-                def run():
-                    return static_nvfp4_linear(
-                        x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias, output_scale
-                    )
-
-                def measure(label):
-                    try:
-                        out = run()
-                    except Exception as error:  # e.g. a tile that needs more shared memory than the GPU has
-                        print(f"  skip {label}: {type(error).__name__}: {str(error)[:120]}")
-                        return None
-                    error = ((out.float() - reference).norm() / reference.norm()).item()
-                    if not error <= MAX_ERROR:
-                        print(f"  WRONG {label}: relative error {error:.1e}")
-                        return None
-                    return graph_ms(run), error
-
-                use_table(SHIPPED_TABLE)
-                table = measure("the shipped table")
-                results = []
-                for config in candidates(M, args.candidates):
-                    if args.budget_s is not None and time.monotonic() - start > args.budget_s:
-                        skipped += 1
-                        continue
-                    use_table(((None, config),))
-                    measured = measure(config)
-                    if measured is not None:
-                        results.append((*measured, config))
-                use_table(SHIPPED_TABLE)
-                results.sort(key=lambda r: r[0])
+        # M by M, every shape for each, so that a budget cuts whole Ms (the later ones).
+        for M in args.m:
+            if args.budget_s is not None and time.monotonic() - start > args.budget_s:
+                print(f"budget spent: M = {M} not run")
+                continue
+            for (K, N), weight in weights.items():
+                bf16_ms, table_ms, results = tune(weight, M, candidates(M, args.candidates))
                 for ms, error, config in results[:6]:
-                    print(f"K={K:>5} N={N:>5} M={M:>4}  {ms:8.4f} ms  err {error:.1e}  bf16 {bf16_ms:.4f} ms  {config}")
-                summary.append((K, N, M, bf16_ms, table[0] if table else float("nan"), [(r[0], r[2]) for r in results]))
-    print(f"\n{time.monotonic() - start:.0f} s" + (f"; {skipped} candidates skipped (budget)" if skipped else ""))
+                    print(f"K={K:>5} N={N:>5} M={M:>4}  {ms:8.4f} ms  err {error:.1e}  bf16 {bf16_ms:.4f} ms", end="  ")
+                    print(describe(config))
+                table_ms = float("nan") if table_ms is None else table_ms
+                summary.append((K, N, M, bf16_ms, table_ms, [(ms, config) for ms, _, config in results]))
+    print(f"\n{time.monotonic() - start:.0f} s")
     print_summary(summary)
 
 
@@ -197,8 +227,9 @@ def print_summary(summary) -> None:
     """Per (K, N, M): bf16, the shipped table and the best candidate, with bf16 / ours; then per
     M the candidate whose slowest shape against bf16 is fastest, against the table's."""
     print("\nsummary, CUDA-graph ms; ratio = bf16 time / ours (above 1: ours faster)")
-    print(f"{'K':>6} {'N':>6} {'M':>5} | {'bf16':>8} {'table':>8} {'best':>8} | {'table x':>7} {'best x':>7} | best config")
-    for K, N, M, bf16_ms, table_ms, results in summary:
+    columns = f"{'bf16':>8} {'table':>8} {'best':>8} | {'table x':>7} {'best x':>7}"
+    print(f"{'K':>6} {'N':>6} {'M':>5} | {columns} | best config")
+    for K, N, M, bf16_ms, table_ms, results in sorted(summary, key=lambda row: row[2]):
         best_ms, best = results[0] if results else (float("nan"), None)
         print(
             f"{K:>6} {N:>6} {M:>5} | {bf16_ms:8.4f} {table_ms:8.4f} {best_ms:8.4f} | "

@@ -25,7 +25,9 @@ from nvfp4_static.kernels.gemm import (
     GEMM_CONFIGS,
     activation_operand_dtype,
     gemm_bucket,
+    operand_in_mma_order,
     quantizes_activation_in_gemm,
+    table_config,
 )
 from nvfp4_static.kernels.ops import (
     gemm_activation_operand,
@@ -72,14 +74,17 @@ def _linear_in_bucket(
     weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale = weights
     leading_shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    config = GEMM_CONFIGS[bucket][1]
+    config = table_config(None, bucket, 2 * weight_qdata.shape[-1])
     if quantizes_activation_in_gemm(config):
         out = quantizing_nvfp4_gemm(
             x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, bucket
         )
     else:
         operand = gemm_activation_operand(
-            x, act_per_tensor_scale, activation_operand_dtype(config, x.dtype, output_scale, bias)
+            x,
+            act_per_tensor_scale,
+            activation_operand_dtype(config, x.dtype, output_scale, bias),
+            operand_in_mma_order(config),
         )
         out = nvfp4_gemm(
             operand,

@@ -12,7 +12,9 @@ either form the backends need:
   product is exact in fp16 and bf16 (at most 5 significant bits, magnitudes in [2^-7, 2688]);
   this is the A operand of the faithful GEMM (``kernels.gemm``), whose Triton kernel reads even
   and odd elements as two contiguous halves because they sit in the low and high nibbles of the
-  packed weight.
+  packed weight. With ``mma_order`` each 32-element group (K a multiple of 32) is stored in the
+  order a wide GEMM tile dequantizes the weight into its MMA operand (``gemm.GemmConfig.mma_order``):
+  element ``8t + 4c + 2i + h`` at position ``16c + 8h + 2t + i``.
 
 At convert it quantizes weights (``ops.quantize_weight_nvfp4``), also under block scales given
 to it (the weight sweep's, FP8 subnormals included): it then reads each block's scale instead of
@@ -45,6 +47,8 @@ _E4M3_MIN_NORMAL = tl.constexpr(E4M3_MIN_NORMAL)
 BLOCK_ROWS = 1
 BLOCK_COLS = 1024
 NUM_WARPS = 2
+# Elements per group of the operand's MMA order (two 16-blocks).
+MMA_GROUP = 2 * BLOCK_SIZE
 
 
 @triton.jit
@@ -152,6 +156,7 @@ def _activation_quantize_kernel(
     BLOCK_K: tl.constexpr,
     WRITE_PACKED: tl.constexpr,
     SCALES_GIVEN: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -186,10 +191,14 @@ def _activation_quantize_kernel(
             tl.store(scales_ptr + scales_offsets, scale_code, mask=scales_mask)
     else:
         q = e2m1_value(magnitude, negative) * scale[:, :, None]
-        deinterleaved = tl.permute(tl.reshape(q, (BLOCK_M, GROUPS, 8, 2)), (0, 1, 3, 2))
+        if MMA_ORDER:
+            # (t, c, i, h) of each 32-group to (c, h, t, i)
+            ordered = tl.permute(tl.reshape(q, (BLOCK_M, GROUPS // 2, 4, 2, 2, 2)), (0, 1, 3, 5, 2, 4))
+        else:
+            ordered = tl.permute(tl.reshape(q, (BLOCK_M, GROUPS, 8, 2)), (0, 1, 3, 2))
         tl.store(
             operand_ptr + rows[:, None] * K + cols[None, :],
-            tl.reshape(deinterleaved, (BLOCK_M, BLOCK_K)).to(operand_ptr.dtype.element_ty),
+            tl.reshape(ordered, (BLOCK_M, BLOCK_K)).to(operand_ptr.dtype.element_ty),
             mask=mask,
         )
 
@@ -215,15 +224,22 @@ def launch_activation_quantize(
     block_scales: Optional[torch.Tensor],
     gemm_operand: Optional[torch.Tensor],
     scales_given: bool = False,
+    mma_order: bool = False,
 ) -> None:
     """Run the kernel into preallocated outputs: pass ``qdata`` + ``block_scales`` (packed form)
-    or ``gemm_operand`` (fp16 or bf16 ``q * s_b``, block-deinterleaved), the other as None.
+    or ``gemm_operand`` (fp16 or bf16 ``q * s_b``, block-deinterleaved, or with ``mma_order`` in
+    the MMA order of 32-element groups), the other as None.
 
     With ``scales_given`` (packed form only), ``block_scales`` (FP8 ``[M, K/16]``) is an input:
     the kernel quantizes under those scales and writes only ``qdata``."""
     _check_input(x, per_tensor_scale)
     if scales_given and gemm_operand is not None:
         raise ValueError("nvfp4_static: given block scales apply to the packed form (qdata), not to the GEMM operand")
+    if mma_order and (gemm_operand is None or x.shape[1] % MMA_GROUP):
+        raise ValueError(
+            f"nvfp4_static: the MMA order is a GEMM operand's, of whole {MMA_GROUP}-element groups; got "
+            f"{'the packed form' if gemm_operand is None else f'K = {x.shape[1]}'}"
+        )
     # K and the row stride reach the kernel as compile-time constants, known 16-byte aligned
     # even in a dynamic-shape graph (see kernels.gemm.launch_nvfp4_gemm).
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -250,6 +266,7 @@ def launch_activation_quantize(
             BLOCK_K=BLOCK_COLS,
             WRITE_PACKED=write_packed,
             SCALES_GIVEN=scales_given,
+            MMA_ORDER=mma_order,
             num_warps=NUM_WARPS,
         ),
     ).launch()

@@ -11,8 +11,11 @@ tensor-core GEMM up to the order of the fp32 sums.
 A byte holds an even-K element (low nibble) and the next odd one (high nibble), so each K tile
 is two dots, ``A_even @ W_even^T + A_odd @ W_odd^T``: every thread then keeps its dequantized
 values in K order without shuffles, which matters because at decode sizes the kernel's
-instruction issue, not only memory, bounds the time. Small batches split K over several programs
-and sum the fp32 partials in split order: eagerly in the GEMM itself, by the last program to
+instruction issue, not only memory, bounds the time. Wide tiles (``GemmConfig.mma_order``)
+instead permute K within 32-element groups so that each thread's 4 packed bytes dequantize
+straight into its wgmma operand registers, one dot per K tile, the activation operand written in
+the same order. Small batches split K over several programs and sum the fp32 partials in split
+order: eagerly in the GEMM itself, by the last program to
 finish each tile (one launch; it counts arrivals in the stream's ``tile_counts``), in a traced
 graph in a second small kernel that applies the epilogue (same sums, same output). Large batches
 dequantize the weight once and hand the product to cuBLAS (``CublasAfterDequantize``); the
@@ -42,17 +45,19 @@ from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 # E2M1 code (sign, e1, e0, m) -> FP8 E4M3 byte (sign, 0, 0, e1, e0, m, 0, 0) is the same number
 # times 2^-6, subnormals included, and the hardware FP8 -> fp16 convert does the rest. The input
 # register holds four packed bytes b0..b3; output registers 0-1 hold the low-nibble values of
-# b0..b3, registers 2-3 the high-nibble ones. (n << 2) + 12 * (n & 8) moves each nibble's sign
-# from bit 3 to bit 7.
+# b0..b3, registers 2-3 the high-nibble ones. Within each byte, the low nibble's bits 0-2 move up
+# to bits 2-4 and its sign (bit 3) to bit 7; the high nibble's bits 4-6 move down to bits 2-4,
+# its sign already at bit 7 (the masks drop what a shift carries in from the next byte).
 # One line: torch.compile copies the kernel's globals into generated source, where a literal
 # newline inside the string would not survive.
 _E2M1_BYTES_TO_FP16_PTX = tl.constexpr(
     " ".join(
         [
             "{ .reg .b32 r_lo, r_hi, r_sign; .reg .b16 l0, l1, h0, h1;",
-            "and.b32 r_lo, $4, 0x0F0F0F0F; shr.u32 r_hi, $4, 4; and.b32 r_hi, r_hi, 0x0F0F0F0F;",
-            "and.b32 r_sign, r_lo, 0x08080808; shl.b32 r_lo, r_lo, 2; mad.lo.u32 r_lo, r_sign, 12, r_lo;",
-            "and.b32 r_sign, r_hi, 0x08080808; shl.b32 r_hi, r_hi, 2; mad.lo.u32 r_hi, r_sign, 12, r_hi;",
+            "shl.b32 r_lo, $4, 2; and.b32 r_lo, r_lo, 0x1C1C1C1C;",
+            "shl.b32 r_sign, $4, 4; and.b32 r_sign, r_sign, 0x80808080; or.b32 r_lo, r_lo, r_sign;",
+            "shr.u32 r_hi, $4, 2; and.b32 r_hi, r_hi, 0x1C1C1C1C;",
+            "and.b32 r_sign, $4, 0x80808080; or.b32 r_hi, r_hi, r_sign;",
             "mov.b32 {l0, l1}, r_lo; mov.b32 {h0, h1}, r_hi;",
             "cvt.rn.f16x2.e4m3x2 $0, l0; cvt.rn.f16x2.e4m3x2 $1, l1;",
             "cvt.rn.f16x2.e4m3x2 $2, h0; cvt.rn.f16x2.e4m3x2 $3, h1; }",
@@ -114,12 +119,18 @@ def accumulate_halves(acc, a_even, a_odd, w_even, w_odd, WEIGHT_AS_A: tl.constex
 
 
 @triton.jit
-def joined_halves(even, odd, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The even-K and odd-K halves ``[ROWS, BLOCK_K / 2]`` of a tile as one ``[ROWS, BLOCK_K]``
-    tile in the GEMM operand's block-deinterleaved K order (each 16-block: its 8 even elements,
-    then its 8 odd ones), so that the tile takes one dot instead of two."""
-    blocks = tl.join(tl.reshape(even, (ROWS, BLOCK_K // 16, 8)), tl.reshape(odd, (ROWS, BLOCK_K // 16, 8)))
-    return tl.reshape(tl.permute(blocks, (0, 1, 3, 2)), (ROWS, BLOCK_K))
+def dequantize_weight_tile_in_mma_order(
+    packed, scale_codes, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr
+):
+    """``dequantize_weight_tile``'s values as one ``[BLOCK_N, BLOCK_K]`` tile in the MMA order
+    (``GemmConfig.mma_order``; ``BLOCK_K`` a multiple of 32). Byte ``4t + 2c + i`` of each 16 bytes
+    holds elements ``8t + 4c + 2i`` (low nibble) and ``+ 1`` (high, h = 1); they go to positions
+    ``16c + 8h + 2t + i``, which is where the wgmma's register operand wants the values of a
+    thread that holds those 4 bytes: its 32-bit load feeds the PTX as it is, with no byte moves."""
+    even, odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
+    shape: tl.constexpr = (BLOCK_N, BLOCK_K // 32, 4, 2, 2)  # (t, c, i)
+    tile = tl.join(tl.reshape(even, shape), tl.reshape(odd, shape))
+    return tl.reshape(tl.permute(tile, (0, 1, 3, 5, 2, 4)), (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -160,7 +171,7 @@ def _nvfp4_gemm_kernel(
     PTX: tl.constexpr,
     WEIGHT_AS_A: tl.constexpr,
     QUANTIZE_ROWS: tl.constexpr,
-    ONE_DOT: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
 ):
     # Grouped tile order: when M spans several tiles, GROUP_N weight tiles sweep over all
     # activation tiles together, so the weight tiles stay in L2 while the activation streams by.
@@ -215,11 +226,8 @@ def _nvfp4_gemm_kernel(
             a_even, a_odd = quantize_to_operand_halves(x, act_scale, ROWS, BLOCK_K)
             a_even = spread_rows(a_even, ROWS, SPREAD, BLOCK_K // 2).to(tl.float16)
             a_odd = spread_rows(a_odd, ROWS, SPREAD, BLOCK_K // 2).to(tl.float16)
-            if ONE_DOT:
-                a = joined_halves(a_even, a_odd, BLOCK_M, BLOCK_K)
-        elif ONE_DOT:
-            # The activation operand is stored block-deinterleaved, the order joined_halves
-            # gives the weight tile: the whole K tile loads as it is.
+        elif MMA_ORDER:
+            # The activation operand is stored in the MMA order, the weight tile's below.
             offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
             a_mask = valid_m[:, None] & (EVEN_K or offs_k[None, :] < K)
             a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_k[None, :], mask=a_mask, other=0.0)
@@ -240,10 +248,11 @@ def _nvfp4_gemm_kernel(
             mask=(offs_n[:, None] < N) & (EVEN_K or offs_ks[None, :] < K // 16),
             other=0,
         )
-        w_even, w_odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
-        if ONE_DOT:
-            acc = accumulate(acc, a, joined_halves(w_even, w_odd, BLOCK_N, BLOCK_K), WEIGHT_AS_A)
+        if MMA_ORDER:
+            w = dequantize_weight_tile_in_mma_order(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
+            acc = accumulate(acc, a, w, WEIGHT_AS_A)
         else:
+            w_even, w_odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
             acc = accumulate_halves(acc, a_even, a_odd, w_even, w_odd, WEIGHT_AS_A)
 
     # Output coordinates of each accumulator element, in either orientation.
@@ -368,10 +377,13 @@ class GemmConfig:
     ``activation_rows > 0`` hands the GEMM the raw activation: each program quantizes that many
     rows of it (its tile) in its K loop, so a decode linear needs no activation kernel (one
     launch fewer, and no operand round trip); ``block_m`` is then the MMA's row count.
-    ``one_dot`` multiplies each K tile in one dot over the joined even-K and odd-K halves
-    (``joined_halves``) rather than one dot per half: with the dequantized weight as the wgmma's
-    register operand, its MMAs then issue as each slice is dequantized, not in two groups per
-    K tile, the first waited on before the second starts.
+    ``mma_order`` permutes K within each 32-element group into the order in which the wgmma's
+    register operand takes the dequantized weight (``dequantize_weight_tile_in_mma_order``), the
+    activation operand stored in the same order (``ops.gemm_activation_operand(...,
+    mma_order=True)``): each thread then dequantizes 4 contiguous packed bytes straight into its
+    operand registers, and each K tile takes one dot rather than one per even/odd half (whose
+    MMAs run as two groups, the first waited on before the second starts). It needs K to be a
+    multiple of 32; on other K the same tiles run without it (``config_for_width``).
     """
 
     block_m: int
@@ -383,7 +395,7 @@ class GemmConfig:
     programs_per_sm: int = 0
     weight_as_mma_a: bool = False
     activation_rows: int = 0
-    one_dot: bool = False
+    mma_order: bool = False
 
     def __post_init__(self):
         rows = self.activation_rows
@@ -391,6 +403,11 @@ class GemmConfig:
             raise ValueError(
                 f"nvfp4_static: GemmConfig.activation_rows must be 0 or a power of 2 dividing "
                 f"block_m = {self.block_m}, got {rows}"
+            )
+        if self.mma_order and (rows or self.block_k % 32):
+            raise ValueError(
+                f"nvfp4_static: GemmConfig.mma_order takes the operand from gemm_activation_operand in K "
+                f"tiles of whole 32-element groups; got activation_rows = {rows}, block_k = {self.block_k}"
             )
 
     @property
@@ -458,9 +475,26 @@ def gemm_config(M: int) -> Union[GemmConfig, CublasAfterDequantize]:
     return GEMM_CONFIGS[gemm_bucket(M)][1]
 
 
-def table_config(M, bucket: Optional[int]) -> Union[GemmConfig, CublasAfterDequantize]:
-    """The entry ``bucket`` names, else the one serving ``M``."""
-    return gemm_config(M) if bucket is None else GEMM_CONFIGS[bucket][1]
+def table_config(M, bucket: Optional[int], K: int) -> Union[GemmConfig, CublasAfterDequantize]:
+    """The entry ``bucket`` names, else the one serving ``M``, as it runs at reduction width
+    ``K`` (``config_for_width``)."""
+    return config_for_width(gemm_config(M) if bucket is None else GEMM_CONFIGS[bucket][1], K)
+
+
+def config_for_width(
+    config: Union[GemmConfig, CublasAfterDequantize], K: int
+) -> Union[GemmConfig, CublasAfterDequantize]:
+    """``config`` at reduction width ``K``: without ``mma_order`` where ``K`` is not a multiple of
+    32 (the MMA order permutes whole 32-element groups)."""
+    if isinstance(config, GemmConfig) and config.mma_order and K % 32:
+        return replace(config, mma_order=False)
+    return config
+
+
+def operand_in_mma_order(config: Union[GemmConfig, CublasAfterDequantize]) -> bool:
+    """Whether a GEMM with ``config`` (as ``config_for_width`` gives it) takes its activation
+    operand in the MMA order (``gemm_activation_operand(..., mma_order=True)``)."""
+    return isinstance(config, GemmConfig) and config.mma_order
 
 
 def taking_operand(config: Union[GemmConfig, CublasAfterDequantize]) -> Union[GemmConfig, CublasAfterDequantize]:
@@ -601,7 +635,8 @@ def launch_nvfp4_gemm(
     """Run the GEMM into ``out [M, N]`` with the epilogue in Triton. ``a`` is the fp16 operand
     from ``gemm_activation_operand``, or with ``raw_activation`` the activation itself (bf16,
     fp16 or fp32), which the kernel quantizes: then the config must have ``activation_rows > 0``,
-    and without it ``activation_rows == 0`` (each would misread the other's ``a``). ``config``
+    and without it ``activation_rows == 0`` (each would misread the other's ``a``); the operand
+    is in the MMA order where ``operand_in_mma_order(config_for_width(config, K))``. ``config``
     defaults to the table's tiles for M (an operand taken as given where that entry quantizes).
 
     A split K's partial products are summed by the GEMM's last program per tile
@@ -611,6 +646,7 @@ def launch_nvfp4_gemm(
     if config is None:
         config = gemm_config(a.shape[0])
         config = config if raw_activation else taking_operand(config)
+    config = config_for_width(config, 2 * weight_qdata.shape[1])
     quantize_rows = config.activation_rows if isinstance(config, GemmConfig) else 0
     if bool(quantize_rows) != raw_activation:
         raise ValueError(
@@ -676,7 +712,7 @@ def launch_nvfp4_gemm(
                 PTX=ptx,
                 WEIGHT_AS_A=config.weight_as_mma_a,
                 QUANTIZE_ROWS=quantize_rows,
-                ONE_DOT=config.one_dot,
+                MMA_ORDER=config.mma_order,
                 num_warps=config.num_warps,
                 num_stages=config.num_stages,
             ),

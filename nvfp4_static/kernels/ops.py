@@ -323,19 +323,33 @@ def deinterleave_blocks(x: torch.Tensor) -> torch.Tensor:
     return blocks.transpose(-1, -2).reshape(x.shape)
 
 
+def in_mma_order(x: torch.Tensor) -> torch.Tensor:
+    """Reorder each 32-element group of the last dim (a multiple of 32) into the MMA order of
+    ``gemm.GemmConfig.mma_order``: element ``8t + 4c + 2i + h`` to position ``16c + 8h + 2t + i``."""
+    groups = x.reshape(*x.shape[:-1], -1, 4, 2, 2, 2)  # (t, c, i, h)
+    return groups.permute(*range(x.dim() - 1), -5, -3, -1, -4, -2).reshape(x.shape)
+
+
 @traced_op("gemm_activation_operand")
 def gemm_activation_operand(
-    x: torch.Tensor, per_tensor_scale: torch.Tensor, operand_dtype: torch.dtype = torch.float16
+    x: torch.Tensor,
+    per_tensor_scale: torch.Tensor,
+    operand_dtype: torch.dtype = torch.float16,
+    mma_order: bool = False,
 ) -> torch.Tensor:
-    """``q * s_b`` of ``x`` quantized under ``per_tensor_scale``, block-deinterleaved, ``[M, K]``
-    in ``operand_dtype`` (fp16 or bf16: exact in both)."""
+    """``q * s_b`` of ``x`` quantized under ``per_tensor_scale``, ``[M, K]`` in ``operand_dtype``
+    (fp16 or bf16: exact in both), block-deinterleaved, or with ``mma_order`` (K a multiple of
+    32) in the MMA order of a ``gemm.GemmConfig.mma_order`` GEMM."""
     if operand_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"nvfp4_static: the GEMM operand is fp16 or bf16, not {operand_dtype}")
     if x.device.type != "cuda":
+        if mma_order and x.shape[-1] % (2 * BLOCK_SIZE):
+            raise ValueError(f"nvfp4_static: the MMA order takes whole 32-element groups, got K = {x.shape[-1]}")
         qdata, block_scales = quantize_nvfp4(x, per_tensor_scale)
-        return deinterleave_blocks(dequantize_nvfp4(qdata, block_scales, output_dtype=operand_dtype))
+        values = dequantize_nvfp4(qdata, block_scales, output_dtype=operand_dtype)
+        return in_mma_order(values) if mma_order else deinterleave_blocks(values)
     operand = torch.empty(x.shape, dtype=operand_dtype, device=x.device)
-    launch_activation_quantize(x, per_tensor_scale, None, None, operand)
+    launch_activation_quantize(x, per_tensor_scale, None, None, operand, mma_order=mma_order)
     return operand
 
 
@@ -354,12 +368,14 @@ def nvfp4_gemm(
     """``(a @ dequant(W)^T) * act_scale * weight_scale + bias`` as ``[M, N]`` in ``out_dtype``.
 
     ``a`` is ``q * s_b`` (no global scale) in ``activation_operand_dtype(config, out_dtype,
-    output_scale, bias)``; ``output_scale``, when given, is ``act_scale * weight_scale`` (fp32) as
-    a Python float. ``bucket`` is the index of the ``GEMM_CONFIGS`` entry to run, by default the
-    one serving M. CUDA only: the torch route of the same product is ``backends.cpu``.
+    output_scale, bias)``, in the MMA order where ``gemm.operand_in_mma_order(config)``, for the
+    ``config`` of ``gemm.table_config(M, bucket, K)``; ``output_scale``, when given, is
+    ``act_scale * weight_scale`` (fp32) as a Python float. ``bucket`` is the index of the
+    ``GEMM_CONFIGS`` entry to run, by default the one serving M. CUDA only: the torch route of
+    the same product is ``backends.cpu``.
     """
     _require_cuda(a, "nvfp4_gemm")
-    config = table_config(a.shape[0], bucket)
+    config = table_config(a.shape[0], bucket, 2 * weight_qdata.shape[1])
     if fuses_epilogue_into_cublas(config, out_dtype, output_scale, bias):
         check_operands(a, weight_qdata, weight_block_scales, out_dtype)
         return cublas_with_fused_epilogue(a, weight_qdata, weight_block_scales, output_scale, bias)
@@ -402,7 +418,7 @@ def quantizing_nvfp4_gemm(
         weight_per_tensor_scale,
         bias,
         out,
-        table_config(x.shape[0], bucket),
+        table_config(x.shape[0], bucket, 2 * weight_qdata.shape[1]),
         raw_activation=True,
     )
     return out
