@@ -20,6 +20,7 @@ every shape, so put the Ms that matter most first).
 
 import argparse
 import time
+from dataclasses import fields
 from typing import NamedTuple, Optional
 
 import torch
@@ -71,7 +72,7 @@ MAX_ERROR = 1e-2
 
 def wide_candidates(M: int) -> list:
     """The wide tiles for M: those with at most max(64, M rounded up to a power of 2) rows and
-    at most 4 row tiles (256-row tiles only beyond 1024 rows); split K where the tile allows it
+    at most 4 row tiles (from 1024 rows on, the 256-row ones); split K where the tile allows it
     and one row tile covers M (``GemmConfig``: a split entry's tile covers its bucket)."""
     rows = next_power_of_2(M)
     configs = []
@@ -123,14 +124,16 @@ def use_table(table) -> None:
 
 
 def describe(config) -> str:
-    """A config as the Python that builds it, default fields left out: pasteable into the table."""
+    """A config as the Python that builds it, defaults left out: pasteable into the table."""
     if isinstance(config, CublasAfterDequantize):
         return "CublasAfterDequantize()"
-    defaults = GemmConfig(1, 1, 1, 1, 1)
-    fields = [f"{name}={getattr(config, name)!r}" for name in ("group_n", "programs_per_sm", "weight_as_mma_a",
-              "activation_rows", "mma_order") if getattr(config, name) != getattr(defaults, name)]
-    tile = (config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
-    return f"GemmConfig({', '.join(map(str, tile + tuple(fields)))})"
+    tile = [str(getattr(config, field.name)) for field in fields(GemmConfig)[:5]]
+    options = [
+        f"{field.name}={getattr(config, field.name)!r}"
+        for field in fields(GemmConfig)[5:]
+        if getattr(config, field.name) != field.default
+    ]
+    return f"GemmConfig({', '.join(tile + options)})"
 
 
 class Weight(NamedTuple):
