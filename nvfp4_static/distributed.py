@@ -11,7 +11,7 @@ same observer statistics, hence the same scales at convert.
 ``sync_calibration(model)`` gathers every rank's observer states and every rank folds them the
 same way, by each state's ``STATE_REDUCTIONS``. What the ranks compare (layers, recipes, state
 shapes, errors) travels as Python objects (``all_gather_object``); the states themselves as one
-flat byte tensor per rank (``all_gather_into_tensor``, on the GPU under NCCL, on the CPU under
+flat byte tensor per rank (``all_gather_into``, on the GPU under NCCL, on the CPU under
 gloo), folded where they arrive, without a host copy:
 
 - integer sums (histogram counts, token counts) and maxima (literal max, ``max`` recipe amax)
@@ -410,6 +410,23 @@ def _gather(obj, group) -> list:
     return gathered
 
 
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+    """Every rank's ``tensor`` end to end in ``output``: ``all_gather_single`` where torch has
+    it (2.13 deprecates ``all_gather_into_tensor`` for it), else ``all_gather_into_tensor``."""
+    dist = _dist()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def ranks_that_failed(failed: bool, group, device: torch.device) -> list[int]:
+    """The ranks of ``group`` whose ``failed`` is true, on every rank: one int32 per rank
+    all-gathered on ``device`` (the device the group's backend takes)."""
+    flag = torch.tensor([failed], dtype=torch.int32, device=device)
+    every_rank = torch.empty(_dist().get_world_size(group), dtype=torch.int32, device=device)
+    all_gather_into(every_rank, flag, group)
+    return every_rank.nonzero().flatten().tolist()
+
+
 def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -469,7 +486,7 @@ def _fold_across_ranks(layout: _Layout, flat: torch.Tensor, group) -> None:
     for start in range(0, layout.nbytes, _GATHER_CHUNK_BYTES):
         chunk = flat[start:start + _GATHER_CHUNK_BYTES]
         rows = torch.empty(world * chunk.numel(), dtype=torch.uint8, device=flat.device)
-        dist.all_gather_into_tensor(rows, chunk, group=group)
+        all_gather_into(rows, chunk, group)
         _fold_rows(layout, rows.view(world, -1), flat, start)
 
 

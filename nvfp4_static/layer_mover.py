@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
 
+from nvfp4_static.distributed import all_gather_into, ranks_that_failed
+
 __all__ = ["LayerMover", "put_tensor", "tensor_slots"]
 
 
@@ -122,11 +124,8 @@ class LayerMover:
         if self._share is None:
             return future.result()
         error = future.exception()
-        _, world, group = self._share
-        failed = torch.tensor([error is not None], dtype=torch.int32, device=self.device)
-        every_rank = torch.empty(world, dtype=torch.int32, device=self.device)
-        dist.all_gather_into_tensor(every_rank, failed, group=group)
-        failed_ranks = every_rank.nonzero().flatten().tolist()
+        group = self._share[2]
+        failed_ranks = ranks_that_failed(error is not None, group, self.device)
         if failed_ranks:
             raise RuntimeError(
                 f"nvfp4_static: staging the next layer for the device failed on rank(s) "
@@ -206,7 +205,7 @@ class LayerMover:
             return uploaded
         _, world, group = self._share
         gathered = torch.empty(uploaded.numel() * world, dtype=torch.uint8, device=self.device)
-        dist.all_gather_into_tensor(gathered, uploaded, group=group)
+        all_gather_into(gathered, uploaded, group)
         nbytes = source.numel() * source.element_size()
         return gathered[:nbytes].view(source.dtype).view(source.shape)
 

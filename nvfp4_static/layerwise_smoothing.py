@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static.distributed import _error_text, _gather, _raise_any_rank_error
+from nvfp4_static.distributed import _error_text, _gather, _raise_any_rank_error, ranks_that_failed
 from nvfp4_static.messages import warn
 from nvfp4_static.norm_smoothing import find_norm_groups, fold_smoothing_scales, smoothing_scales
 
@@ -81,12 +81,7 @@ class LayerSmoothing:
     def _raise_if_any_rank_failed(self, error: Optional[BaseException]) -> None:
         """Every rank raises the same error if any rank's smoothing failed (a flag per rank on
         the device; the error texts are gathered only then)."""
-        import torch.distributed as dist
-
-        failed = torch.tensor([error is not None], dtype=torch.int32, device=self.device)
-        every_rank = torch.empty(dist.get_world_size(self.group), dtype=torch.int32, device=self.device)
-        dist.all_gather_into_tensor(every_rank, failed, group=self.group)
-        if bool(every_rank.any()):
+        if ranks_that_failed(error is not None, self.group, self.device):
             gathered = _gather({"error": _error_text(error) if error else None}, self.group)
             _raise_any_rank_error(gathered, "norm smoothing")
 
