@@ -250,11 +250,13 @@ def test_gemm_bucket_is_the_first_table_entry_that_serves_m():
     ids=str,
 )
 def test_gpu_gemm_matches_fp64_reference(dtype, with_bias, M, N, K):
-    """Through the table's choice for M: split-K decode, mid-size tiles, cuBLAS after dequantize."""
+    """Through the table's choice for M: split-K decode, mid-size tiles, cuBLAS after dequantize;
+    the operand in the order that choice takes (the reference reads the plain one)."""
     operands = list(gemm_operands(M, N, K, seed=M, device="cuda"))
     operands[-1] = operands[-1] if with_bias else None
+    operand = gemm_operands(M, N, K, seed=M, device="cuda", config=gemm_config(M))[0]
     out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
-    launch_nvfp4_gemm(*operands, out)
+    launch_nvfp4_gemm(operand, *operands[1:], out)
     assert relative_error(out, reference_gemm(*operands)) <= gpu_tolerance(K, dtype)
 
 

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches, ReplayedLinear
+from nvfp4_static.kernels.gemm import GEMM_CONFIGS
 from nvfp4_static.kernels.launch import KernelCall, recording_launches
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
@@ -151,14 +152,17 @@ def test_gpu_replayed_forward_equals_the_route_at_every_bucket(dtype, with_bias)
     """Each M twice with new values (the first call records, the second replays), every tile
     bucket up to the cuBLAS one and past it, and leading dims."""
     layer = _layer(1024, 2048, dtype, "cuda", with_bias)
-    shapes = [(1, 2048), (2, 2048), (5, 2048), (16, 2048), (17, 2048), (33, 2048), (64, 2048), (65, 2048), (2, 3, 2048), (1, 1, 2048)]
+    last_triton = max(max_m for max_m, _ in GEMM_CONFIGS if max_m is not None)  # then cuBLAS
+    past = (last_triton + 1, 2048)
+    shapes = list(dict.fromkeys([(1, 2048), (2, 2048), (5, 2048), (16, 2048), (17, 2048), (33, 2048), (64, 2048),
+                                 (last_triton, 2048), past, (2, 3, 2048), (1, 1, 2048)]))
     with torch.no_grad():
         for seed, shape in enumerate(shapes):
             for call in range(2):
                 x = _activation(shape, dtype, seed=10 * seed + call)
                 assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias)), (shape, call)
     replayed = {key[0] for key, linear in layer._eager_launches._linears.items() if isinstance(linear, ReplayedLinear)}
-    assert replayed == {torch.Size(shape) for shape in shapes if shape != (65, 2048)}
+    assert replayed == {torch.Size(shape) for shape in shapes if shape != past}
 
 
 @requires_cuda
