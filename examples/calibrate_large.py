@@ -10,9 +10,10 @@ and stays on CPU; one decoder layer at a time moves to ``--device``
 (nvfp4_static.calibrate_layer_by_layer). Under torchrun each rank calibrates every WORLD_SIZE-th
 batch, the ranks' statistics are synchronised layer by layer and the weight sweeps are split
 across them (nvfp4_static.distributed). Printed: the layer-by-layer time, where it went (seconds
-per phase: recording the first layer's inputs, moving layers in, prepare, calibrate, statistics
-sync, convert, moving back; on CUDA each phase waits for the GPU at its end) and peak memory (GPU
-memory on CUDA, against the budget one decoder layer's weights + the cached layer inputs + 2 GiB).
+per phase, a line per rank: recording the first layer's inputs, moving layers in, smoothing,
+prepare, calibrate, statistics sync, convert, moving back; on CUDA each phase waits for the GPU
+at its end) and peak memory (GPU memory on CUDA, against the budget one decoder layer's weights
++ the cached layer inputs + 2 GiB).
 On CUDA the next layer is copied in while one calibrates (``--no-prefetch``: plain moves).
 
 Then, in one process (``--check``, the default there and for small models), the same model
@@ -189,14 +190,18 @@ def main(argv=None) -> None:
         resume_dir=args.resume_dir, prefetch=args.prefetch, timings=timings,
     ), device)
     tokens = args.batches * args.batch_size * args.seq_len
+    every_rank = [(layer_by_layer, timings)]
+    if distributed:  # each rank's phases: where one waits for another
+        every_rank = [None] * world
+        dist.all_gather_object(every_rank, (layer_by_layer, timings))
     if rank == 0:
         print(f"{args.preset} Llama, {params / 1e6:.0f}M parameters, {world} rank(s), {tokens} tokens "
               f"({args.act}+{args.weight}{'+smooth' if args.smooth else ''}"
               f"{', propagated' if args.propagate else ''}): "
               f"layer by layer in {layer_by_layer:.1f} s")
-        phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in timings.items())
-        print(f"  where it went (s, rank 0): {phases}, other "
-              f"{layer_by_layer - sum(timings.values()):.2f}")
+        for r, (total, phase_seconds) in enumerate(every_rank):
+            phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in phase_seconds.items())
+            print(f"  where it went (s, rank {r}): {phases}, other {total - sum(phase_seconds.values()):.2f}")
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
             tokens_here = len(shards[rank]) * args.batch_size * args.seq_len
