@@ -19,6 +19,7 @@ from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.layerwise import _home_device, _map_tensors
 from nvfp4_static.norm_smoothing import (
     DEFAULT_ALPHA,
+    check_alpha,
     find_norm_groups,
     fold_smoothing_scales,
     smoothing_scales,
@@ -66,9 +67,8 @@ def calibrate_model(
     """
     if not batches:
         raise ValueError("nvfp4_static: calibrate_model needs at least one calibration batch")
-    if smooth_alpha is not None and not 0.0 <= smooth_alpha <= 1.0:  # also refuses NaN
-        raise ValueError(f"nvfp4_static: calibrate_model: smooth_alpha={smooth_alpha} must lie in "
-                         f"[0, 1] (or None: no smoothing)")
+    if smooth_alpha is not None:
+        check_alpha(smooth_alpha, "calibrate_model", "smooth_alpha")
     config = config or NVFP4StaticActivationConfig()
     forward = forward or _default_forward
     device = _home_device(model)

@@ -52,7 +52,7 @@ from nvfp4_static.distributed import (
 from nvfp4_static.layer_mover import LayerMover, put_tensor, tensor_slots
 from nvfp4_static.layerwise_resume import FinishedLayers, layer_fingerprint, run_fingerprint
 from nvfp4_static.layerwise_smoothing import LayerSmoothing
-from nvfp4_static.norm_smoothing import DEFAULT_ALPHA
+from nvfp4_static.norm_smoothing import DEFAULT_ALPHA, check_alpha
 from nvfp4_static.workflow import is_quantizable
 
 __all__ = ["calibrate_layer_by_layer", "find_decoder_layers"]
@@ -214,6 +214,13 @@ def _capture_first_layer_inputs(model, layers, batches, forward, device, cache_d
     return records
 
 
+def _layer_output(layer, call, hidden, device, cache_device):
+    """``hidden`` through ``layer``, with the other arguments of a recorded call ``(args,
+    kwargs)``, on ``device``; the output hidden states on ``cache_device``."""
+    args, kwargs = _map_tensors(_with_hidden_states(*call, hidden), lambda t: t.to(device))
+    return _hidden_states(layer(*args, **kwargs)).detach().to(cache_device)
+
+
 def _with_hidden_states(args, kwargs, hidden):
     if args:
         return (hidden, *args[1:]), kwargs
@@ -298,9 +305,8 @@ def calibrate_layer_by_layer(
         rank = dist.get_rank(group)
         counts = _gather(len(batches), group)
         anchor_source = next((r for r, n in enumerate(counts) if n), 0)
-    if smooth_alpha is not None and not 0.0 <= smooth_alpha <= 1.0:  # also refuses NaN
-        raise ValueError(f"nvfp4_static: calibrate_layer_by_layer: smooth_alpha={smooth_alpha} "
-                         f"must lie in [0, 1] (or None: no smoothing)")
+    if smooth_alpha is not None:
+        check_alpha(smooth_alpha, "calibrate_layer_by_layer", "smooth_alpha")
 
     def layer_filter_of(name):
         return lambda module, fqn: filter_fn(module, f"{name}.{fqn}" if fqn else name)
@@ -327,9 +333,7 @@ def calibrate_layer_by_layer(
     smoothing = None
     if smooth_alpha is not None and any(counts):
         def first_batch_through(layer, hidden):
-            args, kwargs = _with_hidden_states(*inputs[0], hidden)
-            args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(device))
-            return _hidden_states(layer(*args, **kwargs)).detach().to(cache_device)
+            return _layer_output(layer, inputs[0], hidden, device, cache_device)
 
         first = hidden[0] if hidden and rank == anchor_source else None
         smoothing = LayerSmoothing(smooth_alpha, first, first_batch_through, group, anchor_source,
@@ -348,11 +352,10 @@ def calibrate_layer_by_layer(
             def run(b, last_use, layer=layer):
                 """Batch ``b`` through the layer; its input is dropped after its last use, so
                 that the cache holds about one copy of the activations, not two."""
-                args, kwargs = _with_hidden_states(*inputs[b], hidden[b])
+                given = hidden[b]
                 if last_use:
                     hidden[b] = None
-                args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(device))
-                return _hidden_states(layer(*args, **kwargs)).detach().to(cache_device)
+                return _layer_output(layer, inputs[b], given, device, cache_device)
 
             def calibration_run(b):
                 return run(b, last_use=not propagate_quantized)

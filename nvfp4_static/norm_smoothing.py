@@ -28,6 +28,7 @@ import torch
 
 __all__ = [
     "DEFAULT_NORM_CONSUMERS",
+    "check_alpha",
     "find_norm_groups",
     "fold_smoothing_scales",
     "smooth_norm_inputs",
@@ -97,8 +98,7 @@ def find_norm_groups(module: torch.nn.Module, norm_consumers: Optional[dict] = N
 def smoothing_scales(model: torch.nn.Module, groups: dict, forward_loop, alpha: float) -> dict:
     """Each group's scales ``s`` from the norm outputs ``forward_loop`` produces; checks that
     every norm can take them, changing nothing."""
-    if not 0.0 <= alpha <= 1.0:  # also refuses NaN
-        raise ValueError(f"nvfp4_static: smooth_norm_inputs: alpha={alpha} must lie in [0, 1]")
+    check_alpha(alpha, "smooth_norm_inputs")
     channel_amax = _norm_output_channel_amax(model, groups, forward_loop)
     scales = {
         name: _smoothing_scales(channel_amax[name], consumers, alpha)
@@ -107,6 +107,12 @@ def smoothing_scales(model: torch.nn.Module, groups: dict, forward_loop, alpha: 
     for name, (norm, _) in groups.items():
         _check_output_follows_weight(name, norm, scales[name])
     return scales
+
+
+def check_alpha(alpha: float, caller: str, argument: str = "alpha") -> None:
+    """Refuse an alpha outside [0, 1] (NaN too), naming ``caller``'s ``argument``."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"nvfp4_static: {caller}: {argument}={alpha} must lie in [0, 1]")
 
 
 @torch.no_grad()

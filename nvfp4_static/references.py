@@ -141,6 +141,11 @@ def sweep_reciprocals_overflow(global_amax: torch.Tensor) -> bool:
     """Whether the sweep's smallest candidate (2^-9, the largest reciprocal) overflows under
     ``global_amax`` (see ``numerics.scale_reciprocal_overflows``)."""
     per_tensor_scale = per_tensor_amax_to_scale(torch.as_tensor(global_amax, dtype=torch.float32))
+    return sweep_reciprocals_overflow_at_scale(per_tensor_scale)
+
+
+def sweep_reciprocals_overflow_at_scale(per_tensor_scale: torch.Tensor) -> bool:
+    """``sweep_reciprocals_overflow`` given the per-tensor scale instead of the global amax."""
     return scale_reciprocal_overflows(per_tensor_scale, float(e4m3_positive_values()[0]))
 
 

@@ -284,7 +284,7 @@ def quantize_weight_nvfp4(
     under tracing) takes the reference. Float32 is left out because on an H100 the kernel's
     codes differed from the reference's in a few elements of float32 4096 x 14336 weights (not
     explained yet; bf16 and fp16 weights of the same shapes were bit-equal, and the float32
-    interpreter tests are). A plain function, not an op: convert runs it eagerly.
+    interpreter tests are).
     """
     if block_scales is not None:
         _check_given_block_scales(weight, block_scales)

@@ -4,15 +4,13 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static import kernels
+from nvfp4_static import kernels, references
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
     E4M3_MAX,
     E4M3_MIN_NORMAL,
-    e4m3_positive_values,
     pad_to_block_multiple,
     per_tensor_amax_to_scale,
-    scale_reciprocal_overflows,
 )
 from nvfp4_static.observers.base import Observer
 
@@ -128,8 +126,7 @@ class NVFP4MSECalibrator(Observer):
             )
         weight = pad_to_block_multiple(weight, BLOCK_SIZE)
         self._check_shapes(weight)
-        # references.sweep_reciprocals_overflow's test, on the scale read above
-        too_small = scale_reciprocal_overflows(per_tensor_scale, float(e4m3_positive_values()[0]))
+        too_small = references.sweep_reciprocals_overflow_at_scale(per_tensor_scale)
         if self._host_global_amax == 0:
             shape = (weight.shape[0], weight.shape[1] // BLOCK_SIZE)
             scales = torch.full(shape, E4M3_MIN_NORMAL, device=weight.device)
