@@ -1,7 +1,7 @@
 """Quantize SmolLM2-135M-Instruct to static-activation NVFP4 and compare calibration recipes.
 
     pip install -e ".[examples]"
-    python examples/quantize_llm.py                          # CPU: up to ~30 minutes on 2 busy cores
+    python examples/quantize_llm.py                          # CPU: about 32 minutes on 2 busy cores
     python examples/quantize_llm.py --device cuda --compile  # GPU
     python examples/quantize_llm.py --n-calib 1              # max calibration's worst case
     python examples/quantize_llm.py --recipes b_min+hessian_mse+smooth --export out --format compressed-tensors
