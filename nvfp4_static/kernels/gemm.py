@@ -455,7 +455,9 @@ GEMM_CONFIGS = (
     (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1)),
     (16, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2)),
     (32, GemmConfig(32, 128, 256, 4, 3, programs_per_sm=1)),
-    (64, GemmConfig(64, 256, 256, 8, 3, programs_per_sm=2, weight_as_mma_a=True)),
+    (64, GemmConfig(64, 128, 128, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
+    (128, GemmConfig(128, 128, 128, 8, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
+    (512, GemmConfig(128, 128, 128, 8, 3, weight_as_mma_a=True, mma_order=True)),
     (None, CublasAfterDequantize()),
 )
 EPILOGUE_BLOCK = 1024
