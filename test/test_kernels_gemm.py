@@ -29,6 +29,7 @@ from nvfp4_static.kernels.gemm import (
     split_k_for,
     tile_counts,
 )
+from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.kernels.ops import deinterleave_blocks, gemm_activation_operand, nvfp4_gemm, quantizing_nvfp4_gemm
 from nvfp4_static.numerics import dequantize_nvfp4
 
@@ -98,8 +99,20 @@ INTERPRETER_CONFIGS = {
         16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True, mma_order=True
     ),
     "mma-order": GemmConfig(16, 16, 64, num_warps=4, num_stages=1, group_n=2, mma_order=True),
+    "row-tiles-split-k": GemmConfig(
+        16, 32, 64, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True, mma_order=True, row_tiles_for_split=2
+    ),
 }
 INTERPRETER_SHAPES = [(3, 40, 48), (17, 70, 224), (2, 24, 16)]
+# A split K over several row tiles, as a mid-size bucket's wide tiles run it, on its own shapes:
+# 3 row tiles with an 8-row edge, K = 224 in MMA order (3.5 tiles of 64, split 2 + 2: a ragged
+# last tile); 3 row tiles with a 1-row edge, K = 336 (not a multiple of 32, so without the MMA
+# order; 5.25 tiles, split 2 + 2 + 2). Both with a column edge.
+ROW_TILE_SPLIT_SHAPES = [(40, 70, 224), (33, 24, 336)]
+
+
+def interpreter_shapes(config_name: str) -> list:
+    return ROW_TILE_SPLIT_SHAPES if config_name == "row-tiles-split-k" else INTERPRETER_SHAPES
 OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
 
 
@@ -107,7 +120,7 @@ OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
 def interpreted_results():
     cases, launches = [], {}
     for config_name, config in INTERPRETER_CONFIGS.items():
-        for shape_index, (M, N, K) in enumerate(INTERPRETER_SHAPES):
+        for shape_index, (M, N, K) in enumerate(interpreter_shapes(config_name)):
             for dtype_name, (dtype, _) in OUT_DTYPES.items():
                 for with_bias in (True, False):
                     operands = list(gemm_operands(M, N, K, seed=shape_index))
@@ -159,7 +172,7 @@ def test_interpreted_weight_dequantize_matches_reference_bit_for_bit(interpreted
 INTERPRETER_CASES = [
     f"{config_name}-{M}x{N}x{K}-{dtype_name}-{bias}"
     for config_name in INTERPRETER_CONFIGS
-    for M, N, K in INTERPRETER_SHAPES
+    for M, N, K in interpreter_shapes(config_name)
     for dtype_name in OUT_DTYPES
     for bias in ("bias", "nobias")
 ]
@@ -169,7 +182,7 @@ SPLIT_K_CASES = [
     f"{config_name}-{M}x{N}x{K}-{dtype_name}-{bias}"
     for config_name, config in INTERPRETER_CONFIGS.items()
     if config.programs_per_sm
-    for M, N, K in INTERPRETER_SHAPES
+    for M, N, K in interpreter_shapes(config_name)
     for dtype_name in OUT_DTYPES
     for bias in ("bias", "nobias")
 ]
@@ -197,11 +210,39 @@ def test_op_rejects_cpu_tensors_with_a_pointer_to_the_cpu_backend():
         nvfp4_gemm(*gemm_operands(2, 16, 32, seed=0), torch.float32)
 
 
-def test_config_table_covers_every_m_and_decode_tiles_cover_their_bucket():
-    assert GEMM_CONFIGS[-1][0] is None
-    for max_m, config in GEMM_CONFIGS[:-1]:
-        # A split-K entry's grid must not depend on M (see GemmConfig).
-        assert config.programs_per_sm == 0 or config.rows_per_tile >= max_m
+def test_row_tile_split_cases_split_k_over_several_row_tiles():
+    """What the interpreted row-tiles-split-k cases are for: several row tiles, a split K, and
+    the MMA order on one K and not on the other."""
+    config = INTERPRETER_CONFIGS["row-tiles-split-k"]
+    for M, N, K in ROW_TILE_SPLIT_SHAPES:
+        assert ceil_div(M, config.rows_per_tile) == 3
+        assert split_k_for(config, N, K, torch.device("cpu")) > 1
+    assert [operand_in_mma_order(config_for_width(config, K)) for _, _, K in ROW_TILE_SPLIT_SHAPES] == [True, False]
+
+
+def test_split_k_is_sized_for_the_planned_row_tiles():
+    """One "SM" on CPU: 12 programs wanted over 2 column tiles (N = 64) times the planned row
+    tiles, capped at 2 K tiles per split (K = 1280: 40 tiles, at most 20 splits)."""
+    cpu = torch.device("cpu")
+    splits = [
+        split_k_for(GemmConfig(16, 32, 32, 4, 1, programs_per_sm=12, row_tiles_for_split=rows), 64, 1280, cpu)
+        for rows in (1, 2, 3, 12)
+    ]
+    assert splits == [6, 3, 2, 1]  # ceil(12 / 2), ceil(12 / 4), ceil(12 / 6), ceil(12 / 24)
+    assert split_k_for(GemmConfig(16, 32, 32, 4, 1, programs_per_sm=64), 64, 1280, cpu) == 20  # the cap
+    assert split_k_for(GemmConfig(16, 32, 32, 4, 1), 64, 1280, cpu) == 1
+
+
+@pytest.mark.parametrize("rows,programs_per_sm", [(0, 1), (-1, 1), (2, 0)])
+def test_gemm_config_refuses_row_tiles_for_split_that_size_no_split(rows, programs_per_sm):
+    with pytest.raises(ValueError, match="row_tiles_for_split"):
+        GemmConfig(16, 64, 256, 4, 3, programs_per_sm=programs_per_sm, row_tiles_for_split=rows)
+
+
+def test_config_table_covers_every_m_in_rising_buckets():
+    bounds = [max_m for max_m, _ in GEMM_CONFIGS]
+    assert bounds[-1] is None
+    assert bounds[:-1] == sorted(set(bounds[:-1])) and bounds[0] >= 1
 
 
 @pytest.mark.parametrize("rows", [-1, 3, 32])
@@ -360,19 +401,45 @@ def test_gpu_split_k_summed_in_the_gemm_equals_the_epilogue_kernels_sum(M, N, K,
     """The table's split-K entries, summed by each tile's last program: the epilogue kernel's
     output bit for bit, on every one of 20 launches (a tile summed before all of its partials
     had landed would differ), with the stream's counters left zero for the next GEMM."""
+    assert_split_k_summed_in_the_gemm_like_the_epilogue_kernel(M, N, K, with_bias, gemm_config(M), launches=20)
+
+
+# Wide tiles with the split sized for several row tiles (GemmConfig.row_tiles_for_split), so
+# that a weight with few column tiles fills the SMs at mid-size M; each splits K on both shapes
+# at 132 SMs (asserted), over 2-8 row tiles with row edges at M = 129 and 300.
+WIDE_ROW_TILE_SPLIT_CONFIGS = [
+    GemmConfig(128, 128, 128, 8, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True, row_tiles_for_split=2),
+    GemmConfig(64, 128, 128, 4, 4, programs_per_sm=4, weight_as_mma_a=True, mma_order=True, row_tiles_for_split=4),
+]
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", WIDE_ROW_TILE_SPLIT_CONFIGS, ids=str)
+@pytest.mark.parametrize("M", [129, 256, 300, 512])
+@pytest.mark.parametrize("N,K", [(4096, 14336), (14336, 4096)], ids=str)
+def test_gpu_split_k_over_several_row_tiles_matches_fp64_and_the_epilogue_kernels_sum(config, M, N, K):
+    assert ceil_div(M, config.rows_per_tile) > 1
+    assert_split_k_summed_in_the_gemm_like_the_epilogue_kernel(M, N, K, True, config, launches=5)
+
+
+def assert_split_k_summed_in_the_gemm_like_the_epilogue_kernel(M, N, K, with_bias, config, launches):
+    """``config`` splits K on this GPU; the GEMM summing its splits gives the epilogue kernel's
+    output bit for bit on each of ``launches`` launches, that output matches the fp64 reference,
+    and the stream's counters are left zero."""
     x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias = raw_gemm_operands(M, N, K, seed=M, device="cuda")
     x, bias = x.bfloat16(), bias if with_bias else None
-    config = gemm_config(M)
     assert split_k_for(config, N, K, x.device) > 1
     raw = quantizes_activation_in_gemm(config)
-    a = x if raw else gemm_activation_operand(x, act_scale)
+    mma_order = operand_in_mma_order(config_for_width(config, K))
+    a = x if raw else gemm_activation_operand(x, act_scale, mma_order=mma_order)
     operands = (a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
     apart = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    launch_nvfp4_gemm(*operands, apart, None, raw, False)
-    assert relative_error(apart, reference_gemm(gemm_activation_operand(x, act_scale), *operands[1:])) <= gpu_tolerance(K, torch.bfloat16)
-    for launch in range(20):
+    launch_nvfp4_gemm(*operands, apart, config, raw, False)
+    reference = reference_gemm(gemm_activation_operand(x, act_scale), *operands[1:])
+    assert relative_error(apart, reference) <= gpu_tolerance(K, torch.bfloat16)
+    for launch in range(launches):
         in_gemm = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-        launch_nvfp4_gemm(*operands, in_gemm, None, raw, True)
+        launch_nvfp4_gemm(*operands, in_gemm, config, raw, True)
         assert torch.equal(in_gemm, apart), launch
     assert not tile_counts(x.device, 1).any()
 

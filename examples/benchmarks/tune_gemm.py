@@ -31,7 +31,7 @@ from nvfp4_static.backends import triton_route
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm, gemm_activation_operand
 from nvfp4_static.kernels.gemm import CublasAfterDequantize, GemmConfig
-from nvfp4_static.kernels.launch import next_power_of_2
+from nvfp4_static.kernels.launch import ceil_div, next_power_of_2
 from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
 
 SHAPES = [(8192, 8192), (4096, 14336), (14336, 4096)]
@@ -72,16 +72,23 @@ MAX_ERROR = 1e-2
 
 def wide_candidates(M: int) -> list:
     """The wide tiles for M: those with at most max(64, M rounded up to a power of 2) rows and
-    at most 4 row tiles (from 1024 rows on, the 256-row ones); split K where the tile allows it
-    and one row tile covers M (``GemmConfig``: a split entry's tile covers its bucket)."""
+    at most 4 row tiles (from 1024 rows on, the 256-row ones); each also with K split to one
+    program per SM where the tile allows it, the split sized for M's row tiles and, where M
+    spans several, also for twice as many (half the split: fewer partial products to sum).
+    A split entry's split is fixed (``GemmConfig.row_tiles_for_split``), so in the table it
+    serves its whole bucket with the split chosen here for M."""
     rows = next_power_of_2(M)
     configs = []
     for tile, splits in WIDE_TILES:
         block_m = tile[0]
         if block_m > max(64, rows) or block_m < min(rows // 4, 256):
             continue
-        for programs_per_sm in (0, 1) if splits and block_m >= M else (0,):
-            configs.append(GemmConfig(*tile, programs_per_sm=programs_per_sm, weight_as_mma_a=True, mma_order=True))
+        wide = dict(weight_as_mma_a=True, mma_order=True)
+        configs.append(GemmConfig(*tile, **wide))
+        if splits:
+            row_tiles = ceil_div(M, block_m)
+            for planned in (row_tiles, 2 * row_tiles) if row_tiles > 1 else (1,):
+                configs.append(GemmConfig(*tile, programs_per_sm=1, row_tiles_for_split=planned, **wide))
     return configs
 
 

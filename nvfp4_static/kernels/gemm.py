@@ -14,10 +14,11 @@ values in K order without shuffles, which matters because at decode sizes the ke
 instruction issue, not only memory, bounds the time. Wide tiles (``GemmConfig.mma_order``)
 instead permute K within 32-element groups so that each thread's 4 packed bytes dequantize
 straight into its wgmma operand registers, one dot per K tile, the activation operand written in
-the same order. Small batches split K over several programs and sum the fp32 partials in split
-order: eagerly in the GEMM itself, by the last program to
-finish each tile (one launch; it counts arrivals in the stream's ``tile_counts``), in a traced
-graph in a second small kernel that applies the epilogue (same sums, same output). Large batches
+the same order. Small and mid-size batches may split K over several programs
+(``GemmConfig.programs_per_sm``) and sum the fp32 partials in split order: eagerly in the GEMM
+itself, by the last program to finish each tile (one launch; it counts arrivals in the stream's
+``tile_counts``), in a traced graph in a second small kernel that applies the epilogue (same
+sums, same output). Large batches
 dequantize the weight once and hand the product to cuBLAS (``CublasAfterDequantize``); the
 numerics are the same. There, when the caller knows the scale product on the host
 (``output_scale``) and the output is bf16 or fp16, both operands take the output's dtype (``q *
@@ -371,9 +372,13 @@ class GemmConfig:
 
     ``programs_per_sm > 0`` splits K until the grid holds about that many programs per SM (a
     decode GEMM has few output tiles, and streaming the weight at full bandwidth needs many loads
-    in flight); such an entry's ``rows_per_tile`` covers its whole M bucket, so the split does not
-    depend on M. ``weight_as_mma_a`` computes each tile transposed (``W @ A^T``), so that the
-    dequantized weight feeds the tensor cores from registers rather than shared memory.
+    in flight, as does a mid-size GEMM whose N spans few column tiles) when M spans
+    ``row_tiles_for_split`` row tiles. The split is fixed per entry, not a function of M (a graph
+    compiled for a dynamic M launches each bucket's GEMM with one split), so where a bucket spans
+    several row tiles its grid grows with M around the planned size; each split's partial products
+    cover all M rows (``[split, M, N]`` fp32, allocated per call) and each tile counts its arrived
+    splits in ``tile_counts``. ``weight_as_mma_a`` computes each tile transposed (``W @ A^T``), so
+    that the dequantized weight feeds the tensor cores from registers rather than shared memory.
     ``activation_rows > 0`` hands the GEMM the raw activation: each program quantizes that many
     rows of it (its tile) in its K loop, so a decode linear needs no activation kernel (one
     launch fewer, and no operand round trip); ``block_m`` is then the MMA's row count.
@@ -396,8 +401,15 @@ class GemmConfig:
     weight_as_mma_a: bool = False
     activation_rows: int = 0
     mma_order: bool = False
+    row_tiles_for_split: int = 1
 
     def __post_init__(self):
+        if self.row_tiles_for_split < 1 or (self.row_tiles_for_split > 1 and not self.programs_per_sm):
+            raise ValueError(
+                f"nvfp4_static: GemmConfig.row_tiles_for_split sizes the K split: at least 1, and above 1 only "
+                f"with programs_per_sm > 0; got {self.row_tiles_for_split} with programs_per_sm = "
+                f"{self.programs_per_sm}"
+            )
         rows = self.activation_rows
         if rows < 0 or (rows and (rows & (rows - 1) or self.block_m % rows)):
             raise ValueError(
@@ -512,10 +524,13 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 
 def split_k_for(config: GemmConfig, N: int, K: int, device: torch.device) -> int:
-    """How many programs share each output tile's K range (at least 2 K tiles each)."""
+    """How many programs share each output tile's K range: enough for ``programs_per_sm``
+    programs per SM over ``row_tiles_for_split`` row tiles (``GemmConfig``), at least 2 K tiles
+    each. Not a function of M, which a traced graph may hold only symbolically."""
     if config.programs_per_sm == 0:
         return 1
-    wanted = ceil_div(config.programs_per_sm * _multiprocessor_count(device), ceil_div(N, config.block_n))
+    output_tiles = config.row_tiles_for_split * ceil_div(N, config.block_n)
+    wanted = ceil_div(config.programs_per_sm * _multiprocessor_count(device), output_tiles)
     return max(1, min(wanted, ceil_div(K, config.block_k) // 2))
 
 
