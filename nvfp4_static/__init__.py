@@ -16,10 +16,10 @@ from nvfp4_static.calibrate_model import calibrate_model
 from nvfp4_static.checkpoint import load_quantized
 from nvfp4_static.clip_monitor import ClipCounts, clip_counts, disable_clip_monitor, enable_clip_monitor
 from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.data_parallel_convert import convert_data_parallel
 from nvfp4_static.diagnostics import LayerDiagnostics, format_diagnostics, layer_diagnostics
 from nvfp4_static.distributed import (
     calibrate_in_shards,
-    convert_data_parallel,
     data_parallel_calibration,
     sync_calibration,
     sync_mse_anchors,

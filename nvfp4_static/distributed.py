@@ -6,7 +6,7 @@ same observer statistics, hence the same scales at convert.
     with nvfp4_static.data_parallel_calibration(model):              # syncs on exit
         for batch in my_shard:
             model(batch)
-    nvfp4_static.convert_data_parallel(model)   # quantize_'s convert, weight sweeps split
+    nvfp4_static.convert_data_parallel(model)   # quantize_'s convert, shared out across ranks
 
 ``sync_calibration(model)`` gathers every rank's observer states and every rank folds them the
 same way, by each state's ``STATE_REDUCTIONS``. What the ranks compare (layers, recipes, state
@@ -30,10 +30,8 @@ own statistics beside them: the pooled calibrators, and the tokens per expert (s
 which convert picks the experts that take the pooled statistics, so every rank pools the
 experts one process on all the data pools.
 
-Convert is the same on every rank; its costly part, the FP8 weight sweeps (or GPTQ), is split:
-``convert_data_parallel`` has each rank run them for a share of the layers and broadcast the
-results, block scales (and GPTQ's weight codes) (a plain ``quantize_`` convert on every rank
-gives the same layers, each rank computing them all).
+Convert then gives every rank the same layers; ``convert_data_parallel``
+(``nvfp4_static.data_parallel_convert``) shares its work out across the ranks.
 
 ``act_calibration="mse"`` searches a grid anchored at the first batch's max, so the ranks must
 share that anchor: the lowest rank with data runs its first batch, then every rank calls
@@ -53,27 +51,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 import torch
-from torchao.quantization import quantize_
 
-from nvfp4_static.config import NVFP4StaticActivationConfig
-from nvfp4_static.experts.handlers import pooled_statistics_for, starved_experts
 from nvfp4_static.experts.observed import NVFP4StaticObservedExperts
-from nvfp4_static.numerics import BLOCK_SIZE, pack_e2m1
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
 from nvfp4_static.observers.base import _REDUCE, MergeableObserver
 from nvfp4_static.observers.mse import MseCalibrator
-from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
-from nvfp4_static.workflow import (
-    is_quantizable,
-    layer_weight_global_amax,
-    run_gptq,
-    sweep_weight_block_scales,
-)
 
 __all__ = [
     "calibrate_in_shards",
-    "convert_data_parallel",
     "data_parallel_calibration",
     "sync_calibration",
     "sync_mse_anchors",
@@ -566,208 +552,6 @@ def _anchor(observer: FirstBatchMseCalibrator) -> Optional[torch.Tensor]:
 
 def _adopt_anchor(observer: FirstBatchMseCalibrator, anchor: torch.Tensor, device) -> None:
     observer.search = MseCalibrator(anchor.to(device), name=observer.name, **observer.search_args)
-
-
-# --- convert: the weight sweeps split across ranks -----------------------------------------------
-
-
-def convert_data_parallel(
-    model: torch.nn.Module,
-    config: Optional[NVFP4StaticActivationConfig] = None,
-    filter_fn: Callable[[torch.nn.Module, str], bool] = is_quantizable,
-    group=None,
-) -> torch.nn.Module:
-    """``quantize_(model, config with step="convert", filter_fn)`` on every rank of ``group``,
-    each rank running the costly part of convert, the weight computation of ``weight_scale``
-    ``"mse"`` / ``"hessian_mse"`` (the FP8 sweep) or ``"gptq"``, for a disjoint share of the
-    layers and broadcasting the results.
-
-    Call it on every rank after ``sync_calibration``, with the same model (weights included),
-    config and filter. Every rank ends with the converted layers a single-process convert
-    gives, bit for bit (the sweep and GPTQ are deterministic; the ranks' statistics are
-    equal). Layers are shared out largest first, each to the least-loaded rank. A rank whose
-    computation fails, or whose layers differ from rank 0's, makes every rank raise the same
-    error.
-    """
-    config = dataclasses.replace(config or NVFP4StaticActivationConfig(), step="convert")
-    linears = _converted_linears(model, filter_fn)
-    split = _SPLIT_WEIGHT_COMPUTATIONS.get(config.weight_scale)
-    if split is not None:
-        _share_weight_computation(linears, config, split, group)
-    try:
-        quantize_(model, config, filter_fn=filter_fn)
-    finally:
-        for linear, _ in linears:
-            if split is not None:
-                setattr(linear, split.attribute, None)
-    return model
-
-
-def _converted_linears(model: torch.nn.Module, filter_fn) -> list[tuple]:
-    """``(observed linear, experts module holding it or None)`` for every linear that
-    ``quantize_(model, config, filter_fn)`` converts: it hands ``filter_fn`` each module from
-    the root down and converts the first it selects on each path (an experts module converts
-    its expert linears)."""
-    found, seen = [], set()
-
-    def walk(module: torch.nn.Module, fqn: str) -> None:
-        if id(module) in seen:
-            return
-        seen.add(id(module))
-        if filter_fn(module, fqn):
-            if isinstance(module, NVFP4StaticObservedLinear):
-                found.append((module, None))
-            elif isinstance(module, NVFP4StaticObservedExperts):
-                found.extend((linear, module) for linear in (*module.gate_up_proj, *module.down_proj))
-            return
-        for name, child in module.named_children():
-            walk(child, f"{fqn}.{name}" if fqn else name)
-
-    walk(model, "")
-    return found
-
-
-@dataclasses.dataclass(frozen=True)
-class _SplitWeightComputation:
-    """A weight computation of convert that the ranks share out: ``run(layer, config,
-    global_amax)`` computes a layer's result (or raises ``GlobalAmaxTooSmallError``: every
-    rank's convert then finds the weight too small at once, and warns), which travels as
-    ``nbytes(layer)`` bytes (``to_bytes`` / ``from_bytes``) and is handed to convert in the
-    observed layer's ``attribute``."""
-
-    run: Callable
-    nbytes: Callable[[torch.nn.Module], int]
-    to_bytes: Callable[[Any], torch.Tensor]
-    from_bytes: Callable[[torch.Tensor, torch.nn.Module], Any]
-    attribute: str
-
-
-def _block_scale_count(layer) -> int:
-    return layer.weight.shape[0] * (layer.weight.shape[1] // BLOCK_SIZE)
-
-
-def _block_scales_from_bytes(data: torch.Tensor, layer) -> torch.Tensor:
-    rows, columns = layer.weight.shape
-    # a copy per layer: a view would keep (and a checkpoint save) the whole broadcast
-    scales = data.view(rows, columns // BLOCK_SIZE).view(torch.float8_e4m3fn)
-    return scales.to(layer.weight.device, copy=True)
-
-
-def _gptq_codes(layer, config, global_amax) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ's result as the packed E2M1 codes (element ``2i`` in the low nibble) and the FP8
-    block scales: an eighth of the float32 values' bytes, to hold and to send."""
-    result = run_gptq(layer, config, global_amax)
-    return pack_e2m1(result.values), result.block_scales_e4m3
-
-
-def _gptq_codes_from_bytes(data: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, columns = layer.weight.shape
-    qdata, scales = data.split([rows * columns // 2, _block_scale_count(layer)])
-    qdata = qdata.view(rows, columns // 2).to(layer.weight.device, copy=True)
-    return qdata, _block_scales_from_bytes(scales, layer)
-
-
-def _sweep(layer, config, global_amax) -> torch.Tensor:
-    """``sweep_weight_block_scales``, looked up when called (a test wraps it)."""
-    return sweep_weight_block_scales(layer, config, global_amax)
-
-
-_SWEEP = _SplitWeightComputation(
-    run=_sweep,
-    nbytes=_block_scale_count,
-    to_bytes=lambda scales: scales.view(torch.uint8).flatten(),
-    from_bytes=_block_scales_from_bytes,
-    attribute="swept_block_scales",
-)
-_GPTQ = _SplitWeightComputation(
-    run=_gptq_codes,
-    nbytes=lambda layer: layer.weight.numel() // 2 + _block_scale_count(layer),
-    to_bytes=lambda codes: torch.cat([codes[0].flatten(), codes[1].view(torch.uint8).flatten()]),
-    from_bytes=_gptq_codes_from_bytes,
-    attribute="gptq_codes",
-)
-# The weight recipes whose convert computation convert_data_parallel splits.
-_SPLIT_WEIGHT_COMPUTATIONS = {"mse": _SWEEP, "hessian_mse": _SWEEP, "gptq": _GPTQ}
-
-
-def _share_weight_computation(
-    linears: list[tuple], config: NVFP4StaticActivationConfig, split: _SplitWeightComputation, group
-) -> None:
-    """Compute this rank's share of ``linears`` (an expert that convert gives the pooled
-    statistics computed with them, as convert would), then give every layer its result from
-    the rank that computed it, one broadcast per rank."""
-    dist = _dist()
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    layers = [layer for layer, _ in linears]
-    owners = _share_out([layer.weight.numel() for layer in layers], world)
-    local: dict = {"error": None, "computed": [],
-                   "layers": [(layer.layer_name, tuple(layer.weight.shape)) for layer in layers]}
-    mine = {}
-    try:
-        with contextlib.ExitStack() as pooled:
-            for experts in {id(e): e for _, e in linears if e is not None}.values():
-                pooled.enter_context(pooled_statistics_for(experts, starved_experts(experts, config)))
-            for i, layer in enumerate(layers):
-                if owners[i] != rank:
-                    continue
-                try:
-                    mine[i] = split.run(layer, config, layer_weight_global_amax(layer))
-                except GlobalAmaxTooSmallError:
-                    pass  # every rank's convert finds it too small at once, and warns
-        local["computed"] = sorted(mine)
-    except Exception as caught:
-        local["error"] = _error_text(caught)
-    gathered = _gather(local, group)
-    _raise_any_rank_error(gathered, "convert")
-    _check_same_layers([item["layers"] for item in gathered])
-    device = _collective_device(group)
-    for source, item in enumerate(gathered):
-        if not item["computed"]:
-            continue
-        sizes = [split.nbytes(layers[i]) for i in item["computed"]]
-        if source == rank:
-            flat = torch.cat([split.to_bytes(mine[i]) for i in item["computed"]]).to(device)
-        else:
-            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        global_source = source if group is None else dist.get_global_rank(group, source)
-        dist.broadcast(flat, src=global_source, group=group)
-        if source == rank:
-            continue
-        for i, chunk in zip(item["computed"], flat.split(sizes)):
-            setattr(layers[i], split.attribute, split.from_bytes(chunk, layers[i]))
-    for i, result in mine.items():
-        setattr(layers[i], split.attribute, result)
-
-
-def _share_out(costs: Sequence[int], world: int) -> list[int]:
-    """The rank that sweeps each layer: largest first, each to the least-loaded rank (the
-    lowest on a tie), so that every rank computes the same split."""
-    loads, owners = [0] * world, [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        owner = min(range(world), key=lambda r: (loads[r], r))
-        owners[i] = owner
-        loads[owner] += costs[i]
-    return owners
-
-
-def _check_same_layers(per_rank: Sequence[list]) -> None:
-    reference = per_rank[0]
-    for rank, layers in enumerate(per_rank[1:], start=1):
-        for ours, theirs in zip(reference, layers):
-            if ours != theirs:
-                raise ValueError(
-                    f"nvfp4_static: rank {rank} converts layer '{theirs[0]}' (weight "
-                    f"{theirs[1]}) where rank 0 converts '{ours[0]}' (weight {ours[1]}); every "
-                    f"rank must convert the same model with the same filter_fn"
-                )
-        if len(layers) != len(reference):
-            longer, rank_of_longer = (layers, rank) if len(layers) > len(reference) else (reference, 0)
-            unmatched = longer[min(len(layers), len(reference))][0]
-            raise ValueError(
-                f"nvfp4_static: rank {rank} converts {len(layers)} layers, rank 0 "
-                f"{len(reference)}; the first unmatched is layer '{unmatched}' on rank "
-                f"{rank_of_longer}; every rank must convert the same model with the same filter_fn"
-            )
 
 
 # --- the single-process reference ----------------------------------------------------------------

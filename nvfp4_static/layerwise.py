@@ -41,11 +41,11 @@ from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.data_parallel_convert import convert_data_parallel
 from nvfp4_static.distributed import (
     _error_text,
     _gather,
     _raise_any_rank_error,
-    convert_data_parallel,
     sync_calibration,
     sync_mse_anchors,
 )

@@ -208,8 +208,25 @@ def convert_linear(module: torch.nn.Module, config: NVFP4StaticActivationConfig)
     shared = _REPLACEMENTS.get(module)
     if isinstance(shared, NVFP4StaticLinear):
         return shared
-    check_recipe_matches_prepare(module, config)
     _CONVERT_PROGRESS.converting(module, module.layer_name)
+    converted = converted_linear(module, config)
+    adopt_converted(module, converted)
+    return converted
+
+
+def adopt_converted(module: NVFP4StaticObservedLinear, converted: NVFP4StaticLinear) -> None:
+    """Make ``converted`` what convert puts in place of ``module`` (``convert_data_parallel``
+    hands over the layers another rank converted this way)."""
+    _REPLACEMENTS[module] = converted
+    _CONVERT_PROGRESS.converted(module)
+
+
+def converted_linear(
+    module: NVFP4StaticObservedLinear, config: NVFP4StaticActivationConfig
+) -> NVFP4StaticLinear:
+    """The converted layer of a calibrated ``module``; changes nothing (``convert_linear``
+    swaps it in)."""
+    check_recipe_matches_prepare(module, config)
     act_amax = layer_activation_global_amax(module)
     weight_global_amax = layer_weight_global_amax(module)
     if config.weight_scale == "gptq":
@@ -226,10 +243,7 @@ def convert_linear(module: torch.nn.Module, config: NVFP4StaticActivationConfig)
     ).to(module.weight.dtype)  # GPTQ's float32 weight; a no-op for the others
     _check_backend_runs_here(weight, module.layer_name)
     stats = dict(getattr(module.act_calibrator, "stats", None) or {"g_amax": float(act_amax)})
-    converted = NVFP4StaticLinear(weight, module.bias, config.recipe(), module.layer_name, stats)
-    _REPLACEMENTS[module] = converted
-    _CONVERT_PROGRESS.converted(module)
-    return converted
+    return NVFP4StaticLinear(weight, module.bias, config.recipe(), module.layer_name, stats)
 
 
 def check_recipe_matches_prepare(
@@ -297,7 +311,7 @@ def _weight_block_scales(
 ):
     """FP8 block scales of the weight from ``NVFP4MSECalibrator``, swept against the weight
     global amax the tensor will store (or as another rank swept them, see
-    ``nvfp4_static.distributed.convert_data_parallel``); None (block max, as torchao computes
+    ``nvfp4_static.data_parallel_convert``); None (block max, as torchao computes
     them) for ``weight_scale="max"`` and for a weight too small for the sweep."""
     if config.weight_scale == "max":
         return None

@@ -19,9 +19,9 @@ from test_experts import token_ids as moe_token_ids  # noqa: E402
 from tiny_llama import all_but_lm_head, tiny_llama, token_ids  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 
-from nvfp4_static import NVFP4StaticActivationConfig, distributed, workflow  # noqa: E402
+from nvfp4_static import NVFP4StaticActivationConfig, data_parallel_convert, distributed, workflow  # noqa: E402
+from nvfp4_static.data_parallel_convert import convert_data_parallel  # noqa: E402
 from nvfp4_static.distributed import (  # noqa: E402
-    convert_data_parallel,
     data_parallel_calibration,
     sync_mse_anchors,
 )
@@ -111,10 +111,12 @@ def synced_states_run(batches) -> dict:
     return {**data_parallel_run(batches, "mse", "hessian_mse", convert=recording_convert), "states": states}
 
 
-def split_sweeps_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_head) -> dict:
+def split_convert_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_head, model=None) -> dict:
     """``data_parallel_run`` converted by ``convert_data_parallel``, with the names of the
-    layers whose weight sweep this rank ran (``fail_on_rank``: that rank's sweeps raise)."""
-    swept, sweep = [], workflow.sweep_weight_block_scales
+    layers this rank converted and swept, and every layer's calibration diagnostics
+    (``fail_on_rank``: that rank's sweeps raise)."""
+    swept, converted = [], []
+    sweep, convert_one = workflow.sweep_weight_block_scales, data_parallel_convert.converted_linear
 
     def recorded_sweep(module, config, global_amax):
         if dist.get_rank() == fail_on_rank:
@@ -122,12 +124,21 @@ def split_sweeps_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_he
         swept.append(module.layer_name)
         return sweep(module, config, global_amax)
 
-    distributed.sweep_weight_block_scales = workflow.sweep_weight_block_scales = recorded_sweep
+    def recorded_convert(module, config):
+        converted.append(module.layer_name)
+        return convert_one(module, config)
+
+    data_parallel_convert.sweep_weight_block_scales = workflow.sweep_weight_block_scales = recorded_sweep
+    data_parallel_convert.converted_linear = recorded_convert
+    model = model or tiny_llama()
     try:
-        result = data_parallel_run(batches, "b_min", weight, filter_fn=filter_fn, convert=convert_data_parallel)
+        result = data_parallel_run(batches, "b_min", weight, filter_fn=filter_fn, convert=convert_data_parallel,
+                                   model=model)
     finally:
-        distributed.sweep_weight_block_scales = workflow.sweep_weight_block_scales = sweep
-    return {**result, "swept": swept}
+        data_parallel_convert.sweep_weight_block_scales = workflow.sweep_weight_block_scales = sweep
+        data_parallel_convert.converted_linear = convert_one
+    stats = {m.layer_name: m.calibration_stats for m in model.modules() if isinstance(m, NVFP4StaticLinear)}
+    return {**result, "swept": swept, "converted": converted, "stats": stats}
 
 
 def moe_run(batches, act, weight, **options) -> dict:
@@ -182,9 +193,12 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
     save("no-data", data_parallel_run(mine if rank == 0 else [], "mse", "hessian_mse"))
 
-    for weight in WEIGHT_RECIPES:
-        save(f"split-sweeps-{weight}", split_sweeps_run(mine, weight))
-    save("split-sweeps-failure", error_of(lambda: split_sweeps_run(mine, "mse", fail_on_rank=1)))
+    for weight in ("max", *WEIGHT_RECIPES):
+        save(f"split-convert-{weight}", split_convert_run(mine, weight))
+    model = tiny_llama()
+    failure = error_of(lambda: split_convert_run(mine, "mse", fail_on_rank=1, model=model))
+    failure["converted_layers_left"] = sum(isinstance(m, NVFP4StaticLinear) for m in model.modules())
+    save("split-convert-failure", failure)
 
     save("recipe-mismatch", error_of(
         lambda: data_parallel_run(mine, "b_min" if rank == 0 else "percentile", "mse")))
@@ -198,7 +212,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     def convert_skips_down_proj_on_rank_1(model, config, filter_fn):
         convert_data_parallel(model, config, skip_down_proj_on_rank_1)
 
-    save("split-sweeps-mismatch", error_of(
+    save("split-convert-mismatch", error_of(
         lambda: data_parallel_run(mine, "b_min", "mse", convert=convert_skips_down_proj_on_rank_1)))
 
     def nan_on_rank_1(model, batch):

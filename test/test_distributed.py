@@ -160,24 +160,34 @@ def test_states_gathered_in_many_chunks_fold_as_in_one(results):
             assert all(same_bits(ours[key], theirs[key]) for key in ours)
 
 
-@pytest.mark.parametrize("weight", ("mse", "hessian_mse"))
-def test_weight_sweeps_split_across_ranks_equal_the_one_process_convert(results, weight):
-    rank0, rank1 = results(f"split-sweeps-{weight}")
-    assert_same(rank0, rank1)
-    assert_same(rank0, shards_run("b_min", weight, SHARDS))
-    assert rank0["swept"] and rank1["swept"] and set(rank0["swept"]).isdisjoint(rank1["swept"])
-    assert sorted(rank0["swept"] + rank1["swept"]) == sorted(rank0["scales"])
+@pytest.mark.parametrize("weight", ("max", "mse", "hessian_mse"))
+def test_ranks_convert_disjoint_shares_and_all_end_with_the_one_process_convert(results, weight):
+    rank0, rank1 = results(f"split-convert-{weight}")
+    one_process = shards_run("b_min", weight, SHARDS)
+    for rank in (rank0, rank1):
+        assert rank["scales"].keys() == one_process["scales"].keys()
+        for name, parts in rank["scales"].items():
+            assert all(same_bits(a, b) for a, b in zip(parts, one_process["scales"][name])), name
+        assert torch.equal(rank["logits"], one_process["logits"])
+    assert rank0["converted"] and rank1["converted"] and set(rank0["converted"]).isdisjoint(rank1["converted"])
+    assert sorted(rank0["converted"] + rank1["converted"]) == sorted(rank0["scales"])
+    # Each rank sweeps exactly the layers it converts; the others' arrive converted.
+    assert [sorted(r["swept"]) for r in (rank0, rank1)] == (
+        [[], []] if weight == "max" else [sorted(r["converted"]) for r in (rank0, rank1)])
+    # The diagnostics travel with the converted layers.
+    assert rank0["stats"] == rank1["stats"] and all("g_amax" in s for s in rank0["stats"].values())
 
 
-def test_a_failed_weight_sweep_raises_the_same_error_on_every_rank(results):
-    errors = [r["error"] for r in results("split-sweeps-failure")]
-    assert errors[0] == errors[1]
-    assert errors[0].startswith("RuntimeError: nvfp4_static: data-parallel convert failed on rank 1")
-    assert "sweep of 'model.layers." in errors[0]
+def test_a_failed_convert_raises_the_same_error_on_every_rank_and_converts_nothing(results):
+    failures = results("split-convert-failure")
+    assert failures[0]["error"] == failures[1]["error"]
+    assert failures[0]["error"].startswith("RuntimeError: nvfp4_static: data-parallel convert failed on rank 1")
+    assert "sweep of 'model.layers." in failures[0]["error"]
+    assert [f["converted_layers_left"] for f in failures] == [0, 0]
 
 
 def test_ranks_converting_different_layers_raise_the_same_error_naming_rank_and_layer(results):
-    errors = [r["error"] for r in results("split-sweeps-mismatch")]
+    errors = [r["error"] for r in results("split-convert-mismatch")]
     assert errors[0] == errors[1]
     assert "rank 1" in errors[0] and "'model.layers.1.mlp.down_proj'" in errors[0]
 
