@@ -446,20 +446,18 @@ class CublasAfterDequantize:
 
 
 # Keyed on the largest M each serves. Chosen with examples/benchmarks/tune_gemm.py on one H100
-# 80GB HBM3 (torch 2.11, triton 3.6) over (K, N) = (8192, 8192), (4096, 14336), (14336, 4096)
-# (examples/benchmarks/RESULTS.md): at M = 1-4, 16 x 64 x 256 tiles split to one program per SM
-# took 7-14% less time than the M <= 16 entry on two shapes and 1-5% more on the third (K =
-# 14336, N = 4096); the M <= 16 entry was best or within 10% of best at M = 16 on all three; at
-# M = 17, 32-row tiles beat the 64-row ones by 1.1-1.3x; at M = 33 and 64 the transposed
-# 64 x 256 tiles were best at 8192 x 8192 and within 20% elsewhere (1.2x faster than the
-# untransposed 64 x 128 tiles at M = 64, 8192 x 8192; fewer K splits won by 9% and 17% on the
-# other two shapes, whose split-K products cost 0.6x the weight's bytes, RESULTS.md "The 33-64-row
-# bucket per weight shape"); above 64, cuBLAS after dequantizing beat
-# the best in-register tiles (e.g. 0.89 against 1.69 ms at M = 4096). At M = 1, tiles that
-# quantize their one activation row themselves (no activation kernel) took 2%, 2% and 21% less
-# time for the whole linear than the M <= 4 entry after the activation kernel; at M = 4 and 16,
-# where every tile quantizes 4 or 16 rows, they were 0-16% slower, so only M = 1 does this
-# (RESULTS.md, "M = 1: the GEMM quantizes its activation row").
+# 80GB HBM3 (torch 2.11, triton 3.6) over (K, N) = (8192, 8192), (4096, 14336), (14336, 4096),
+# each by its worst shape (examples/benchmarks/RESULTS.md, "GEMM tile table"). At M = 1, tiles
+# that quantize their one activation row themselves (no activation kernel) took 2%, 2% and 21%
+# less time for the whole linear than the M <= 4 entry after the activation kernel; at M = 1-4,
+# 16 x 64 x 256 tiles split to one program per SM took 7-14% less time than the M <= 16 entry on
+# two shapes and 1-5% more on the third; at M = 17, 32-row tiles beat 64-row ones by 1.1-1.3x.
+# From 33 rows the wide tiles in the MMA order, each dequantized weight tile shared by up to 128
+# rows: at M = 64 they ran at 0.88-1.11x bf16's speed (the transposed 64 x 256 tiles before them
+# 0.69-0.84x), at M = 128-512 at 0.60-0.85x (cuBLAS after dequantizing 0.47-0.60x). The 129-256
+# entry sizes its K split for 4 row tiles, which fills the SMs on the 14336 x 4096 weight (0.68x
+# against 0.53x unsplit) and leaves the other two unsplit. From 513 rows cuBLAS after
+# dequantizing.
 # Few buckets on purpose: a graph compiled for a dynamic M holds every bucket's kernels behind a
 # cond (backends.triton_route), so each bucket adds compile time and host work per call.
 GEMM_CONFIGS = (
@@ -469,6 +467,8 @@ GEMM_CONFIGS = (
     (32, GemmConfig(32, 128, 256, 4, 3, programs_per_sm=1)),
     (64, GemmConfig(64, 128, 128, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
     (128, GemmConfig(128, 128, 128, 8, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
+    (256, GemmConfig(128, 128, 128, 8, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True,
+                     row_tiles_for_split=4)),
     (512, GemmConfig(128, 128, 128, 8, 3, weight_as_mma_a=True, mma_order=True)),
     (None, CublasAfterDequantize()),
 )
