@@ -129,11 +129,16 @@ class NVFP4StaticLinear(torch.nn.Linear):
         # From the parameters' dict: Module.__getattr__ is reached through a failed attribute
         # lookup, 1.9 us per name against 0.08 us for the dict read (on a CPU host).
         parameters = self._parameters
-        weight, bias = parameters["weight"], parameters["bias"]
-        out = self._eager_launches(x, weight, bias)
-        if out is None:
-            # What F.linear reaches through the subclass's dispatch, without its host cost.
-            out = static_linear(x, weight, bias)
+        weight, bias = parameters.get("weight"), parameters["bias"]
+        if weight is None:
+            # Held as plain tensors (torchao's unwrap_tensor_subclass) and rebuilt at each read:
+            # no weight object to replay recorded launches for.
+            out = static_linear(x, self.weight, bias)
+        else:
+            out = self._eager_launches(x, weight, bias)
+            if out is None:
+                # What F.linear reaches through the subclass's dispatch, without its host cost.
+                out = static_linear(x, weight, bias)
         return _InferenceOnly.apply(out) if out.requires_grad else out
 
     def start_clip_monitor(self) -> None:

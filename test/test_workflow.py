@@ -231,13 +231,15 @@ MLP(
 def test_compiled_model_with_unwrapped_weights_gives_the_same_outputs():
     """torchao's unwrap_tensor_subclass (the README's advice for less host time per compiled
     call) holds each weight as plain tensors and rebuilds the NVFP4StaticTensor in the graph:
-    scales and backend survive, so the outputs are the compiled subclass model's exactly."""
+    scales and backend survive, so the outputs are the compiled subclass model's exactly, and
+    called eagerly the unwrapped model gives the eager model's."""
     model = quantized(make(TransformerBlock))
     unwrapped = unwrap_tensor_subclass(copy.deepcopy(model))
     assert "mlp.up.parametrizations.weight.original0" in dict(unwrapped.named_parameters())
     assert type(unwrapped.mlp.up.weight) is NVFP4StaticTensor
     x = torch.randn(2, 5, DIM)
     with torch.no_grad():
+        assert torch.equal(unwrapped(x), model(x))
         expected = torch.compile(model, fullgraph=True)(x)
         out = torch.compile(unwrapped, fullgraph=True)(x)
     assert torch.equal(out, expected)
