@@ -8,12 +8,12 @@
 The model is built from a Llama config with random weights (on ``--device``, then moved to CPU)
 and stays on CPU; one decoder layer at a time moves to ``--device``
 (nvfp4_static.calibrate_layer_by_layer). Under torchrun each rank calibrates every WORLD_SIZE-th
-batch, the ranks' statistics are synchronised layer by layer and the weight sweeps are split
-across them (nvfp4_static.distributed). Printed: the layer-by-layer time, where it went (seconds
-per phase, a line per rank: recording the first layer's inputs, moving layers in, smoothing,
-prepare, calibrate, statistics sync, convert, moving back; on CUDA each phase waits for the GPU
-at its end) and peak memory (GPU memory on CUDA, against the budget one decoder layer's weights
-+ the cached layer inputs + 2 GiB).
+batch, the ranks' statistics are synchronised layer by layer and each rank converts a share of
+each layer's linears (nvfp4_static.distributed, nvfp4_static.data_parallel_convert). Printed:
+the layer-by-layer time, where it went (seconds per phase, a line per rank: recording the first
+layer's inputs, moving layers in, smoothing, prepare, calibrate, statistics sync, convert, moving
+back; on CUDA each phase waits for the GPU at its end) and peak memory (GPU memory on CUDA,
+against the budget one decoder layer's weights + the cached layer inputs + 2 GiB).
 On CUDA the next layer is copied in while one calibrates (``--no-prefetch``: plain moves).
 
 Then, in one process (``--check``, the default there and for small models), the same model
