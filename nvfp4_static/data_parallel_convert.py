@@ -131,8 +131,8 @@ def _block_scales_from_bytes(data: torch.Tensor, layer) -> torch.Tensor:
 def _codes_and_scales_from_bytes(data: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed E2M1 codes ``[N, K/2]``, FP8 block scales and what follows them, from ``data``."""
     rows, columns = layer.weight.shape
-    codes, scales, rest = data.split([rows * columns // 2, _block_scale_count(layer), data.numel()
-                                      - rows * columns // 2 - _block_scale_count(layer)])
+    code_bytes, scale_bytes = rows * columns // 2, _block_scale_count(layer)
+    codes, scales, rest = data.split([code_bytes, scale_bytes, data.numel() - code_bytes - scale_bytes])
     codes = codes.view(rows, columns // 2).to(layer.weight.device, copy=True)
     return codes, _block_scales_from_bytes(scales, layer), rest
 
@@ -149,12 +149,14 @@ def _converted_bytes(converted: NVFP4StaticLinear) -> torch.Tensor:
     ])
 
 
-def _converted_from_bytes(data, stats, layer, config) -> NVFP4StaticLinear:
-    """The linear ``converted_linear`` gave on the rank that converted ``layer``."""
+def _converted_from_bytes(data, note, layer, config) -> NVFP4StaticLinear:
+    """The linear ``converted_linear`` gave on the rank that converted ``layer``; ``note`` holds
+    its diagnostics and the host copy of its scale product (read there, not again here)."""
+    stats, output_scale = note
     codes, block_scales, scalars = _codes_and_scales_from_bytes(data, layer)
     per_tensor_scale, act_per_tensor_scale = scalars.clone().view(torch.float32).to(layer.weight.device)
     weight = NVFP4StaticTensor(codes, block_scales, BLOCK_SIZE, layer.weight.dtype, per_tensor_scale,
-                               act_per_tensor_scale, backend_override=config.backend)
+                               act_per_tensor_scale, backend_override=config.backend, output_scale=output_scale)
     return NVFP4StaticLinear(weight, layer.bias, config.recipe(), layer.layer_name, stats)
 
 
@@ -162,7 +164,7 @@ _CONVERT = _SharedJob(
     run=lambda layer, config: converted_linear(layer, config),
     nbytes=lambda layer: layer.weight.numel() // 2 + _block_scale_count(layer) + 8,
     to_bytes=_converted_bytes,
-    note=lambda converted: converted.calibration_stats,
+    note=lambda converted: (converted.calibration_stats, converted.weight.output_scale),
     from_bytes=_converted_from_bytes,
     adopt=adopt_converted,
 )

@@ -174,8 +174,9 @@ def test_ranks_convert_disjoint_shares_and_all_end_with_the_one_process_convert(
     # Each rank sweeps exactly the layers it converts; the others' arrive converted.
     assert [sorted(r["swept"]) for r in (rank0, rank1)] == (
         [[], []] if weight == "max" else [sorted(r["converted"]) for r in (rank0, rank1)])
-    # The diagnostics travel with the converted layers.
+    # The diagnostics and the host copy of the scale product travel with the converted layers.
     assert rank0["stats"] == rank1["stats"] and all("g_amax" in s for s in rank0["stats"].values())
+    assert all(rank0["output_scales_hold"]) and all(rank1["output_scales_hold"])
 
 
 def test_a_failed_convert_raises_the_same_error_on_every_rank_and_converts_nothing(results):
