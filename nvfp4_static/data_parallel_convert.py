@@ -19,7 +19,14 @@ import torch
 from torchao.quantization import quantize_
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
-from nvfp4_static.distributed import _collective_device, _dist, _error_text, _gather, _raise_any_rank_error
+from nvfp4_static.distributed import (
+    _collective_device,
+    _dist,
+    _error_text,
+    _first_unmatched,
+    _gather,
+    _raise_any_rank_error,
+)
 from nvfp4_static.experts.handlers import pooled_statistics_for, starved_experts
 from nvfp4_static.experts.observed import NVFP4StaticObservedExperts
 from nvfp4_static.linear import NVFP4StaticLinear
@@ -104,17 +111,22 @@ class _SharedJob:
     result on the rank it falls to (or raises ``GlobalAmaxTooSmallError``: every rank's convert
     then finds the weight too small at once, and warns); the result travels as
     ``nbytes(layer)`` bytes (``to_bytes``) and a small picklable ``note``, and becomes a result
-    again with ``from_bytes(data, note, layer, config)``. ``adopt(layer, result)`` hands it to
-    convert; a job with an ``attribute`` sets that attribute of the observed layer, which
-    ``convert_data_parallel`` clears afterwards."""
+    again with ``from_bytes(data, note, layer, config)``. ``adopt`` hands it to convert: into the
+    observed layer's ``attribute``, which ``convert_data_parallel`` clears afterwards, or, without
+    one, as the converted layer itself."""
 
     run: Callable
     nbytes: Callable[[torch.nn.Module], int]
     to_bytes: Callable[[Any], torch.Tensor]
     note: Callable[[Any], Any]
     from_bytes: Callable[[torch.Tensor, Any, torch.nn.Module, NVFP4StaticActivationConfig], Any]
-    adopt: Callable[[torch.nn.Module, Any], None]
     attribute: Optional[str] = None
+
+    def adopt(self, layer: torch.nn.Module, result: Any) -> None:
+        if self.attribute is None:
+            adopt_converted(layer, result)
+        else:
+            setattr(layer, self.attribute, result)
 
 
 def _block_scale_count(layer) -> int:
@@ -161,12 +173,11 @@ def _converted_from_bytes(data, note, layer, config) -> NVFP4StaticLinear:
 
 
 _CONVERT = _SharedJob(
-    run=lambda layer, config: converted_linear(layer, config),
+    run=lambda layer, config: converted_linear(layer, config),  # looked up when called (a test wraps it)
     nbytes=lambda layer: layer.weight.numel() // 2 + _block_scale_count(layer) + 8,
     to_bytes=_converted_bytes,
     note=lambda converted: (converted.calibration_stats, converted.weight.output_scale),
     from_bytes=_converted_from_bytes,
-    adopt=adopt_converted,
 )
 
 
@@ -182,17 +193,12 @@ def _gptq_codes(layer, config) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_e2m1(result.values), result.block_scales_e4m3
 
 
-def _setter(attribute: str) -> Callable[[torch.nn.Module, Any], None]:
-    return lambda layer, result: setattr(layer, attribute, result)
-
-
 _SWEEP = _SharedJob(
     run=_sweep,
     nbytes=_block_scale_count,
     to_bytes=lambda scales: scales.view(torch.uint8).flatten(),
     note=lambda scales: None,
     from_bytes=lambda data, note, layer, config: _block_scales_from_bytes(data, layer),
-    adopt=_setter("swept_block_scales"),
     attribute="swept_block_scales",
 )
 _GPTQ = _SharedJob(
@@ -201,7 +207,6 @@ _GPTQ = _SharedJob(
     to_bytes=lambda codes: torch.cat([codes[0].flatten(), codes[1].view(torch.uint8).flatten()]),
     note=lambda codes: None,
     from_bytes=lambda data, note, layer, config: _codes_and_scales_from_bytes(data, layer)[:2],
-    adopt=_setter("gptq_codes"),
     attribute="gptq_codes",
 )
 # What the ranks share of an expert linear's convert, by weight recipe ("max": nothing).
@@ -282,8 +287,7 @@ def _check_same_layers(per_rank: Sequence[list]) -> None:
                     f"rank must convert the same model with the same filter_fn"
                 )
         if len(layers) != len(reference):
-            longer, rank_of_longer = (layers, rank) if len(layers) > len(reference) else (reference, 0)
-            unmatched = longer[min(len(layers), len(reference))][0]
+            (unmatched, _), rank_of_longer = _first_unmatched(reference, layers, rank)
             raise ValueError(
                 f"nvfp4_static: rank {rank} converts {len(layers)} layers, rank 0 "
                 f"{len(reference)}; the first unmatched is layer '{unmatched}' on rank "

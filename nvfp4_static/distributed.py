@@ -199,14 +199,20 @@ def _check_same_structure(snapshots: Sequence[list]) -> None:
                     f"must prepare with the same config"
                 )
         if len(slots) != len(reference):
-            longer, rank_of_longer = (slots, rank) if len(slots) > len(reference) else (reference, 0)
-            extra = longer[min(len(slots), len(reference))]
+            extra, rank_of_longer = _first_unmatched(reference, slots, rank)
             raise ValueError(
                 f"nvfp4_static: rank {rank}'s model has {len(slots)} observers, rank 0's has "
                 f"{len(reference)}; the first unmatched is layer '{extra['layer']}' "
                 f"({extra['role']}) on rank {rank_of_longer}; every rank must prepare the same "
                 f"model with the same filter_fn and config"
             )
+
+
+def _first_unmatched(reference: Sequence, theirs: Sequence, rank: int) -> tuple[Any, int]:
+    """For rank 0's ``reference`` and rank ``rank``'s list of another length: the first item the
+    shorter one lacks, and the rank whose list holds it."""
+    longer, holder = (theirs, rank) if len(theirs) > len(reference) else (reference, 0)
+    return longer[min(len(theirs), len(reference))], holder
 
 
 def _without_tensors(slot: dict) -> dict:

@@ -113,6 +113,8 @@ ROW_TILE_SPLIT_SHAPES = [(40, 70, 224), (33, 24, 336)]
 
 def interpreter_shapes(config_name: str) -> list:
     return ROW_TILE_SPLIT_SHAPES if config_name == "row-tiles-split-k" else INTERPRETER_SHAPES
+
+
 OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
 
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static.kernels.act_quantize import quantize_to_operand_halves
+from nvfp4_static.kernels.act_quantize import MMA_GROUP, quantize_to_operand_halves
 from nvfp4_static.kernels.launch import KernelCall, ceil_div, runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
@@ -416,7 +416,7 @@ class GemmConfig:
                 f"nvfp4_static: GemmConfig.activation_rows must be 0 or a power of 2 dividing "
                 f"block_m = {self.block_m}, got {rows}"
             )
-        if self.mma_order and (rows or self.block_k % 32):
+        if self.mma_order and (rows or self.block_k % MMA_GROUP):
             raise ValueError(
                 f"nvfp4_static: GemmConfig.mma_order takes the operand from gemm_activation_operand in K "
                 f"tiles of whole 32-element groups; got activation_rows = {rows}, block_k = {self.block_k}"
@@ -500,7 +500,7 @@ def config_for_width(
 ) -> Union[GemmConfig, CublasAfterDequantize]:
     """``config`` at reduction width ``K``: without ``mma_order`` where ``K`` is not a multiple of
     32 (the MMA order permutes whole 32-element groups)."""
-    if isinstance(config, GemmConfig) and config.mma_order and K % 32:
+    if isinstance(config, GemmConfig) and config.mma_order and K % MMA_GROUP:
         return replace(config, mma_order=False)
     return config
 
