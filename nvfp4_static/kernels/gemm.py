@@ -453,11 +453,11 @@ class CublasAfterDequantize:
 # 16 x 64 x 256 tiles split to one program per SM took 7-14% less time than the M <= 16 entry on
 # two shapes and 1-5% more on the third; at M = 17, 32-row tiles beat 64-row ones by 1.1-1.3x.
 # From 33 rows the wide tiles in the MMA order, each dequantized weight tile shared by up to 128
-# rows: at M = 64 they ran at 0.88-1.11x bf16's speed (the transposed 64 x 256 tiles before them
-# 0.69-0.84x), at M = 128-512 at 0.60-0.85x (cuBLAS after dequantizing 0.47-0.60x). The 129-256
-# entry sizes its K split for 4 row tiles, which fills the SMs on the 14336 x 4096 weight (0.68x
-# against 0.53x unsplit) and leaves the other two unsplit. From 513 rows cuBLAS after
-# dequantizing.
+# rows: at M = 64 they ran at 0.88-1.11x bf16's speed (transposed 64 x 256 tiles without the
+# MMA order: 0.69-0.84x), at M = 128-512 at 0.60-0.85x (cuBLAS after dequantizing: 0.47-0.60x).
+# The 129-256 entry sizes its K split for 4 row tiles, which fills the SMs on the 14336 x 4096
+# weight (0.68x against 0.53x unsplit) and leaves the other two unsplit. From 513 rows cuBLAS
+# after dequantizing.
 # Few buckets on purpose: a graph compiled for a dynamic M holds every bucket's kernels behind a
 # cond (backends.triton_route), so each bucket adds compile time and host work per call.
 GEMM_CONFIGS = (
