@@ -69,6 +69,29 @@ def build(preset: str, dtype: torch.dtype, device: torch.device, layers=None) ->
         return LlamaForCausalLM._from_config(config, dtype=dtype).eval()
 
 
+def start_processes(device: torch.device) -> tuple[torch.device, int, int]:
+    """``(device, rank, world size)``. Under torchrun (WORLD_SIZE > 1) the process group starts
+    here: NCCL on this rank's GPU (LOCAL_RANK), gloo on CPU."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return device, 0, 1
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)  # the communicator is made now, not timed
+    else:
+        dist.init_process_group("gloo")
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def token_batches(args, vocab: int, world: int) -> tuple[list, list]:
+    """``args.batches`` seeded random token batches, and each rank's shard of them (every
+    ``world``-th batch)."""
+    generator = torch.Generator().manual_seed(1)
+    everything = [torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=generator)
+                  for _ in range(args.batches)]
+    return everything, [everything[r::world] for r in range(world)]
+
+
 def not_lm_head(module, fqn):
     return is_quantizable(module, fqn) and fqn != "lm_head"
 
@@ -153,27 +176,14 @@ def main(argv=None) -> None:
                              "(default: one process, or a small model)")
     args = parser.parse_args(argv)
 
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    device = torch.device(args.device)
-    if distributed:
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-        if device.type == "cuda":  # device_id: the NCCL communicator is made now, not timed
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device, rank, world = start_processes(torch.device(args.device))
+    distributed = world > 1
     dtype = getattr(torch, args.dtype)
     config = NVFP4StaticActivationConfig(act_calibration=args.act, weight_scale=args.weight)
 
     model = build(args.preset, dtype, device).to("cpu")
     params = sum(p.numel() for p in model.parameters())
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(1)
-    everything = [torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=generator)
-                  for _ in range(args.batches)]
-    shards = [everything[r::world] for r in range(world)]
+    everything, shards = token_batches(args, model.config.vocab_size, world)
 
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     if device.type == "cuda":  # untimed: Triton compiles its kernels, cuBLAS starts, on one layer

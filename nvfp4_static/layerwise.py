@@ -282,7 +282,9 @@ def calibrate_layer_by_layer(
             Default: on CUDA.
         timings: a dict to which the seconds of each phase are added ("record inputs", "move
             in", "prepare", "calibrate", "sync statistics", "convert", "propagate", "move
-            back", ...). On CUDA each phase then waits for the device at its end.
+            back", ...). On CUDA each phase then waits for the device at its end. Each phase
+            is also a range "nvfp4_static <phase>" in a torch.profiler trace
+            (``examples/benchmarks/profile_layer_by_layer.py``).
 
     Returns:
         ``model``, its decoder layers' selected linears converted.
@@ -419,9 +421,10 @@ def calibrate_layer_by_layer(
 
 
 class _PhaseClock:
-    """Adds the seconds of each phase of the run to ``timings[phase]``; does nothing when
-    ``timings`` is None. On CUDA a phase ends when the compute stream has done the work it
-    queued, so the GPU's time lands in its phase (at the cost of those waits)."""
+    """Adds the seconds of each phase of the run to ``timings[phase]``, and marks the phase in
+    a torch.profiler trace as a range "nvfp4_static <phase>"; does nothing when ``timings`` is
+    None. On CUDA a phase ends when the compute stream has done the work it queued, so the
+    GPU's time lands in its phase (at the cost of those waits)."""
 
     def __init__(self, timings: Optional[dict], device: torch.device):
         self.timings, self.device = timings, device
@@ -432,9 +435,10 @@ class _PhaseClock:
             yield
             return
         start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        with torch.profiler.record_function(f"nvfp4_static {name}"):
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
 

@@ -1,6 +1,7 @@
 """Smoke runs of the example scripts and the calibration-study tutorial, as a user runs them."""
 
 import importlib.util
+import json
 import math
 import os
 import pathlib
@@ -233,6 +234,20 @@ def test_llm_example_offers_the_export_formats_of_the_package():
 def test_quickstart_runs():
     stdout = run_script("examples/quickstart.py", timeout=300)
     assert "SNR" in stdout
+
+
+def test_the_layer_by_layer_profile_marks_every_phase_in_its_trace(tmp_path):
+    stdout = run_script(
+        "examples/benchmarks/profile_layer_by_layer.py", "--weight", "max", "--layers", "2",
+        "--batches", "2", "--batch-size", "2", "--seq-len", "16", "--out", str(tmp_path), timeout=300,
+    )
+    assert "[rank 0] timed: " in stdout and "[rank 0] profiled: " in stdout
+    trace = json.loads((tmp_path / "trace_rank0.json").read_text())
+    ranges = {event["name"] for event in trace["traceEvents"] if event.get("name", "").startswith("nvfp4_static ")}
+    phases = {"record inputs", "move in", "smooth", "prepare", "calibrate", "convert", "move back"}
+    assert ranges == {f"nvfp4_static {phase}" for phase in phases}
+    table = (tmp_path / "profile_rank0.txt").read_text()
+    assert all(f"{phase} " in table.splitlines()[0] for phase in phases) and "nvfp4_static calibrate" in table
 
 
 def test_calibration_study_quick_mode_runs_under_a_minute(tmp_path):
