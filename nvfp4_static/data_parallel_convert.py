@@ -17,8 +17,10 @@ from typing import Any, Optional
 
 import torch
 from torchao.quantization import quantize_
+from tqdm.auto import tqdm
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.convert_progress import MIN_LAYERS_FOR_A_BAR
 from nvfp4_static.distributed import (
     _collective_device,
     _dist,
@@ -231,13 +233,17 @@ def _share_out_convert(
         with contextlib.ExitStack() as pooled:
             for experts in {id(e): e for _, e in linears if e is not None}.values():
                 pooled.enter_context(pooled_statistics_for(experts, starved_experts(experts, config)))
-            for i, (layer, job) in enumerate(zip(layers, jobs)):
-                if job is None or owners[i] != rank:
-                    continue
-                try:
-                    mine[i] = job.run(layer, config)
-                except GlobalAmaxTooSmallError:
-                    pass  # every rank's convert finds it too small at once, and warns
+            own = [i for i, job in enumerate(jobs) if job is not None and owners[i] == rank]
+            bar = tqdm(total=len(own), desc=f"nvfp4_static convert, rank {rank}'s share", unit="layer",
+                       disable=rank != 0 or len(own) < MIN_LAYERS_FOR_A_BAR)
+            with bar:
+                for i in own:
+                    bar.set_postfix_str(layers[i].layer_name)
+                    try:
+                        mine[i] = jobs[i].run(layers[i], config)
+                    except GlobalAmaxTooSmallError:
+                        pass  # every rank's convert finds it too small at once, and warns
+                    bar.update()
         local["computed"] = sorted(mine)
         local["notes"] = {i: jobs[i].note(result) for i, result in mine.items()}
     except Exception as caught:

@@ -33,16 +33,19 @@ from distributed_worker import (
     moe_batch,
     pooled_experts,
 )
-from conftest import device_waits, requires_cuda
+from conftest import DIM, calibration_batches, device_waits, make, prepare, requires_cuda
+from models import MLP
 from test_experts import tiny_model
 from tiny_llama import all_but_lm_head, convert_llama, tiny_llama, token_ids
 
 from nvfp4_static import (
     NVFP4StaticActivationConfig,
+    NVFP4StaticLinear,
     NVFP4StaticObservedExperts,
     NVFP4StaticObservedLinear,
     smooth_norm_inputs,
 )
+from nvfp4_static.data_parallel_convert import convert_data_parallel
 from nvfp4_static.distributed import _snapshot, calibrate_in_shards, sync_calibration
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
@@ -426,3 +429,28 @@ def test_calibrate_in_shards_leaves_an_unseen_layer_unconverted_with_the_usual_e
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="before any collect"):
         warnings.simplefilter("ignore")
         convert_llama(model, act_calibration="b_min", weight_scale="mse")
+
+
+def test_data_parallel_convert_shows_a_bar_over_a_share_of_many_layers(capsys):
+    import torch.distributed as dist
+
+    def calibrated(model):
+        model = prepare(model)
+        with torch.no_grad():
+            model(calibration_batches(1)[0])
+        return model
+
+    many = calibrated(torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM) for _ in range(9)]))
+    few = calibrated(make(MLP))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        capsys.readouterr()
+        convert_data_parallel(few)
+        few_err = capsys.readouterr().err
+        convert_data_parallel(many)
+        many_err = capsys.readouterr().err
+    finally:
+        dist.destroy_process_group()
+    assert "nvfp4_static convert" not in few_err
+    assert "nvfp4_static convert, rank 0's share" in many_err and "9/9" in many_err
+    assert sum(isinstance(m, NVFP4StaticLinear) for m in many.modules()) == 9
