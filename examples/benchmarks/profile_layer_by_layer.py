@@ -54,7 +54,7 @@ def tables(prof, device: torch.device) -> str:
         parts.append(averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
         runtime = {}
         for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CPU and event.name.startswith(("cuda", "cu")):
+            if event.device_type == torch.autograd.DeviceType.CPU and event.name.startswith("cu"):
                 total, calls, longest = runtime.get(event.name, (0.0, 0, 0.0))
                 runtime[event.name] = (total + event.cpu_time_total, calls + 1, max(longest, event.cpu_time_total))
         lines = [f"{'CUDA runtime call':<32} {'calls':>7} {'total ms':>10} {'longest ms':>11}"]
