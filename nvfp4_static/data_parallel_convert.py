@@ -230,20 +230,21 @@ def _share_out_convert(
                    "layers": [(layer.layer_name, tuple(layer.weight.shape)) for layer in layers]}
     mine = {}
     try:
-        with contextlib.ExitStack() as pooled:
+        with contextlib.ExitStack() as scope:
             for experts in {id(e): e for _, e in linears if e is not None}.values():
-                pooled.enter_context(pooled_statistics_for(experts, starved_experts(experts, config)))
+                scope.enter_context(pooled_statistics_for(experts, starved_experts(experts, config)))
             own = [i for i, job in enumerate(jobs) if job is not None and owners[i] == rank]
-            bar = tqdm(total=len(own), desc=f"nvfp4_static convert, rank {rank}'s share", unit="layer",
-                       disable=rank != 0 or len(own) < MIN_LAYERS_FOR_A_BAR)
-            with bar:
-                for i in own:
-                    bar.set_postfix_str(layers[i].layer_name)
-                    try:
-                        mine[i] = jobs[i].run(layers[i], config)
-                    except GlobalAmaxTooSmallError:
-                        pass  # every rank's convert finds it too small at once, and warns
-                    bar.update()
+            bar = scope.enter_context(tqdm(
+                total=len(own), desc=f"nvfp4_static convert, rank {rank}'s share", unit="layer",
+                disable=rank != 0 or len(own) < MIN_LAYERS_FOR_A_BAR,
+            ))
+            for i in own:
+                bar.set_postfix_str(layers[i].layer_name)
+                try:
+                    mine[i] = jobs[i].run(layers[i], config)
+                except GlobalAmaxTooSmallError:
+                    pass  # every rank's convert finds it too small at once, and warns
+                bar.update()
         local["computed"] = sorted(mine)
         local["notes"] = {i: jobs[i].note(result) for i, result in mine.items()}
     except Exception as caught:

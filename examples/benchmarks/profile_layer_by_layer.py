@@ -47,6 +47,10 @@ def calibrated_seconds(args, config, batches, device, dtype, world, timings) -> 
     return time.perf_counter() - start
 
 
+def phase_line(seconds: float, timings: dict) -> str:
+    return f"{seconds:.3f} s; " + ", ".join(f"{phase} {s:.3f}" for phase, s in timings.items())
+
+
 def tables(prof, device: torch.device) -> str:
     averages = prof.key_averages()
     parts = [averages.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60)]
@@ -82,27 +86,23 @@ def main(argv=None) -> None:
     device, rank, world = start_processes(torch.device(args.device))
     dtype = getattr(torch, args.dtype)
     config = NVFP4StaticActivationConfig(act_calibration=args.act, weight_scale=args.weight)
-    vocab = PRESETS[args.preset][5]
-    _, shards = token_batches(args, vocab, world)
-    calibrated_seconds(args, config, shards[rank], device, dtype, world, None)  # warm-up
-    runs = {}
-    for label in ("timed", "profiled"):
-        timings = {}
-        if label == "profiled":
-            activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device.type == "cuda")
-            with profile(activities=activities) as prof:
-                seconds = calibrated_seconds(args, config, shards[rank], device, dtype, world, timings)
-        else:
-            seconds = calibrated_seconds(args, config, shards[rank], device, dtype, world, timings)
-        runs[label] = (seconds, timings)
-        phases = ", ".join(f"{phase} {s:.3f}" for phase, s in timings.items())
-        print(f"[rank {rank}] {label}: {seconds:.3f} s; {phases}", flush=True)
+    _, shards = token_batches(args, PRESETS[args.preset][5], world)  # the preset's vocabulary
+
+    def run(timings=None) -> float:
+        return calibrated_seconds(args, config, shards[rank], device, dtype, world, timings)
+
+    run()  # warm-up
+    timed = {}
+    print(f"[rank {rank}] timed: {phase_line(run(timed), timed)}", flush=True)
+    profiled = {}
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device.type == "cuda")
+    with profile(activities=activities) as prof:
+        line = phase_line(run(profiled), profiled)
+    print(f"[rank {rank}] profiled: {line}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     prof.export_chrome_trace(os.path.join(args.out, f"trace_rank{rank}.json"))
     with open(os.path.join(args.out, f"profile_rank{rank}.txt"), "w") as f:
-        seconds, timings = runs["profiled"]
-        f.write(f"{seconds:.3f} s; " + ", ".join(f"{p} {s:.3f}" for p, s in timings.items()) + "\n\n")
-        f.write(tables(prof, device) + "\n")
+        f.write(f"{line}\n\n{tables(prof, device)}\n")
     if world > 1:
         dist.destroy_process_group()
 
