@@ -13,7 +13,7 @@ or GPTQ's codes, which each rank's convert then uses.
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torchao.quantization import quantize_
@@ -53,11 +53,23 @@ __all__ = ["convert_data_parallel"]
 _COST_PER_LAYER = 2**24
 
 
+class SideTask(NamedTuple):
+    """Other work for one rank during a data-parallel convert: rank ``rank`` calls ``run()``
+    after its share of the convert and before the results are exchanged, and takes a share
+    smaller by ``cost`` (in the shares' unit: weight elements converted)."""
+
+    rank: int
+    cost: int
+    run: Callable[[], None]
+
+
 def convert_data_parallel(
     model: torch.nn.Module,
     config: Optional[NVFP4StaticActivationConfig] = None,
     filter_fn: Callable[[torch.nn.Module, str], bool] = is_quantizable,
     group=None,
+    *,
+    side_task: Optional[SideTask] = None,
 ) -> torch.nn.Module:
     """``quantize_(model, config with step="convert", filter_fn)`` on every rank of ``group``,
     each rank converting a disjoint share of the linears (for experts' linears: running their
@@ -68,13 +80,13 @@ def convert_data_parallel(
     gives, bit for bit (convert is deterministic and the ranks' statistics are equal). Layers
     are shared out largest first, each to the least-loaded rank. A rank whose share fails, or
     whose layers differ from rank 0's, makes every rank raise the same error, with the model
-    unchanged.
+    unchanged. ``side_task``: a ``SideTask`` one rank runs beside its (smaller) share.
     """
     config = dataclasses.replace(config or NVFP4StaticActivationConfig(), step="convert")
     linears = _converted_linears(model, filter_fn)
     jobs = [_CONVERT if experts is None else _EXPERT_JOBS.get(config.weight_scale) for _, experts in linears]
     try:
-        _share_out_convert(linears, jobs, config, group)
+        _share_out_convert(linears, jobs, config, group, side_task)
         quantize_(model, config, filter_fn=filter_fn)
     finally:
         for (linear, _), job in zip(linears, jobs):
@@ -216,16 +228,21 @@ _EXPERT_JOBS = {"mse": _SWEEP, "hessian_mse": _SWEEP, "gptq": _GPTQ}
 
 
 def _share_out_convert(
-    linears: list[tuple], jobs: list[Optional[_SharedJob]], config: NVFP4StaticActivationConfig, group
+    linears: list[tuple], jobs: list[Optional[_SharedJob]], config: NVFP4StaticActivationConfig, group,
+    side_task: Optional[SideTask] = None,
 ) -> None:
     """Run this rank's share of ``jobs`` (an expert's with the pooled statistics its experts
-    module gives convert), then hand every layer its result from the rank that computed it,
-    one broadcast per rank. Nothing is handed over unless every rank succeeded."""
+    module gives convert) and its side task, then hand every layer its result from the rank
+    that computed it, one broadcast per rank. Nothing is handed over unless every rank
+    succeeded."""
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     layers = [layer for layer, _ in linears]
+    loads = [0] * world
+    if side_task is not None:
+        loads[side_task.rank] = side_task.cost
     owners = _share_out([layer.weight.numel() + _COST_PER_LAYER if job else 0
-                         for layer, job in zip(layers, jobs)], world)
+                         for layer, job in zip(layers, jobs)], loads)
     local: dict = {"error": None, "computed": [], "notes": {},
                    "layers": [(layer.layer_name, tuple(layer.weight.shape)) for layer in layers]}
     mine = {}
@@ -245,6 +262,8 @@ def _share_out_convert(
                 except GlobalAmaxTooSmallError:
                     pass  # every rank's convert finds it too small at once, and warns
                 bar.update()
+        if side_task is not None and side_task.rank == rank:
+            side_task.run()
         local["computed"] = sorted(mine)
         local["notes"] = {i: jobs[i].note(result) for i, result in mine.items()}
     except Exception as caught:
@@ -272,12 +291,13 @@ def _share_out_convert(
         jobs[i].adopt(layers[i], result)
 
 
-def _share_out(costs: Sequence[int], world: int) -> list[int]:
+def _share_out(costs: Sequence[int], loads: list[int]) -> list[int]:
     """The rank that computes each layer: largest first, each to the least-loaded rank (the
-    lowest on a tie), so that every rank computes the same split."""
-    loads, owners = [0] * world, [0] * len(costs)
+    lowest on a tie), each rank starting from its ``loads`` (updated), so that every rank
+    computes the same split."""
+    owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        owner = min(range(world), key=lambda r: (loads[r], r))
+        owner = min(range(len(loads)), key=lambda r: (loads[r], r))
         owners[i] = owner
         loads[owner] += costs[i]
     return owners

@@ -23,7 +23,9 @@ each layer twice.
 With ``group`` (a ``torch.distributed`` group; every rank calls it with its own batches) each
 layer's statistics are synchronised across ranks before it is converted, and its weight sweeps
 are split across the ranks (``nvfp4_static.distributed``); the scales are those
-``calibrate_in_shards`` gives on the whole model.
+``calibrate_in_shards`` gives on the whole model. With smoothing, the rank holding the first
+batch smooths each next layer while this one converts, in place of part of its share of the
+convert, so that the other ranks do not wait for it at the start of every layer.
 
 With ``resume_dir`` each converted layer is saved as it finishes, and a rerun after a crash
 loads the finished layers instead of calibrating them (``nvfp4_static.layerwise_resume``).
@@ -41,7 +43,7 @@ from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
 from nvfp4_static.config import NVFP4StaticActivationConfig
-from nvfp4_static.data_parallel_convert import convert_data_parallel
+from nvfp4_static.data_parallel_convert import SideTask, convert_data_parallel
 from nvfp4_static.distributed import (
     _error_text,
     _gather,
@@ -344,12 +346,15 @@ def calibrate_layer_by_layer(
     bar = tqdm(total=len(layers), desc="nvfp4_static layer by layer", unit="layer",
                disable=not progress or rank != 0)
     overlap = device.type == "cuda" if prefetch is None else prefetch
+    fingerprints = {}  # by layer index, of the float layers the resume folder will save
+    smoothed_early = set()  # indices of layers smoothed while the one before them converted
+    homes = [_home_device(layer) for layer in layers]  # taken now: a layer may move in early
     with bar, LayerMover(device, overlap, data_parallel, group) as mover:
         for index, layer in enumerate(layers):
             name = f"{prefix}.{index}"
             bar.set_postfix_str(name)
-            layer_home = _home_device(layer)
             layer_filter = layer_filter_of(name)
+            following = layers[index + 1] if index + 1 < len(layers) else None
 
             def run(b, last_use, layer=layer):
                 """Batch ``b`` through the layer; its input is dropped after its last use, so
@@ -365,14 +370,15 @@ def calibrate_layer_by_layer(
             outputs = [None] * len(hidden)
             resumed = finished is not None and index < finished.done
             try:
-                with clock.phase("move in"):
-                    mover.move_in(layer)
-                if index + 1 < len(layers):
-                    mover.prefetch(layers[index + 1])
+                if index not in smoothed_early:  # else moved in for its smoothing
+                    with clock.phase("move in"):
+                        mover.move_in(layer)
+                if following is not None:
+                    mover.prefetch(following)
                 with torch.no_grad():
-                    if finished is not None and not resumed:
-                        fingerprint = layer_fingerprint(layer, name, layer_filter)
-                    if smoothing is not None:
+                    if finished is not None and not resumed and index not in fingerprints:
+                        fingerprints[index] = layer_fingerprint(layer, name, layer_filter)
+                    if smoothing is not None and index not in smoothed_early:
                         with clock.phase("smooth"):
                             smoothing.smooth(layer, name)
                     if resumed:  # the outputs the interrupted run computed, from the same layer
@@ -389,8 +395,21 @@ def calibrate_layer_by_layer(
                                                      rank == anchor_source,
                                                      config.act_calibration == "mse", clock)
                             mover.upload_prefetched()
-                            with clock.phase("convert"):
-                                convert_data_parallel(layer, convert, layer_filter, group)
+                            if smoothing is not None and following is not None:
+                                following_name = f"{prefix}.{index + 1}"
+                                _convert_and_smooth_following(
+                                    layer, convert, layer_filter, group, smoothing, following,
+                                    following_name, mover, anchor_source, clock,
+                                )
+                                if finished is not None:  # of the float layer, before the fold
+                                    fingerprints[index + 1] = layer_fingerprint(
+                                        following, following_name, layer_filter_of(following_name))
+                                with clock.phase("smooth"):
+                                    smoothing.settle()
+                                smoothed_early.add(index + 1)
+                            else:
+                                with clock.phase("convert"):
+                                    convert_data_parallel(layer, convert, layer_filter, group)
                         else:
                             with clock.phase("calibrate"):
                                 for b in range(len(hidden)):
@@ -402,16 +421,18 @@ def calibrate_layer_by_layer(
                         with clock.phase("propagate"):
                             outputs = [run(b, last_use=True) for b in range(len(hidden))]
             except BaseException:
-                layer.to(layer_home)  # a failed layer goes home too
+                layer.to(homes[index])  # a failed layer goes home too, and the next one if moved in
+                if following is not None:
+                    following.to(homes[index + 1])
                 raise
             hidden = outputs
             if offload:
                 with clock.phase("move back"):
-                    mover.move_back(layer, layer_home)
+                    mover.move_back(layer, homes[index])
             if finished is not None and not resumed:
                 with clock.phase("save finished layer"):
                     mover.wait_moved_back()
-                    finished.save(index, layer, fingerprint)
+                    finished.save(index, layer, fingerprints.pop(index))
             bar.update()
         with clock.phase("move back"):
             mover.wait_moved_back()
@@ -500,6 +521,37 @@ def _calibrate_data_parallel(layer, run, outputs, group, runs_first_batch: bool,
             error = caught
     with clock.phase("sync statistics"):
         sync_calibration(layer, group, error=error)
+
+
+# Smoothing an 8B-shaped decoder layer (the first batch of 8192 tokens through it, its scales
+# computed) takes about what converting half its linears' weights takes (H100 and H200, NCCL).
+_SMOOTHING_COST_PER_WEIGHT = 0.5
+
+
+def _convert_and_smooth_following(layer, convert, layer_filter, group, smoothing, following,
+                                  name, mover, anchor_source, clock) -> None:
+    """Data-parallel: convert ``layer`` while the rank holding the first batch computes the
+    smoothing of ``following`` in place of part of its share, so that no rank waits for the
+    smoothing at the start of the next layer; every rank ends with ``following`` on the device
+    and its smoothing computed, for ``smoothing.settle()``.
+
+    The following layer's upload is under way (``upload_prefetched``): the smoothing rank moves
+    it in after its share, so its convert kernels are queued ahead of the wait for the upload."""
+    smoothed = []
+
+    def smooth_following():
+        mover.move_in(following)
+        smoothing.compute(following, name)
+        smoothed.append(True)
+
+    weights = sum(m.weight.numel() for m in following.modules() if isinstance(m, torch.nn.Linear))
+    side_task = SideTask(anchor_source, int(weights * _SMOOTHING_COST_PER_WEIGHT), smooth_following)
+    with clock.phase("convert"):
+        convert_data_parallel(layer, convert, layer_filter, group, side_task=side_task)
+    if not smoothed:  # a rank without the first batch: it moves the layer in and finds its norms
+        with clock.phase("move in"):
+            mover.move_in(following)
+        smoothing.compute(following, name)
 
 
 def _hidden_states_of_call(args, kwargs):

@@ -9,7 +9,9 @@ which gives its norms' maxima and the next layer's unsmoothed input. The scales,
 calibration statistic after them, equal the whole-model run's bit for bit.
 
 Data-parallel, the rank holding the first batch of the union computes each layer's scales and
-broadcasts them; a failure there reaches every rank as the same error.
+broadcasts them; a failure there reaches every rank as the same error. The computing
+(``compute``) and the handing over (``settle``) are separate steps, so that the other ranks can
+take on more of the previous layer's convert meanwhile instead of waiting.
 """
 
 from collections.abc import Callable
@@ -44,19 +46,39 @@ class LayerSmoothing:
         self.group, self.source, self.device = group, source, device
         self.data_parallel = data_parallel
         self.without_norms: list[str] = []
+        self._computed: Optional[tuple] = None  # (name, norm groups, scales, error) from compute
+
+    @property
+    def computes_scales(self) -> bool:
+        """Whether this rank computes the scales (it holds the first batch)."""
+        return self.hidden is not None
 
     def smooth(self, layer: torch.nn.Module, name: str) -> None:
         """Fold the smoothing scales into ``layer`` and carry the first batch past it."""
+        self.compute(layer, name)
+        self.settle()
+
+    def compute(self, layer: torch.nn.Module, name: str) -> None:
+        """This rank's part of smoothing ``layer``: on the rank holding the first batch, the
+        scales (and the first batch carried past it); an error is kept for ``settle``. Between
+        the two, a data-parallel rank may do other work while the source computes."""
         groups, scales, error = {}, None, None
         try:
             groups = {f"{name}.{norm}": group for norm, group in find_norm_groups(layer).items()}
-            if self.hidden is not None:
+            if self.computes_scales:
                 if groups:
                     scales = smoothing_scales(layer, groups, self._advance, self.alpha)
                 else:
                     self._advance(layer)
         except Exception as caught:
             error = caught
+        self._computed = (name, groups, scales, error)
+
+    def settle(self) -> None:
+        """Finish the smoothing ``compute`` started: every rank raises if any rank's failed,
+        takes the source's scales (data-parallel) and folds them into the layer."""
+        name, groups, scales, error = self._computed
+        self._computed = None
         if self.data_parallel:
             self._raise_if_any_rank_failed(error)
             if groups:

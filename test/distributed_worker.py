@@ -5,6 +5,7 @@ is itself the no-deadlock check). Each scenario's result goes to ``OUT/<scenario
     python test/distributed_worker.py RANK WORLD_SIZE PORT OUT
 """
 
+import functools
 import os
 import sys
 from datetime import timedelta
@@ -19,7 +20,13 @@ from test_experts import token_ids as moe_token_ids  # noqa: E402
 from tiny_llama import all_but_lm_head, tiny_llama, token_ids  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 
-from nvfp4_static import NVFP4StaticActivationConfig, data_parallel_convert, distributed, workflow  # noqa: E402
+from nvfp4_static import (  # noqa: E402
+    NVFP4StaticActivationConfig,
+    NVFP4StaticObservedLinear,
+    data_parallel_convert,
+    distributed,
+    workflow,
+)
 from nvfp4_static.data_parallel_convert import convert_data_parallel  # noqa: E402
 from nvfp4_static.distributed import (  # noqa: E402
     data_parallel_calibration,
@@ -112,10 +119,11 @@ def synced_states_run(batches) -> dict:
     return {**data_parallel_run(batches, "mse", "hessian_mse", convert=recording_convert), "states": states}
 
 
-def split_convert_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_head, model=None) -> dict:
-    """``data_parallel_run`` converted by ``convert_data_parallel``, with the names of the
-    layers this rank converted and swept, and every layer's calibration diagnostics
-    (``fail_on_rank``: that rank's sweeps raise)."""
+def split_convert_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_head, model=None,
+                      side_task=None) -> dict:
+    """``data_parallel_run`` converted by ``convert_data_parallel`` (with ``side_task``), with
+    the names of the layers this rank converted and swept, and every layer's calibration
+    diagnostics (``fail_on_rank``: that rank's sweeps raise)."""
     swept, converted = [], []
     sweep, convert_one = workflow.sweep_weight_block_scales, data_parallel_convert.converted_linear
 
@@ -133,8 +141,8 @@ def split_convert_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_h
     data_parallel_convert.converted_linear = recorded_convert
     model = model or tiny_llama()
     try:
-        result = data_parallel_run(batches, "b_min", weight, filter_fn=filter_fn, convert=convert_data_parallel,
-                                   model=model)
+        result = data_parallel_run(batches, "b_min", weight, filter_fn=filter_fn, model=model,
+                                   convert=functools.partial(convert_data_parallel, side_task=side_task))
     finally:
         data_parallel_convert.sweep_weight_block_scales = workflow.sweep_weight_block_scales = sweep
         data_parallel_convert.converted_linear = convert_one
@@ -200,6 +208,9 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
     for weight in ("max", *WEIGHT_RECIPES):
         save(f"split-convert-{weight}", split_convert_run(mine, weight))
+    ran_side_task = []  # rank 1's task weighs more than all the layers: rank 0 converts them all
+    side_task = data_parallel_convert.SideTask(1, 10**12, lambda: ran_side_task.append(rank))
+    save("split-convert-side-task", {**split_convert_run(mine, "mse", side_task=side_task), "ran": ran_side_task})
     model = tiny_llama()
     failure = error_of(lambda: split_convert_run(mine, "mse", fail_on_rank=1, model=model))
     failure["converted_layers_left"] = sum(isinstance(m, NVFP4StaticLinear) for m in model.modules())
@@ -245,6 +256,12 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         return model(inputs_embeds=embeds, use_cache=False)
 
     save("layerwise-dp-smoothing-nan", error_of(lambda: layerwise(forward=nan_in_rank_0s_first_batch)))
+    infinite_norm = tiny_llama()  # smoothed while layer 0 converts
+    with torch.no_grad():
+        infinite_norm.model.layers[1].post_attention_layernorm.weight[5] = float("inf")
+    save("layerwise-dp-smoothing-inf-layer-1", error_of(lambda: calibrate_layer_by_layer(
+        infinite_norm, mine, NVFP4StaticActivationConfig(), group=True, progress=False, device="cpu",
+        filter_fn=all_but_lm_head)))
     staged = []
 
     def recording_stage(self, sources):
@@ -282,8 +299,8 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     save("moe-layerwise-dp", {"scales": converted_scales(moe_layerwise),
                               "pooled": pooled_experts(moe_layerwise)})
 
-    def interrupted_after_layer_0(module, fqn):
-        if fqn.startswith("model.layers.1."):
+    def interrupted_after_layer_0(module, fqn):  # in layer 1's convert, after layer 0 is saved
+        if fqn.startswith("model.layers.1.") and isinstance(module, NVFP4StaticObservedLinear):
             raise RuntimeError("interrupted")
         return all_but_lm_head(module, fqn)
 

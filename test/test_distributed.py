@@ -43,9 +43,10 @@ from nvfp4_static import (
     NVFP4StaticLinear,
     NVFP4StaticObservedExperts,
     NVFP4StaticObservedLinear,
+    calibrate_layer_by_layer,
     smooth_norm_inputs,
 )
-from nvfp4_static.data_parallel_convert import convert_data_parallel
+from nvfp4_static.data_parallel_convert import _share_out, convert_data_parallel
 from nvfp4_static.distributed import _snapshot, calibrate_in_shards, sync_calibration
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
@@ -182,6 +183,22 @@ def test_ranks_convert_disjoint_shares_and_all_end_with_the_one_process_convert(
     assert all(rank0["output_scales_hold"]) and all(rank1["output_scales_hold"])
 
 
+def test_a_side_task_runs_on_its_rank_whose_share_shrinks_by_its_cost(results):
+    rank0, rank1 = results("split-convert-side-task")
+    assert (rank0["ran"], rank1["ran"]) == ([], [1])
+    assert rank1["converted"] == [] and sorted(rank0["converted"]) == sorted(rank0["scales"])
+    one_process = shards_run("b_min", "mse", SHARDS)
+    for rank in (rank0, rank1):
+        for name, parts in rank["scales"].items():
+            assert all(same_bits(a, b) for a, b in zip(parts, one_process["scales"][name])), name
+
+
+def test_shares_go_largest_first_to_the_least_loaded_rank_counting_its_head_start():
+    loads = [6, 0]
+    assert _share_out([5, 4, 3, 2, 1], loads) == [1, 1, 0, 0, 1]
+    assert loads == [11, 10]
+
+
 def test_a_failed_convert_raises_the_same_error_on_every_rank_and_converts_nothing(results):
     failures = results("split-convert-failure")
     assert failures[0]["error"] == failures[1]["error"]
@@ -255,6 +272,14 @@ def test_non_finite_smoothing_statistics_on_the_first_batch_make_every_rank_rais
     assert errors[0].startswith("RuntimeError: nvfp4_static: data-parallel norm smoothing failed on rank 0: "
                                 "ValueError: nvfp4_static: smooth_norm_inputs: the output of norms "
                                 "model.layers.0.input_layernorm")
+
+
+def test_a_later_layers_smoothing_failing_during_the_convert_before_it_makes_every_rank_raise(results):
+    errors = [r["error"] for r in results("layerwise-dp-smoothing-inf-layer-1")]
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("RuntimeError: nvfp4_static: data-parallel norm smoothing failed on rank 0: "
+                                "ValueError: nvfp4_static: smooth_norm_inputs: the output of norms "
+                                "model.layers.1.post_attention_layernorm")
 
 
 def test_layer_by_layer_data_parallel_resumes_from_the_folder_rank_0_wrote(results):
@@ -415,6 +440,34 @@ def test_gpu_sync_waits_for_the_device_as_often_for_one_layer_as_for_the_model_a
     assert len(before) == 28 and len(waits[0]) == len(waits[1]), waits  # 14 observers, 28
     for ours, theirs in zip(before, after):
         assert all(same_bits(ours[key], theirs[key]) for key in ours)
+
+
+@requires_cuda
+def test_gpu_data_parallel_layer_by_layer_sends_every_layer_home_with_the_one_process_scales():
+    """Data-parallel, each next layer moves in during this layer's convert to be smoothed there:
+    it still goes home once converted, and the scales are the one-process run's."""
+    import torch.distributed as dist
+
+    config = NVFP4StaticActivationConfig(act_calibration="b_min", weight_scale="hessian_mse")
+    data = batches(SHARDS[0])
+
+    def run(group):
+        return calibrate_layer_by_layer(tiny_llama(), data, config, device="cuda", group=group,
+                                        filter_fn=all_but_lm_head, progress=False)
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        ours = run(True)
+    finally:
+        dist.destroy_process_group()
+    one_process = converted_scales(run(None))
+    devices = {t.device.type for layer in ours.model.layers for t in [*layer.parameters(), *layer.buffers()]}
+    assert devices == {"cpu"}
+    scales = converted_scales(ours)
+    assert scales.keys() == one_process.keys() and len(scales) == 2 * 7
+    for name, parts in scales.items():
+        assert all(same_bits(a.cpu(), b.cpu()) for a, b in zip(parts, one_process[name])), name
 
 
 def test_sync_without_a_process_group_says_what_is_missing():
