@@ -239,15 +239,18 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
     save("nan", error_of(lambda: data_parallel_run(mine, "b_min", "mse", forward=nan_on_rank_1)))
 
-    def layerwise(**options):
+    def layerwise(batches=None, **options):
         options.setdefault("filter_fn", all_but_lm_head)
         config = NVFP4StaticActivationConfig(act_calibration="mse", weight_scale="hessian_mse")
         timings = {}
-        model = calibrate_layer_by_layer(tiny_llama(), mine, config, group=True, progress=False,
-                                         device="cpu", timings=timings, **options)
+        model = calibrate_layer_by_layer(tiny_llama(), mine if batches is None else batches, config,
+                                         group=True, progress=False, device="cpu", timings=timings,
+                                         **options)
         return {"scales": converted_scales(model), "timings": timings}
 
     save("layerwise-dp", layerwise())
+    all_on_rank_1 = [] if rank == 0 else [token_ids(seed) for shard in SHARDS for seed in shard]
+    save("layerwise-dp-rank-0-empty", layerwise(all_on_rank_1))  # rank 1 smooths
 
     def nan_in_rank_0s_first_batch(model, batch):
         embeds = model.model.embed_tokens(batch)

@@ -247,6 +247,13 @@ def test_layer_by_layer_data_parallel_equals_whole_model_shards(results):
     assert {"calibrate", "sync statistics", "convert"} <= rank0["timings"].keys()
 
 
+def test_layer_by_layer_data_parallel_with_an_empty_rank_0_smooths_on_rank_1_and_equals_one_shard(results):
+    rank0, rank1 = results("layerwise-dp-rank-0-empty")
+    reference = shards_run("mse", "hessian_mse", [[seed for shard in SHARDS for seed in shard]], smooth=True)
+    assert_same(rank0, rank1, logits=False)
+    assert_same(rank0, reference, logits=False)
+
+
 def test_layer_by_layer_data_parallel_with_prefetch_stages_half_of_each_layer_on_each_rank(results):
     rank0, rank1 = results("layerwise-dp-prefetch")
     assert_same(rank0, results("layerwise-dp")[0], logits=False)
