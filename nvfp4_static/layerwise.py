@@ -334,7 +334,7 @@ def calibrate_layer_by_layer(
     hidden = [_hidden_states_of_call(args, kwargs) for args, kwargs in records]
     inputs = [_with_hidden_states(args, kwargs, None) for args, kwargs in records]  # no 2nd copy
     del records
-    smoothing = None
+    smoothing, first_tokens = None, 0
     if smooth_alpha is not None and any(counts):
         def first_batch_through(layer, hidden):
             return _layer_output(layer, inputs[0], hidden, device, cache_device)
@@ -342,6 +342,8 @@ def calibrate_layer_by_layer(
         first = hidden[0] if hidden and rank == anchor_source else None
         smoothing = LayerSmoothing(smooth_alpha, first, first_batch_through, group, anchor_source,
                                    device, data_parallel)
+        if data_parallel:  # what the smoothing of a layer costs scales with the first batch
+            first_tokens = _gather(0 if first is None else first.shape[:-1].numel(), group)[anchor_source]
 
     bar = tqdm(total=len(layers), desc="nvfp4_static layer by layer", unit="layer",
                disable=not progress or rank != 0)
@@ -399,7 +401,7 @@ def calibrate_layer_by_layer(
                                 following_name = f"{prefix}.{index + 1}"
                                 _convert_and_smooth_following(
                                     layer, convert, layer_filter, group, smoothing, following,
-                                    following_name, mover, anchor_source, clock,
+                                    following_name, first_tokens, mover, anchor_source, clock,
                                 )
                                 if finished is not None:  # of the float layer, before the fold
                                     fingerprints[index + 1] = layer_fingerprint(
@@ -523,13 +525,15 @@ def _calibrate_data_parallel(layer, run, outputs, group, runs_first_batch: bool,
         sync_calibration(layer, group, error=error)
 
 
-# Smoothing an 8B-shaped decoder layer (the first batch of 8192 tokens through it, its scales
-# computed) takes about what converting half its linears' weights takes (H100 and H200, NCCL).
-_SMOOTHING_COST_PER_WEIGHT = 0.5
+# Smoothing an 8B-shaped decoder layer (a first batch of 8192 tokens through it, its scales
+# computed) takes about what converting half its linears' weights takes (H100 and H200, NCCL);
+# the forward's work grows with the first batch's tokens. In the convert shares' unit (weight
+# elements), per weight element and first-batch token:
+_SMOOTHING_COST = 0.5 / 8192
 
 
 def _convert_and_smooth_following(layer, convert, layer_filter, group, smoothing, following,
-                                  name, mover, anchor_source, clock) -> None:
+                                  name, first_tokens, mover, anchor_source, clock) -> None:
     """Data-parallel: convert ``layer`` while the rank holding the first batch computes the
     smoothing of ``following`` in place of part of its share, so that no rank waits for the
     smoothing at the start of the next layer; every rank ends with ``following`` on the device
@@ -545,7 +549,7 @@ def _convert_and_smooth_following(layer, convert, layer_filter, group, smoothing
         smoothed.append(True)
 
     weights = sum(m.weight.numel() for m in following.modules() if isinstance(m, torch.nn.Linear))
-    side_task = SideTask(anchor_source, int(weights * _SMOOTHING_COST_PER_WEIGHT), smooth_following)
+    side_task = SideTask(anchor_source, int(weights * first_tokens * _SMOOTHING_COST), smooth_following)
     with clock.phase("convert"):
         convert_data_parallel(layer, convert, layer_filter, group, side_task=side_task)
     if not smoothed:  # a rank without the first batch: it moves the layer in and finds its norms

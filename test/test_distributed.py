@@ -514,3 +514,29 @@ def test_data_parallel_convert_shows_a_bar_over_a_share_of_many_layers(capsys):
     assert "nvfp4_static convert" not in few_err
     assert "nvfp4_static convert, rank 0's share" in many_err and "9/9" in many_err
     assert sum(isinstance(m, NVFP4StaticLinear) for m in many.modules()) == 9
+
+
+def test_the_smoothing_rank_s_convert_share_shrinks_with_the_first_batch_s_tokens(monkeypatch):
+    """The smoothing of the next layer takes the place of part of a convert share; its forward
+    grows with the first batch, so the share it replaces does too."""
+    import torch.distributed as dist
+
+    from nvfp4_static import layerwise
+
+    costs = []
+
+    def recording_convert(*args, side_task=None, **kwargs):
+        costs.append(side_task and side_task.cost)  # the last layer's convert smooths none
+        return convert_data_parallel(*args, side_task=side_task, **kwargs)
+
+    monkeypatch.setattr(layerwise, "convert_data_parallel", recording_convert)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for batch in (1, 2):
+            data = [token_ids(seed, batch=batch) for seed in SHARDS[0]]
+            calibrate_layer_by_layer(tiny_llama(), data, NVFP4StaticActivationConfig(), device="cpu",
+                                     group=True, filter_fn=all_but_lm_head, progress=False)
+    finally:
+        dist.destroy_process_group()
+    assert costs[1] is None and costs[3] is None  # two layers per run: layer 1 smoothed early
+    assert costs[0] > 0 and costs[2] == 2 * costs[0]
