@@ -541,18 +541,16 @@ def _convert_and_smooth_following(layer, convert, layer_filter, group, smoothing
 
     The following layer's upload is under way (``upload_prefetched``): the smoothing rank moves
     it in after its share, so its convert kernels are queued ahead of the wait for the upload."""
-    smoothed = []
 
     def smooth_following():
         mover.move_in(following)
         smoothing.compute(following, name)
-        smoothed.append(True)
 
     weights = sum(m.weight.numel() for m in following.modules() if isinstance(m, torch.nn.Linear))
     side_task = SideTask(anchor_source, int(weights * first_tokens * _SMOOTHING_COST), smooth_following)
     with clock.phase("convert"):
         convert_data_parallel(layer, convert, layer_filter, group, side_task=side_task)
-    if not smoothed:  # a rank without the first batch: it moves the layer in and finds its norms
+    if not smoothing.computes_scales:  # the side task's rank moved it in; the others do now
         with clock.phase("move in"):
             mover.move_in(following)
         smoothing.compute(following, name)

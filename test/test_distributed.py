@@ -273,20 +273,16 @@ def test_a_rank_failing_to_stage_a_layer_makes_every_rank_raise_naming_it(result
     assert errors[1] == expected + ": MemoryError: no pinned memory left"
 
 
-def test_non_finite_smoothing_statistics_on_the_first_batch_make_every_rank_raise_naming_it(results):
-    errors = [r["error"] for r in results("layerwise-dp-smoothing-nan")]
+@pytest.mark.parametrize("scenario, norm", [
+    ("layerwise-dp-smoothing-nan", "model.layers.0.input_layernorm"),  # NaN in the first batch
+    ("layerwise-dp-smoothing-inf-layer-1", "model.layers.1.post_attention_layernorm"),  # smoothed in layer 0's convert
+])
+def test_non_finite_smoothing_statistics_make_every_rank_raise_naming_the_norm(results, scenario, norm):
+    errors = [r["error"] for r in results(scenario)]
     assert errors[0] == errors[1]
     assert errors[0].startswith("RuntimeError: nvfp4_static: data-parallel norm smoothing failed on rank 0: "
                                 "ValueError: nvfp4_static: smooth_norm_inputs: the output of norms "
-                                "model.layers.0.input_layernorm")
-
-
-def test_a_later_layers_smoothing_failing_during_the_convert_before_it_makes_every_rank_raise(results):
-    errors = [r["error"] for r in results("layerwise-dp-smoothing-inf-layer-1")]
-    assert errors[0] == errors[1]
-    assert errors[0].startswith("RuntimeError: nvfp4_static: data-parallel norm smoothing failed on rank 0: "
-                                "ValueError: nvfp4_static: smooth_norm_inputs: the output of norms "
-                                "model.layers.1.post_attention_layernorm")
+                                f"{norm}")
 
 
 def test_layer_by_layer_data_parallel_resumes_from_the_folder_rank_0_wrote(results):
