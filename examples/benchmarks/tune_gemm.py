@@ -11,11 +11,14 @@ shape. Prints the fastest candidates per (K, N, M), then a summary: per (K, N, M
 table and the best candidate; per M the one candidate whose slowest shape against bf16 is
 fastest, the entry to put in the table for that M's bucket. Run on one GPU:
 
-    python examples/benchmarks/tune_gemm.py [--m 1 16 64 512 4096] [--candidates full|wide]
+    python examples/benchmarks/tune_gemm.py [--m 1 16 64 512 4096] [--candidates full|wide|decode-wide]
+        [--shapes 4096x4096 8192x8192]
 
 ``--candidates wide`` times only the table and the wide MMA-order tiles (``WIDE_TILES``) from
-M = 17 up; ``--budget-s`` starts no further M after that many seconds (each M runs on
-every shape, so put the Ms that matter most first).
+M = 17 up, ``--candidates decode-wide`` the table and the decode tiles in the wide form
+(``DECODE_WIDE_TILES``) up to M = 16; ``--shapes`` replaces the three weight shapes;
+``--budget-s`` starts no further M after that many seconds (each M runs on every shape, so put
+the Ms that matter most first).
 """
 
 import argparse
@@ -44,6 +47,18 @@ DECODE_TILES = [
     (16, 128, 256, 8, 3),
     (16, 256, 128, 8, 3),
     (16, 64, 512, 4, 3),
+]
+# The decode tiles in the wide form (``--candidates decode-wide``): the weight as the MMA's first
+# operand in the MMA order, the activation's operand (from the activation kernel) as the wgmma's
+# 16 columns, block_n a multiple of 64 (64 weight rows per warpgroup).
+DECODE_WIDE_TILES = [
+    (16, 64, 256, 4, 4),
+    (16, 64, 512, 4, 3),
+    (16, 64, 128, 4, 5),
+    (16, 128, 256, 4, 3),
+    (16, 128, 256, 8, 3),
+    (16, 128, 128, 8, 4),
+    (16, 256, 128, 8, 3),
 ]
 MID_TILES = [(64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (32, 128, 256, 4, 3), (64, 128, 256, 8, 3)]
 # Transposed tiles (GemmConfig.weight_as_mma_a): the weight is the MMA's M side, so block_n >= 64.
@@ -116,6 +131,12 @@ def full_candidates(M: int) -> list:
 
 
 def candidates(M: int, which: str) -> list:
+    if which == "decode-wide":
+        return [
+            GemmConfig(*tile, programs_per_sm=p, weight_as_mma_a=True, mma_order=True)
+            for tile in DECODE_WIDE_TILES
+            for p in (1, 2, 3)
+        ] if M <= 16 else []
     if which == "wide":
         return wide_candidates(M) if M > 16 else []
     return full_candidates(M)
@@ -208,13 +229,16 @@ def tune(weight: Weight, M: int, configs: list) -> tuple[float, Optional[float],
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
-    parser.add_argument("--candidates", choices=["full", "wide"], default="full")
+    parser.add_argument("--candidates", choices=["full", "wide", "decode-wide"], default="full")
+    parser.add_argument("--shapes", nargs="+", default=[f"{K}x{N}" for K, N in SHAPES],
+                        help="weight shapes as KxN (in_features x out_features)")
     parser.add_argument("--budget-s", type=float, default=None, help="start no M after this many seconds")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}")
     start = time.monotonic()
-    weights = {(K, N): make_weight(K, N) for K, N in SHAPES}
+    shapes = [tuple(int(size) for size in shape.split("x")) for shape in args.shapes]
+    weights = {(K, N): make_weight(K, N) for K, N in shapes}
     summary = []  # (K, N, M, bf16 ms, table ms, [(ms, config), ...] of the correct candidates)
     with torch.no_grad():
         # M by M, every shape for each, so that a budget cuts whole Ms (the later ones).

@@ -451,7 +451,10 @@ class CublasAfterDequantize:
 # that quantize their one activation row themselves (no activation kernel) took 2%, 2% and 21%
 # less time for the whole linear than the M <= 4 entry after the activation kernel; at M = 1-4,
 # 16 x 64 x 256 tiles split to one program per SM took 7-14% less time than the M <= 16 entry on
-# two shapes and 1-5% more on the third; at M = 17, 32-row tiles beat 64-row ones by 1.1-1.3x.
+# two shapes and 1-5% more on the third; at M = 16 the same tiles transposed in the MMA order
+# (the weight rows the wgmma's 64-row side, the 16 activation rows its N) took 8-18% less time
+# than untransposed 16 x 128 x 256 tiles on 4096 x 4096, 8192 x 8192 and 4096 x 14336, and the
+# same on 14336 x 4096; at M = 17, 32-row tiles beat 64-row ones by 1.1-1.3x.
 # From 33 rows the wide tiles in the MMA order, each dequantized weight tile shared by up to 128
 # rows: at M = 64 they ran at 0.88-1.11x bf16's speed (transposed 64 x 256 tiles without the
 # MMA order: 0.69-0.84x), at M = 128-512 at 0.60-0.85x (cuBLAS after dequantizing: 0.47-0.60x).
@@ -463,7 +466,7 @@ class CublasAfterDequantize:
 GEMM_CONFIGS = (
     (1, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2, activation_rows=1)),
     (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1)),
-    (16, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2)),
+    (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
     (32, GemmConfig(32, 128, 256, 4, 3, programs_per_sm=1)),
     (64, GemmConfig(64, 128, 128, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
     (128, GemmConfig(128, 128, 128, 8, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
