@@ -19,15 +19,21 @@ linears are all the work: what a decode step spends on weights. Rows:
 - ``compiled, graph replay``: the default-mode compiled stack captured into a CUDA graph by
   hand and replayed: GPU time alone, whatever the compiled call costs on the host.
 
-Times are medians of ``triton.testing.do_bench``; tokens/s is one token per step.
+Times are medians of ``triton.testing.do_bench``; tokens/s is one token per step. With
+``--kernels``, where the GPU time of one step of the compiled stack goes: each kernel's launches
+and microseconds per step, from a torch.profiler trace of CUDA-graph replays, for the
+default-mode compiled NVFP4 stack (what ``reduce-overhead`` replays) and for its layers' own eager
+launches captured the same way.
 """
 
 import argparse
+import collections
 import copy
 import time
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 from torchao.quantization import quantize_
 from torchao.utils import unwrap_tensor_subclass
 from triton.testing import do_bench
@@ -79,6 +85,35 @@ def through_f_linear(layer: NVFP4StaticLinear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
+def kernels_per_step(fn, steps: int = 5) -> list[tuple[str, float, float]]:
+    """``(kernel, launches, microseconds)`` per call of ``fn`` replayed from a CUDA graph,
+    the most time first."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    launches, microseconds = collections.Counter(), collections.Counter()
+    for event in trace.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            launches[event.name] += 1
+            microseconds[event.name] += event.device_time_total
+    return [(name, launches[name] / steps, us / steps) for name, us in microseconds.most_common()]
+
+
+def print_kernels(label: str, kernels: list[tuple[str, float, float]]) -> None:
+    total = sum(us for _, _, us in kernels)
+    print(f"\n{label}: {total:.1f} us of kernels per step")
+    print(f"{'launches':>8} {'us each':>8} {'us':>8} {'share':>6}  kernel")
+    for name, count, us in kernels:
+        print(f"{count:8.1f} {us / count:8.2f} {us:8.1f} {us / total:6.1%}  {name[:70]}")
+
+
 def ms_per_step(fn) -> float:
     with torch.no_grad():
         return do_bench(fn, return_mode="median")
@@ -88,10 +123,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32, help="layers of the eager stack")
     parser.add_argument("--compiled-layers", type=int, default=8, help="layers compiled (0: skip)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also list the kernels of one step of the compiled stacks")
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 32  # two stacks, two modes, one forward code object
     token = torch.randn(1, DIM, device="cuda", dtype=torch.bfloat16)
-    rows = []
+    rows, kernel_tables = [], []
 
     bf16 = stack(args.layers)
     start = time.perf_counter()
@@ -123,6 +160,12 @@ def main():
             default_mode = torch.compile(model, fullgraph=True)
             with torch.no_grad():
                 replayed.append(graph_ms(lambda: default_mode(token)))
+        if args.kernels:  # before unwrapping, which changes both the layers and what compiles
+            with torch.no_grad():
+                kernel_tables = [
+                    ("default-mode compiled", kernels_per_step(lambda: default_mode(token))),
+                    ("the layers' eager launches", kernels_per_step(lambda: nvfp4(token))),
+                ]
         unwrapped = torch.compile(unwrap_tensor_subclass(nvfp4), mode="reduce-overhead", fullgraph=True)
         with torch.no_grad():
             for _ in range(3):
@@ -137,6 +180,8 @@ def main():
     for mode, layers, bf16_ms, nvfp4_ms in rows:
         print(f"{mode:<26} {layers:>6} {bf16_ms:>8.3f} {nvfp4_ms:>9.3f} {1e3 / bf16_ms:>10.0f} "
               f"{1e3 / nvfp4_ms:>11.0f} {bf16_ms / nvfp4_ms:>12.2f}x")
+    for label, kernels in kernel_tables:
+        print_kernels(f"nvfp4 {args.compiled_layers} layers, {label}", kernels)
 
 
 if __name__ == "__main__":
