@@ -24,6 +24,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from bench_linear import graph_ms
 from triton.testing import do_bench
 
 from nvfp4_static.experts import ExpertsLayout, NVFP4StaticExperts, NVFP4StaticGroupedLinear
@@ -36,15 +37,6 @@ EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2048, 768
 HIDDEN_AMAX, INTERMEDIATE_AMAX = 8.0, 16.0
 # The bf16 grouped GEMM transformers' grouped_mm experts call (older torch: the private name).
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-
-
-def graph_ms(fn) -> float:
-    """Median GPU time of ``fn`` replayed from a CUDA graph (L2 flushed before each replay)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, return_mode="median")
 
 
 def nvfp4_grouped(weights: torch.Tensor, act_amax: float) -> NVFP4StaticGroupedLinear:
