@@ -109,14 +109,15 @@ def wide_candidates(M: int) -> list:
 
 def full_candidates(M: int) -> list:
     if M <= 16:
-        # Each decode tile twice: after the activation kernel, and quantizing its rows itself.
+        # Each decode tile twice: after the activation kernel, and quantizing its rows itself;
+        # then the decode tiles in the wide form.
         rows = next_power_of_2(M)
         return [
             GemmConfig(*tile, programs_per_sm=p, activation_rows=r)
             for tile in DECODE_TILES
             for p in (1, 2, 3)
             for r in (0, rows)
-        ]
+        ] + decode_wide_candidates(M)
     if M <= 64:
         return (
             [GemmConfig(*tile, programs_per_sm=p) for tile in MID_TILES for p in (0, 1, 2)]
@@ -130,13 +131,17 @@ def full_candidates(M: int) -> list:
     return PREFILL_CANDIDATES + wide_candidates(M)
 
 
+def decode_wide_candidates(M: int) -> list:
+    """The decode tiles in the wide form up to M = 16, K split to 1-3 programs per SM."""
+    if M > 16:
+        return []
+    wide = dict(weight_as_mma_a=True, mma_order=True)
+    return [GemmConfig(*tile, programs_per_sm=p, **wide) for tile in DECODE_WIDE_TILES for p in (1, 2, 3)]
+
+
 def candidates(M: int, which: str) -> list:
     if which == "decode-wide":
-        return [
-            GemmConfig(*tile, programs_per_sm=p, weight_as_mma_a=True, mma_order=True)
-            for tile in DECODE_WIDE_TILES
-            for p in (1, 2, 3)
-        ] if M <= 16 else []
+        return decode_wide_candidates(M)
     if which == "wide":
         return wide_candidates(M) if M > 16 else []
     return full_candidates(M)
