@@ -153,21 +153,27 @@ def whole_model_run(args, config, shards, device, dtype) -> tuple[dict, dict]:
     return scales(model), seconds
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser, weight: str) -> None:
+    """The options that pick the model, the data and the recipe (``--weight`` defaulting to
+    ``weight``), which ``main`` and the layer-by-layer profile share."""
     parser.add_argument("--preset", choices=PRESETS, default="small")
     parser.add_argument("--device", default="cpu", help="where each layer is calibrated")
-    parser.add_argument("--cache-device", default=None, help="where layer inputs wait (default: --device)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--batches", type=int, default=8, help="calibration batches in all")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--act", default="b_min", help="act_calibration")
-    parser.add_argument("--weight", default="mse", help="weight_scale")
-    parser.add_argument("--propagate", action="store_true", help="feed each layer the quantized outputs")
+    parser.add_argument("--weight", default=weight, help="weight_scale")
     parser.add_argument("--smooth", action=argparse.BooleanOptionalAction, default=True,
-                        help="smooth the norms' outputs from the first batch (default; the "
-                             "whole-model run calls smooth_norm_inputs before prepare, timed)")
+                        help="smooth the norms' outputs from the first batch (default; a whole-model "
+                             "run calls smooth_norm_inputs before prepare, timed)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser, weight="mse")
+    parser.add_argument("--cache-device", default=None, help="where layer inputs wait (default: --device)")
+    parser.add_argument("--propagate", action="store_true", help="feed each layer the quantized outputs")
     parser.add_argument("--resume-dir", default=None, help="save finished layers there; resume from it")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                         help="copy the next layer to the device while one calibrates (default: on CUDA)")

@@ -38,7 +38,7 @@ from torchao.quantization import quantize_
 from torchao.utils import unwrap_tensor_subclass
 from triton.testing import do_bench
 
-from bench_linear import graph_ms
+from bench_linear import captured, graph_ms
 from nvfp4_static import NVFP4StaticActivationConfig, NVFP4StaticLinear, is_quantizable
 
 DIM, HIDDEN = 4096, 14336
@@ -88,10 +88,7 @@ def through_f_linear(layer: NVFP4StaticLinear, x: torch.Tensor) -> torch.Tensor:
 def kernels_per_step(fn, steps: int = 5) -> list[tuple[str, float, float]]:
     """``(kernel, launches, microseconds)`` per call of ``fn`` replayed from a CUDA graph,
     the most time first."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = captured(fn)
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as trace:

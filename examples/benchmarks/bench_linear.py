@@ -49,13 +49,19 @@ def copy_bandwidth_gbs() -> float:
     return 2 * source.numel() / ms / 1e6
 
 
-def graph_ms(fn) -> float:
-    """Median GPU time of ``fn`` replayed from a CUDA graph (L2 flushed before each replay)."""
+def captured(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after one call outside it (Triton compiles, cuBLAS
+    picks its kernels, workspaces are made)."""
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return do_bench(graph.replay, return_mode="median")
+    return graph
+
+
+def graph_ms(fn) -> float:
+    """Median GPU time of ``fn`` replayed from a CUDA graph (L2 flushed before each replay)."""
+    return do_bench(captured(fn).replay, return_mode="median")
 
 
 def naive_linear(x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias):

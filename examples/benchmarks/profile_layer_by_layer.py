@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from calibrate_large import PRESETS, build, not_lm_head, start_processes, token_batches  # noqa: E402
+from calibrate_large import PRESETS, add_run_arguments, build, not_lm_head, start_processes, token_batches  # noqa: E402
 
 from nvfp4_static import NVFP4StaticActivationConfig, calibrate_layer_by_layer  # noqa: E402
 from nvfp4_static.norm_smoothing import DEFAULT_ALPHA  # noqa: E402
@@ -70,16 +70,8 @@ def tables(prof, device: torch.device) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=PRESETS, default="small")
+    add_run_arguments(parser, weight="hessian_mse")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--batches", type=int, default=8, help="calibration batches in all")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--act", default="b_min", help="act_calibration")
-    parser.add_argument("--weight", default="hessian_mse", help="weight_scale")
-    parser.add_argument("--smooth", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=".", help="folder for the traces and tables")
     args = parser.parse_args(argv)
 
