@@ -235,6 +235,20 @@ def test_split_k_is_sized_for_the_planned_row_tiles():
     assert split_k_for(GemmConfig(16, 32, 32, 4, 1), 64, 1280, cpu) == 1
 
 
+def test_no_k_split_is_left_without_a_k_tile():
+    """The kernel tells the compiler that each split has a K tile (so ptxas keeps the wgmmas
+    asynchronous, test_gemm_hopper_code.py): 56 K tiles wanted in 9 splits of 7 would leave the
+    ninth empty, so they run in 8; every split count starts its last split before the last tile."""
+    cpu = torch.device("cpu")
+    assert split_k_for(GemmConfig(16, 32, 256, 4, 1, programs_per_sm=9), 32, 56 * 256, cpu) == 8
+    for tiles_k in range(1, 80):
+        for programs in range(1, 40):
+            split = split_k_for(GemmConfig(16, 32, 32, 4, 1, programs_per_sm=programs), 32, 32 * tiles_k, cpu)
+            per_split = ceil_div(tiles_k, split)
+            assert (split - 1) * per_split < tiles_k, (tiles_k, programs, split)
+            assert split == 1 or per_split >= 2, (tiles_k, programs, split)
+
+
 @pytest.mark.parametrize("rows,programs_per_sm", [(0, 1), (-1, 1), (2, 0)])
 def test_gemm_config_refuses_row_tiles_for_split_that_size_no_split(rows, programs_per_sm):
     with pytest.raises(ValueError, match="row_tiles_for_split"):
@@ -304,6 +318,31 @@ def test_gpu_gemm_matches_fp64_reference(dtype, with_bias, M, N, K):
     out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
     launch_nvfp4_gemm(operand, *operands[1:], out)
     assert relative_error(out, reference_gemm(*operands)) <= gpu_tolerance(K, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("N,K", [(4096, 14336), (14336, 4096), (8192, 8192)], ids=str)
+@pytest.mark.parametrize(
+    "M,config", [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)], ids=str
+)
+def test_gpu_table_gemm_gives_the_same_output_every_launch(M, config, N, K):
+    """The table's tiles keep wgmmas in flight while the next K tile's weight is dequantized and
+    the next operand tiles load (test_gemm_hopper_code.py): 30 launches on a real shape, each
+    bit for bit the first, which matches the fp64 reference. A buffer overwritten while an MMA
+    still reads it would show as launches that differ (tune_gemm.WIDE_TILES names a tile that
+    did)."""
+    raw = bool(config.activation_rows)
+    operands = list(gemm_operands(M, N, K, seed=M, device="cuda", config=config))
+    if raw:
+        operands[0] = raw_gemm_operands(M, N, K, seed=M, device="cuda")[0]
+    outs = []
+    for _ in range(30):
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launch_nvfp4_gemm(*operands, out, config, raw)
+        outs.append(out)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    plain = gemm_operands(M, N, K, seed=M, device="cuda")
+    assert relative_error(outs[0], reference_gemm(*plain)) <= gpu_tolerance(K, torch.bfloat16)
 
 
 # Wide MMA-order tiles (the dequantized weight shared by up to 256 activation rows), split K or

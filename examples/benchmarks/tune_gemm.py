@@ -67,12 +67,12 @@ MID_TILES_WEIGHT_AS_A = [(64, 256, 256, 8, 3), (64, 128, 256, 4, 3), (64, 128, 2
 # (the wgmma's N) sharing each dequantized weight tile, 64 weight rows per warpgroup; each with
 # whether it is also tried with a split K. Every one compiles for sm_90 (Triton 3.6) within
 # 227 KiB of shared memory and without register spills in its K loop; the split-K ones that
-# would spill are not split.
+# would spill are not split. Not listed: 128 x 128 x 64 with 8 warps and 4 stages, which since
+# its wgmmas run asynchronously gave NaN in some runs (H100, Triton 3.6; cause not found).
 WIDE_TILES = [
     ((64, 256, 128, 8, 3), True),
     ((64, 128, 128, 4, 4), True),
     ((128, 128, 128, 8, 3), True),
-    ((128, 128, 64, 8, 4), True),
     ((128, 128, 256, 8, 2), True),
     ((128, 256, 64, 8, 4), True),
     ((256, 128, 128, 8, 3), False),

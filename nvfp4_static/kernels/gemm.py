@@ -201,6 +201,9 @@ def _nvfp4_gemm_kernel(
     tiles_per_split = tl.cdiv(tiles_k, split_k)
     k_first = pid_k * tiles_per_split
     k_last = tl.minimum(k_first + tiles_per_split, tiles_k)
+    # No split is empty (split_k_for). Said here, the loop has no zero-trip path, whose zeroed
+    # accumulator would make ptxas serialize the wgmmas with the dequantization between them.
+    tl.assume(k_last > k_first)
 
     # WEIGHT_AS_A computes the transposed tile, W @ A^T: the dequantized weight is then the
     # MMA's first operand, which Hopper's wgmma reads straight from registers.
@@ -456,11 +459,12 @@ class CublasAfterDequantize:
 # than untransposed 16 x 128 x 256 tiles on 4096 x 4096, 8192 x 8192 and 4096 x 14336, and the
 # same on 14336 x 4096; at M = 17, 32-row tiles beat 64-row ones by 1.1-1.3x.
 # From 33 rows the wide tiles in the MMA order, each dequantized weight tile shared by up to 128
-# rows: at M = 64 they ran at 0.88-1.11x bf16's speed (transposed 64 x 256 tiles without the
-# MMA order: 0.69-0.84x), at M = 128-512 at 0.60-0.85x (cuBLAS after dequantizing: 0.47-0.60x).
-# The 129-256 entry sizes its K split for 4 row tiles, which fills the SMs on the 14336 x 4096
-# weight (0.68x against 0.53x unsplit) and leaves the other two unsplit. From 513 rows cuBLAS
-# after dequantizing.
+# rows (2026-11-27, after the K loop's wgmmas became asynchronous, test_gemm_hopper_code.py): at
+# M = 64 they ran at 1.02-1.30x bf16's speed; at M = 128, 64-row tiles with the K split sized for
+# 4 row tiles at 0.94 / 1.05 / 0.85x (the 128-row tiles: 0.88 / 0.96 / 0.77x); at M = 256-512 the
+# 128-row tiles at 0.75-0.82x and 0.61-0.63x (cuBLAS after dequantizing: 0.47-0.60x). The 129-256
+# entry sizes its K split for 4 row tiles, which fills the SMs on the 14336 x 4096 weight and
+# leaves the other two unsplit. From 513 rows cuBLAS after dequantizing.
 # Few buckets on purpose: a graph compiled for a dynamic M holds every bucket's kernels behind a
 # cond (backends.triton_route), so each bucket adds compile time and host work per call.
 GEMM_CONFIGS = (
@@ -469,7 +473,8 @@ GEMM_CONFIGS = (
     (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
     (32, GemmConfig(32, 128, 256, 4, 3, programs_per_sm=1)),
     (64, GemmConfig(64, 128, 128, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
-    (128, GemmConfig(128, 128, 128, 8, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
+    (128, GemmConfig(64, 128, 128, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True,
+                     row_tiles_for_split=4)),
     (256, GemmConfig(128, 128, 128, 8, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True,
                      row_tiles_for_split=4)),
     (512, GemmConfig(128, 128, 128, 8, 3, weight_as_mma_a=True, mma_order=True)),
@@ -529,12 +534,15 @@ def _multiprocessor_count(device: torch.device) -> int:
 def split_k_for(config: GemmConfig, N: int, K: int, device: torch.device) -> int:
     """How many programs share each output tile's K range: enough for ``programs_per_sm``
     programs per SM over ``row_tiles_for_split`` row tiles (``GemmConfig``), at least 2 K tiles
-    each. Not a function of M, which a traced graph may hold only symbolically."""
+    each, and none without a K tile (the kernel relies on it). Not a function of M, which a
+    traced graph may hold only symbolically."""
     if config.programs_per_sm == 0:
         return 1
     output_tiles = config.row_tiles_for_split * ceil_div(N, config.block_n)
     wanted = ceil_div(config.programs_per_sm * _multiprocessor_count(device), output_tiles)
-    return max(1, min(wanted, ceil_div(K, config.block_k) // 2))
+    tiles_k = ceil_div(K, config.block_k)
+    tiles_per_split = ceil_div(tiles_k, max(1, min(wanted, tiles_k // 2)))
+    return ceil_div(tiles_k, tiles_per_split)
 
 
 @lru_cache(maxsize=None)  # asked at every launch; the device's capability does not change
