@@ -1,12 +1,15 @@
-"""The GEMM table's kernels as ptxas builds them for Hopper (sm_90a), checked on any machine.
+"""The GEMM tables' kernels as ptxas builds them for Hopper (sm_90a), checked on any machine.
 
 ptxas serializes every wgmma of a kernel (it says so in its note C7515) when a path through the
 kernel defines accumulator registers while wgmmas may be in flight. The K loop of a split K has
 dynamic bounds; if the compiler cannot rule out a split without K tiles, the loop's zero-trip
 path zeroes the accumulator there, and every K tile then waits for its MMAs before the next
-dequantization starts (``kernels.gemm`` tells the compiler that no split is empty). Each table
-entry is built as ``launch_nvfp4_gemm`` would launch it on an H100 (132 SMs) and handed to the
-ptxas that ships with Triton.
+dequantization starts (``kernels.gemm`` tells the compiler that no split is empty). The wgmma
+tiles, whose asynchronous MMAs keep more registers live, must not spill them to local memory
+either (not checked for the mma.sync tiles: with Triton 3.6 the M <= 32 entry's use all 255
+registers and spill 8 bytes where the epilogue kernel sums the K splits). Each table entry (the
+dense GEMM's and the grouped GEMM's) is built as its launcher would launch it on an H100 (132
+SMs) and handed to the ptxas that ships with Triton.
 """
 
 import subprocess
@@ -15,8 +18,9 @@ from unittest import mock
 import pytest
 import torch
 
-from nvfp4_static.kernels import gemm
+from nvfp4_static.kernels import gemm, grouped_gemm
 from nvfp4_static.kernels.gemm import GEMM_CONFIGS, GemmConfig, launch_nvfp4_gemm
+from nvfp4_static.kernels.grouped_gemm import GROUPED_GEMM_CONFIGS, GroupedGemmConfig, launch_grouped_nvfp4_gemm
 from nvfp4_static.kernels.launch import KernelCall
 
 triton = pytest.importorskip("triton")
@@ -46,6 +50,33 @@ def recorded_gemm_launch(M: int, config: GemmConfig, sum_splits_in_gemm: bool) -
     ):
         launch_nvfp4_gemm(a, qdata, block_scales, scale, scale, bias, out, config, raw, sum_splits_in_gemm)
     return calls[0]
+
+
+class _LaunchRecorder:
+    """Stands for ``traceable(kernel)``: ``[grid](*args, **meta)`` records a ``KernelCall``."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.calls.append(KernelCall(self.kernel, grid, args, meta))
+
+
+def recorded_grouped_gemm_launch(config: GroupedGemmConfig) -> KernelCall:
+    """The grouped GEMM's launch for 8 experts of ``N x K`` weights and 512 routed rows, as
+    ``launch_grouped_nvfp4_gemm`` makes it, without launching anything."""
+    experts, rows = 8, 512
+    x = torch.zeros(rows, K, dtype=torch.bfloat16)
+    offsets = torch.arange(0, rows + 1, rows // experts, dtype=torch.int32)
+    qdata = torch.zeros(experts, N, K // 2, dtype=torch.uint8)
+    block_scales = torch.zeros(experts, N, K // 16, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(experts)
+    out = torch.empty(rows, N, dtype=torch.bfloat16)
+    calls = []
+    with mock.patch.object(grouped_gemm, "traceable", lambda kernel: _LaunchRecorder(kernel, calls)):
+        launch_grouped_nvfp4_gemm(x, offsets, qdata, block_scales, scales, scales, out, config)
+    (call,) = [call for call in calls if call.kernel is grouped_gemm._grouped_nvfp4_gemm_kernel]
+    return call
 
 
 def ptxas_report_for_sm90(call: KernelCall, tmp_path) -> tuple[str, str]:
@@ -89,10 +120,24 @@ def table_cases():
     return cases
 
 
+def assert_asynchronous_and_unspilled(ptx: str, report: str, entry: str) -> None:
+    """No serialized wgmmas; where the kernel has wgmmas, no spilled registers."""
+    assert "C7515" not in report, f"ptxas serializes the wgmmas of {entry}:\n{report}"
+    if "wgmma.mma_async" in ptx:
+        assert " 0 bytes spill stores" in report, f"{entry} spills registers:\n{report}"
+
+
 @pytest.mark.parametrize("M,config,sum_splits_in_gemm", table_cases())
 def test_table_gemm_wgmmas_are_not_serialized_on_hopper(M, config, sum_splits_in_gemm, tmp_path):
     call = recorded_gemm_launch(M, config, sum_splits_in_gemm)
     ptx, report = ptxas_report_for_sm90(call, tmp_path)
     uses_wgmma = "wgmma.mma_async" in ptx
     assert uses_wgmma == (config.weight_as_mma_a or config.block_m >= 64), (M, config)
-    assert "C7515" not in report, f"ptxas serializes the wgmmas of the M <= {M} entry {config}:\n{report}"
+    assert_asynchronous_and_unspilled(ptx, report, f"the M <= {M} entry {config}")
+
+
+@pytest.mark.parametrize("config", [config for _, config in GROUPED_GEMM_CONFIGS], ids=str)
+def test_grouped_gemm_wgmmas_are_not_serialized_on_hopper(config, tmp_path):
+    ptx, report = ptxas_report_for_sm90(recorded_grouped_gemm_launch(config), tmp_path)
+    assert ("wgmma.mma_async" in ptx) == (config.weight_as_mma_a or config.block_m >= 64), config
+    assert_asynchronous_and_unspilled(ptx, report, f"the grouped GEMM entry {config}")
