@@ -53,7 +53,8 @@ def wide_range_activation(M: int, K: int, dtype: torch.dtype, seed: int) -> tupl
 def rounding_ties() -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 blocks whose scale, or whose scaled elements, fall exactly halfway between two
     representable values (per-tensor scale 1, so the arithmetic is exact): one block per pair of
-    neighbouring normal FP8 scales, then one block of every E2M1 midpoint, both signs."""
+    neighbouring normal FP8 scales, then one block of every E2M1 midpoint, both signs, and one of
+    the fp32 values next to each midpoint, below it and above it."""
     normals = e4m3_positive_values()[7:]
     midpoints = (normals[:-1] + normals[1:]) / 2
     scale_ties = torch.zeros(len(midpoints), 16)
@@ -61,7 +62,10 @@ def rounding_ties() -> tuple[torch.Tensor, torch.Tensor]:
     scale_ties[:, 1] = 0.3
     e2m1_midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     element_ties = torch.cat([torch.tensor([6.0]), e2m1_midpoints, -e2m1_midpoints, torch.tensor([-0.0])])
-    return torch.cat([scale_ties, element_ties[None, :]]), torch.tensor(1.0)
+    below = torch.nextafter(e2m1_midpoints, torch.zeros(()))
+    above = torch.nextafter(e2m1_midpoints, torch.tensor(float("inf")))
+    neighbours = torch.cat([torch.tensor([6.0]), below, -above, torch.tensor([0.0])])
+    return torch.cat([scale_ties, element_ties[None, :], neighbours[None, :]]), torch.tensor(1.0)
 
 
 OPERAND_DTYPES = (torch.float16, torch.bfloat16)

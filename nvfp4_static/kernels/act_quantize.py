@@ -109,13 +109,25 @@ def round_to_e2m1(scaled):
     return e2m1_magnitude_code(tl.abs(scaled)), scaled.to(tl.int32, bitcast=True) < 0
 
 
+# 1.5 * 2^23: adding it to an fp32 value below 2^22 in magnitude rounds the value to an integer,
+# ties to even (subtracting it again leaves that integer).
+_ROUND_TO_INTEGER = tl.constexpr(12582912.0)
+
+
 @triton.jit
-def e2m1_value(magnitude, negative):
-    """The E2M1 number of a (magnitude code, sign) pair, as fp32."""
-    # Magnitudes 0, 0.5, 1, 1.5, 2 are code / 2; codes 5, 6, 7 are 3, 4, 6.
-    q = tl.where(magnitude <= 4, magnitude * 0.5, tl.where(magnitude == 7, 6.0, magnitude - 2.0))
-    # Multiply by -1 rather than negate: Triton's unary minus is 0 - q, which loses -0.0.
-    return tl.where(negative, q * -1.0, q)
+def round_to_e2m1_value(scaled):
+    """The value of the code ``round_to_e2m1`` picks, as fp32 with the sign of ``scaled`` (-0.0
+    kept), computed without the code: the E2M1 value nearest each value already multiplied by
+    its block's reciprocal, ties to even. The grid's step is 0.5 below 2, 1 below 4 and 2 up to
+    6, so rounding ``a / step`` to an integer, ties to even, lands on the even code at every
+    midpoint; every product by a step or its inverse is exact."""
+    scaled = tl.minimum(tl.maximum(scaled, -_E2M1_MAX), _E2M1_MAX)
+    a = tl.abs(scaled)
+    steps_per_unit = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    q = ((a * steps_per_unit + _ROUND_TO_INTEGER) - _ROUND_TO_INTEGER) * step
+    sign = scaled.to(tl.uint32, bitcast=True) & 0x80000000
+    return (q.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -135,10 +147,8 @@ def quantize_to_operand_halves(x, per_tensor_scale, ROWS: tl.constexpr, BLOCK_K:
     even, odd = tl.split(tl.reshape(x.to(tl.float32), (ROWS, BLOCK_K // 16, 8, 2)))
     block_amax = tl.maximum(tl.max(tl.abs(even), axis=2), tl.max(tl.abs(odd), axis=2))
     scale, scale_code, reciprocal = nvfp4_block_scale(block_amax, per_tensor_scale)
-    even_magnitude, even_negative = round_to_e2m1(even * reciprocal[:, :, None])
-    odd_magnitude, odd_negative = round_to_e2m1(odd * reciprocal[:, :, None])
-    even = e2m1_value(even_magnitude, even_negative) * scale[:, :, None]
-    odd = e2m1_value(odd_magnitude, odd_negative) * scale[:, :, None]
+    even = round_to_e2m1_value(even * reciprocal[:, :, None]) * scale[:, :, None]
+    odd = round_to_e2m1_value(odd * reciprocal[:, :, None]) * scale[:, :, None]
     return tl.reshape(even, (ROWS, BLOCK_K // 2)), tl.reshape(odd, (ROWS, BLOCK_K // 2))
 
 
@@ -177,9 +187,9 @@ def _activation_quantize_kernel(
         reciprocal = block_reciprocal(scale, per_tensor_scale)
     else:
         scale, scale_code, reciprocal = nvfp4_block_scale(tl.max(tl.abs(blocks), axis=2), per_tensor_scale)
-    magnitude, negative = round_to_e2m1(blocks * reciprocal[:, :, None])
 
     if WRITE_PACKED:
+        magnitude, negative = round_to_e2m1(blocks * reciprocal[:, :, None])
         packed = pack_e2m1(magnitude, negative, BLOCK_M, BLOCK_K)
         half_cols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         tl.store(
@@ -190,7 +200,7 @@ def _activation_quantize_kernel(
         if not SCALES_GIVEN:
             tl.store(scales_ptr + scales_offsets, scale_code, mask=scales_mask)
     else:
-        q = e2m1_value(magnitude, negative) * scale[:, :, None]
+        q = round_to_e2m1_value(blocks * reciprocal[:, :, None]) * scale[:, :, None]
         if MMA_ORDER:
             # (t, c, i, h) of each 32-group to (c, h, t, i)
             ordered = tl.permute(tl.reshape(q, (BLOCK_M, GROUPS // 2, 4, 2, 2, 2)), (0, 1, 3, 5, 2, 4))
