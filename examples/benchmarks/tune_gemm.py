@@ -206,15 +206,17 @@ def tune(weight: Weight, M: int, configs: list) -> tuple[float, Optional[float],
             x, weight.qdata, weight.block_scales, weight.scale, act_scale, weight.bias, output_scale
         )
 
+    where = f"K={K} N={weight.qdata.shape[0]} M={M}"
+
     def measure(label):
         try:
             out = run()
         except Exception as error:  # e.g. a tile that needs more shared memory than the GPU has
-            print(f"  skip {label}: {type(error).__name__}: {str(error)[:120]}")
+            print(f"  skip {where} {label}: {type(error).__name__}: {str(error)[:120]}")
             return None
         error = ((out.float() - reference).norm() / reference.norm()).item()
         if not error <= MAX_ERROR:
-            print(f"  WRONG {label}: relative error {error:.1e}")
+            print(f"  WRONG {where} {label}: relative error {error:.1e}")
             return None
         return graph_ms(run), error
 
