@@ -77,14 +77,6 @@ def e4m3_value(code):
 
 
 @triton.jit
-def e2m1_magnitude_code(a):
-    """E2M1 code (0..7) of fp32 magnitudes in [0, 6], ties to even as ``numerics.round_to_e2m1``."""
-    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-    return code + (a > 5.0).to(tl.int32)
-
-
-@triton.jit
 def nvfp4_block_scale(block_amax, per_tensor_scale):
     """Each block's FP8 scale (fp32 value, code byte) under the global scale, and the reciprocal
     that maps the block onto the E2M1 range, as ``numerics.quantize_nvfp4`` computes them."""
@@ -101,31 +93,42 @@ def block_reciprocal(scale, per_tensor_scale):
     return tl.math.div_rn(tl.math.div_rn(1.0, per_tensor_scale), scale)
 
 
+# 1.5 * 2**22: times a power of two 2**e, a float whose ulp is 2**(e - 1).
+_E2M1_SNAP = tl.constexpr(6291456.0)
+
+
+@triton.jit
+def round_to_e2m1_magnitude(a):
+    """``numerics.round_to_e2m1`` of ``a`` in [0, 6], as its fp32 value.
+
+    ``a`` is rounded onto the E2M1 grid (step 0.5 below 2, 1 below 4, then 2) by adding and
+    subtracting ``1.5 * 2**22 * binade(max(a, 1))``, a float whose ulp is that step: round to
+    nearest, ties to even, as the reference's thresholds. Both FMAs are an exact product plus
+    one rounding, i.e. a plain add. Four instructions, against seven compares to a code.
+    """
+    one_or_more = tl.maximum(a, 1.0).to(tl.int32, bitcast=True)
+    binade = (one_or_more & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.fma(binade, -_E2M1_SNAP, tl.fma(binade, _E2M1_SNAP, a))
+
+
 @triton.jit
 def round_to_e2m1(scaled):
     """(magnitude code 0..7, sign) of values already multiplied by their block's reciprocal."""
     scaled = tl.minimum(tl.maximum(scaled, -_E2M1_MAX), _E2M1_MAX)
+    q = round_to_e2m1_magnitude(tl.abs(scaled))
+    # From 1 up, code 2 * (exponent + 1) + the top mantissa bit, i.e. the bits from 22 up less
+    # 252; below, 0 and 0.5 are codes 0 and 1.
+    code = tl.where(q >= 1.0, (q.to(tl.int32, bitcast=True) >> 22) - 252, (q * 2.0).to(tl.int32))
     # torchao keeps the sign bit of the scaled value, so -0.0 becomes code 0x8.
-    return e2m1_magnitude_code(tl.abs(scaled)), scaled.to(tl.int32, bitcast=True) < 0
-
-
-# 1.5 * 2^23: adding it to an fp32 value below 2^22 in magnitude rounds the value to an integer,
-# ties to even (subtracting it again leaves that integer).
-_ROUND_TO_INTEGER = tl.constexpr(12582912.0)
+    return code, scaled.to(tl.int32, bitcast=True) < 0
 
 
 @triton.jit
 def round_to_e2m1_value(scaled):
     """The value of the code ``round_to_e2m1`` picks, as fp32 with the sign of ``scaled`` (-0.0
-    kept), computed without the code: the E2M1 value nearest each value already multiplied by
-    its block's reciprocal, ties to even. The grid's step is 0.5 below 2, 1 below 4 and 2 up to
-    6, so rounding ``a / step`` to an integer, ties to even, lands on the even code at every
-    midpoint; every product by a step or its inverse is exact."""
+    kept), without the code: what the GEMM operand needs."""
     scaled = tl.minimum(tl.maximum(scaled, -_E2M1_MAX), _E2M1_MAX)
-    a = tl.abs(scaled)
-    steps_per_unit = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
-    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-    q = ((a * steps_per_unit + _ROUND_TO_INTEGER) - _ROUND_TO_INTEGER) * step
+    q = round_to_e2m1_magnitude(tl.abs(scaled))
     sign = scaled.to(tl.uint32, bitcast=True) & 0x80000000
     return (q.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 

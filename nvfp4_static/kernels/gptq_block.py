@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_static.kernels.launch import ceil_div
-from nvfp4_static.kernels.scale_sweep import round_to_e2m1_magnitude
+from nvfp4_static.kernels.act_quantize import round_to_e2m1_magnitude
 from nvfp4_static.numerics import BLOCK_SIZE
 
 # Rows per program and warps: one row per lane of one warp. Not tuned.

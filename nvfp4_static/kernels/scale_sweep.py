@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_static import references
+from nvfp4_static.kernels.act_quantize import round_to_e2m1_magnitude
 from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype, e4m3_positive_values
 
@@ -36,23 +37,6 @@ NUM_CANDIDATES = e4m3_positive_values().numel()
 # Hessian sweep and lost 2% for the plain one on Gaussian weights.
 PLAIN_ROWS, PLAIN_NUM_WARPS = 32, 1
 HESSIAN_ROWS, HESSIAN_NUM_WARPS = 64, 1
-
-# 1.5 * 2**22: times a power of two 2**e, a float whose ulp is 2**(e - 1).
-_E2M1_SNAP = tl.constexpr(6291456.0)
-
-
-@triton.jit
-def round_to_e2m1_magnitude(a):
-    """``numerics.round_to_e2m1`` of ``a`` in [0, 6].
-
-    ``a`` is rounded onto the E2M1 grid (step 0.5 below 2, 1 below 4, then 2) by adding and
-    subtracting ``1.5 * 2**22 * binade(max(a, 1))``, a float whose ulp is that step: round to
-    nearest, ties to even, as the reference's thresholds. Both FMAs are an exact product plus
-    one rounding, i.e. a plain add.
-    """
-    one_or_more = tl.maximum(a, 1.0).to(tl.int32, bitcast=True)
-    binade = (one_or_more & 0x7F800000).to(tl.float32, bitcast=True)
-    return tl.fma(binade, -_E2M1_SNAP, tl.fma(binade, _E2M1_SNAP, a))
 
 
 @triton.jit
