@@ -104,7 +104,7 @@ def round_to_e2m1_magnitude(a):
     ``a`` is rounded onto the E2M1 grid (step 0.5 below 2, 1 below 4, then 2) by adding and
     subtracting ``1.5 * 2**22 * binade(max(a, 1))``, a float whose ulp is that step: round to
     nearest, ties to even, as the reference's thresholds. Both FMAs are an exact product plus
-    one rounding, i.e. a plain add. Four instructions, against seven compares to a code.
+    one rounding, i.e. a plain add.
     """
     one_or_more = tl.maximum(a, 1.0).to(tl.int32, bitcast=True)
     binade = (one_or_more & 0x7F800000).to(tl.float32, bitcast=True)
