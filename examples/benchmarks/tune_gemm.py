@@ -48,18 +48,11 @@ DECODE_TILES = [
     (16, 256, 128, 8, 3),
     (16, 64, 512, 4, 3),
 ]
-# The decode tiles in the wide form (``--candidates decode-wide``): the weight as the MMA's first
-# operand in the MMA order, the activation's operand (from the activation kernel) as the wgmma's
-# 16 columns, block_n a multiple of 64 (64 weight rows per warpgroup).
-DECODE_WIDE_TILES = [
-    (16, 64, 256, 4, 4),
-    (16, 64, 512, 4, 3),
-    (16, 64, 128, 4, 5),
-    (16, 128, 256, 4, 3),
-    (16, 128, 256, 8, 3),
-    (16, 128, 128, 8, 4),
-    (16, 256, 128, 8, 3),
-]
+# The decode tiles in the wide form (``--candidates decode-wide``), and two with shorter K tiles:
+# the weight as the MMA's first operand in the MMA order, the activation's operand (from the
+# activation kernel) as the wgmma's 16 columns, block_n a multiple of 64 (64 weight rows per
+# warpgroup).
+DECODE_WIDE_TILES = DECODE_TILES + [(16, 64, 128, 4, 5), (16, 128, 128, 8, 4)]
 MID_TILES = [(64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (32, 128, 256, 4, 3), (64, 128, 256, 8, 3)]
 # Transposed tiles (GemmConfig.weight_as_mma_a): the weight is the MMA's M side, so block_n >= 64.
 MID_TILES_WEIGHT_AS_A = [(64, 256, 256, 8, 3), (64, 128, 256, 4, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3)]
@@ -67,8 +60,8 @@ MID_TILES_WEIGHT_AS_A = [(64, 256, 256, 8, 3), (64, 128, 256, 4, 3), (64, 128, 2
 # (the wgmma's N) sharing each dequantized weight tile, 64 weight rows per warpgroup; each with
 # whether it is also tried with a split K. Every one compiles for sm_90 (Triton 3.6) within
 # 227 KiB of shared memory and without register spills in its K loop; the split-K ones that
-# would spill are not split. Not listed: 128 x 128 x 64 with 8 warps and 4 stages, which since
-# its wgmmas run asynchronously gave NaN in some runs (H100, Triton 3.6; cause not found).
+# would spill are not split. Not listed: 128 x 128 x 64 with 8 warps and 4 stages, which gives
+# NaN in some runs with asynchronous wgmmas (H100, Triton 3.6; cause not found).
 WIDE_TILES = [
     ((64, 256, 128, 8, 3), True),
     ((64, 128, 128, 4, 4), True),

@@ -459,7 +459,7 @@ class CublasAfterDequantize:
 # than untransposed 16 x 128 x 256 tiles on 4096 x 4096, 8192 x 8192 and 4096 x 14336, and the
 # same on 14336 x 4096; at M = 17, 32-row tiles beat 64-row ones by 1.1-1.3x.
 # From 33 rows the wide tiles in the MMA order, each dequantized weight tile shared by up to 128
-# rows (2026-11-27, after the K loop's wgmmas became asynchronous, test_gemm_hopper_code.py): at
+# rows (2026-11-27, the K loop's wgmmas asynchronous as test_gemm_hopper_code.py checks): at
 # M = 64 they ran at 1.02-1.30x bf16's speed; at M = 128, 64-row tiles with the K split sized for
 # 4 row tiles at 0.94 / 1.05 / 0.85x (the 128-row tiles: 0.88 / 0.96 / 0.77x); at M = 256-512 the
 # 128-row tiles at 0.75-0.82x and 0.61-0.63x (cuBLAS after dequantizing: 0.47-0.60x). The 129-256
