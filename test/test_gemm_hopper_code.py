@@ -7,12 +7,19 @@ path zeroes the accumulator there, and every K tile then waits for its MMAs befo
 dequantization starts (``kernels.gemm`` tells the compiler that no split is empty). The wgmma
 tiles, whose asynchronous MMAs keep more registers live, must not spill them to local memory
 either (not checked for the mma.sync tiles: with Triton 3.6 the M <= 32 entry's use all 255
-registers and spill 8 bytes where the epilogue kernel sums the K splits). Each table entry (the
-dense GEMM's and the grouped GEMM's) is built as its launcher would launch it on an H100 (132
-SMs) and handed to the ptxas that ships with Triton.
+registers and spill 8 bytes where the epilogue kernel sums the K splits). An 8-warp wgmma tile
+must not fit twice on one SM: the wide 128 x 128 x 64 tiles with 8 warps and 3 or 4 stages (two
+per SM by registers and shared memory) gave outputs that differed between launches, some with NaN,
+exactly where two of their programs shared an SM (4096 x 14336 at M = 200 and 256: 224 programs;
+never at 112 or 64 programs), and none with 6 stages (one per SM); 4-warp tiles two per SM gave
+none (H100, Triton 3.6; cause not found). Each table entry (the dense GEMM's and the grouped
+GEMM's) is built as its launcher would launch it on an H100 (132 SMs) and handed to the ptxas
+that ships with Triton.
 """
 
+import re
 import subprocess
+from typing import NamedTuple
 from unittest import mock
 
 import pytest
@@ -29,6 +36,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 H100_SMS = 132
+H100_REGISTERS_PER_SM = 65536
+H100_SHARED_BYTES_PER_SM = 233472  # 228 KiB, of which each resident program reserves 1 KiB
 N = K = 4096
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int32: "i32"}
 TABLE_GEMMS = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
@@ -79,9 +88,19 @@ def recorded_grouped_gemm_launch(config: GroupedGemmConfig) -> KernelCall:
     return call
 
 
-def ptxas_report_for_sm90(call: KernelCall, tmp_path) -> tuple[str, str]:
-    """The PTX of ``call``'s kernel compiled for sm_90a (the FP8 dequantization a GPU runs, pointers
-    16-byte aligned as Triton specialises them) and what ``ptxas -v`` says of it."""
+class HopperBuild(NamedTuple):
+    """A kernel as compiled for sm_90a: its PTX, what ``ptxas -v`` says of it, its shared memory
+    bytes per program and its warps."""
+
+    ptx: str
+    report: str
+    shared_bytes: int
+    num_warps: int
+
+
+def ptxas_report_for_sm90(call: KernelCall, tmp_path) -> HopperBuild:
+    """``call``'s kernel compiled for sm_90a (the FP8 dequantization a GPU runs, pointers 16-byte
+    aligned as Triton specialises them) and handed to ptxas."""
     kernel = call.kernel
     values = dict(zip(kernel.arg_names, call.args))
     values.update((name, value) for name, value in call.meta.items() if name in kernel.arg_names)
@@ -99,7 +118,8 @@ def ptxas_report_for_sm90(call: KernelCall, tmp_path) -> tuple[str, str]:
             signature[param.name] = "i32"
     options = {name: value for name, value in call.meta.items() if name not in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options).asm["ptx"]
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
+    ptx = compiled.asm["ptx"]
     ptx_path = tmp_path / "gemm.ptx"
     ptx_path.write_text(ptx)
     ptxas = nvidia_compiler.get_ptxas(90).path
@@ -109,7 +129,16 @@ def ptxas_report_for_sm90(call: KernelCall, tmp_path) -> tuple[str, str]:
         text=True,
         check=True,
     )
-    return ptx, report.stdout + report.stderr
+    return HopperBuild(ptx, report.stdout + report.stderr, compiled.metadata.shared, compiled.metadata.num_warps)
+
+
+def programs_per_h100_sm(build: HopperBuild) -> int:
+    """How many programs of ``build`` an H100 SM holds at once, by registers (allocated per warp
+    in steps of 8 per thread) and by shared memory."""
+    registers = int(re.search(r"Used (\d+) registers", build.report).group(1))
+    by_registers = H100_REGISTERS_PER_SM // (-(-registers // 8) * 8 * 32 * build.num_warps)
+    by_shared = H100_SHARED_BYTES_PER_SM // (build.shared_bytes + 1024)
+    return min(by_registers, by_shared)
 
 
 def table_cases():
@@ -120,24 +149,29 @@ def table_cases():
     return cases
 
 
-def assert_asynchronous_and_unspilled(ptx: str, report: str, entry: str) -> None:
-    """No serialized wgmmas; where the kernel has wgmmas, no spilled registers."""
-    assert "C7515" not in report, f"ptxas serializes the wgmmas of {entry}:\n{report}"
-    if "wgmma.mma_async" in ptx:
-        assert " 0 bytes spill stores" in report, f"{entry} spills registers:\n{report}"
+def assert_safe_on_hopper(build: HopperBuild, entry: str) -> None:
+    """No serialized wgmmas; where the kernel has wgmmas, no spilled registers and, with 8 warps,
+    one program per SM."""
+    assert "C7515" not in build.report, f"ptxas serializes the wgmmas of {entry}:\n{build.report}"
+    if "wgmma.mma_async" in build.ptx:
+        assert " 0 bytes spill stores" in build.report, f"{entry} spills registers:\n{build.report}"
+        if build.num_warps == 8:
+            assert programs_per_h100_sm(build) == 1, (
+                f"two programs of {entry} fit on one H100 SM ({build.shared_bytes} bytes of shared "
+                f"memory):\n{build.report}"
+            )
 
 
 @pytest.mark.parametrize("M,config,sum_splits_in_gemm", table_cases())
 def test_table_gemm_wgmmas_are_not_serialized_on_hopper(M, config, sum_splits_in_gemm, tmp_path):
-    call = recorded_gemm_launch(M, config, sum_splits_in_gemm)
-    ptx, report = ptxas_report_for_sm90(call, tmp_path)
-    uses_wgmma = "wgmma.mma_async" in ptx
+    build = ptxas_report_for_sm90(recorded_gemm_launch(M, config, sum_splits_in_gemm), tmp_path)
+    uses_wgmma = "wgmma.mma_async" in build.ptx
     assert uses_wgmma == (config.weight_as_mma_a or config.block_m >= 64), (M, config)
-    assert_asynchronous_and_unspilled(ptx, report, f"the M <= {M} entry {config}")
+    assert_safe_on_hopper(build, f"the M <= {M} entry {config}")
 
 
 @pytest.mark.parametrize("config", [config for _, config in GROUPED_GEMM_CONFIGS], ids=str)
 def test_grouped_gemm_wgmmas_are_not_serialized_on_hopper(config, tmp_path):
-    ptx, report = ptxas_report_for_sm90(recorded_grouped_gemm_launch(config), tmp_path)
-    assert ("wgmma.mma_async" in ptx) == (config.weight_as_mma_a or config.block_m >= 64), config
-    assert_asynchronous_and_unspilled(ptx, report, f"the grouped GEMM entry {config}")
+    build = ptxas_report_for_sm90(recorded_grouped_gemm_launch(config), tmp_path)
+    assert ("wgmma.mma_async" in build.ptx) == (config.weight_as_mma_a or config.block_m >= 64), config
+    assert_safe_on_hopper(build, f"the grouped GEMM entry {config}")
