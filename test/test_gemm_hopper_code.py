@@ -6,8 +6,8 @@ dynamic bounds; if the compiler cannot rule out a split without K tiles, the loo
 path zeroes the accumulator there, and every K tile then waits for its MMAs before the next
 dequantization starts (``kernels.gemm`` tells the compiler that no split is empty). The wgmma
 tiles, whose asynchronous MMAs keep more registers live, must not spill them to local memory
-either (not checked for the mma.sync tiles: with Triton 3.6 the M <= 32 entry's use all 255
-registers and spill 8 bytes where the epilogue kernel sums the K splits). An 8-warp wgmma tile
+either (not checked for the mma.sync tiles of M <= 4: with Triton 3.9 the M <= 4 entry spills 4
+bytes where its programs sum the K splits, with Triton 3.6 none). An 8-warp wgmma tile
 must not fit twice on one SM: the wide 128 x 128 x 64 tiles with 8 warps and 3 or 4 stages (two
 per SM by registers and shared memory) gave outputs that differed between launches, some with NaN,
 exactly where two of their programs shared an SM (4096 x 14336 at M = 200 and 256: 224 programs;

@@ -8,8 +8,9 @@ float32 product of the same dequantized operands (a candidate off by more than `
 reported and left out), and are timed as a CUDA graph replay (GPU time without Python launch
 overhead; do_bench median, L2 flushed between replays), beside bf16 ``F.linear`` on the same
 shape. Prints the fastest candidates per (K, N, M), then a summary: per (K, N, M) bf16, the
-table and the best candidate; per M the one candidate whose slowest shape against bf16 is
-fastest, the entry to put in the table for that M's bucket. Run on one GPU:
+table and the best candidate; per M, and per bucket of the shipped table where several of its Ms
+ran, the one candidate whose slowest case against bf16 is fastest: the entry to put in the
+table for that bucket. Run on one GPU:
 
     python examples/benchmarks/tune_gemm.py [--m 1 16 64 512 4096] [--candidates full|wide|decode-wide]
         [--shapes 4096x4096 8192x8192]
@@ -72,6 +73,19 @@ WIDE_TILES = [
     ((256, 128, 128, 8, 3), False),
     ((256, 128, 64, 8, 4), True),
     ((256, 64, 64, 4, 4), False),
+    # One warpgroup per program, two or more programs per SM.
+    ((32, 64, 128, 4, 4), True),
+    ((32, 64, 256, 4, 3), True),
+    ((64, 64, 128, 4, 3), True),
+    ((64, 64, 128, 4, 4), True),
+    ((128, 64, 128, 4, 3), True),
+    ((128, 64, 128, 4, 2), True),
+    ((128, 64, 64, 4, 4), True),
+    ((128, 64, 64, 4, 3), True),
+    ((256, 64, 64, 4, 3), False),
+    ((256, 64, 64, 4, 2), False),
+    ((128, 128, 64, 4, 4), False),
+    ((128, 128, 64, 4, 3), False),
 ]
 PREFILL_CANDIDATES = [CublasAfterDequantize(), GemmConfig(128, 256, 128, 8, 3)]
 # Relative error against the float32 product above which a candidate counts as wrong: a bf16
@@ -260,7 +274,8 @@ def main():
 
 def print_summary(summary) -> None:
     """Per (K, N, M): bf16, the shipped table and the best candidate, with bf16 / ours; then per
-    M the candidate whose slowest shape against bf16 is fastest, against the table's."""
+    M and per bucket the candidate whose slowest case against bf16 is fastest, against the
+    table's."""
     print("\nsummary, CUDA-graph ms; ratio = bf16 time / ours (above 1: ours faster)")
     columns = f"{'bf16':>8} {'table':>8} {'best':>8} | {'table x':>7} {'best x':>7}"
     print(f"{'K':>6} {'N':>6} {'M':>5} | {columns} | best config")
@@ -272,19 +287,30 @@ def print_summary(summary) -> None:
         )
     print("\nper M, one config for all shapes: the smallest bf16 / ours over the shapes")
     for M in sorted({row[2] for row in summary}):
-        rows = [row for row in summary if row[2] == M]
-        table_worst = min(bf16_ms / table_ms for _, _, _, bf16_ms, table_ms, _ in rows)
-        ratios: dict = {}
-        for _, _, _, bf16_ms, _, results in rows:
-            for ms, config in results:
-                ratios.setdefault(config, []).append(bf16_ms / ms)
-        complete = {config: min(r) for config, r in ratios.items() if len(r) == len(rows)}
-        if not complete:
-            print(f"M={M:>5}  table {table_worst:.2f}x  (no candidate ran on every shape)")
-            continue
-        config = max(complete, key=complete.get)
-        per_shape = " / ".join(f"{r:.2f}" for r in ratios[config])
-        print(f"M={M:>5}  table {table_worst:.2f}x  best {complete[config]:.2f}x ({per_shape})  {describe(config)}")
+        print_one_config_for(f"M={M:>5}", [row for row in summary if row[2] == M])
+    print("\nper bucket of the shipped table, one config for its Ms and shapes: the smallest bf16 / ours")
+    for bucket in sorted({gemm.gemm_bucket(row[2]) for row in summary}):
+        rows = [row for row in summary if gemm.gemm_bucket(row[2]) == bucket]
+        if len({row[2] for row in rows}) > 1:
+            rows.sort(key=lambda row: row[2])
+            print_one_config_for(f"bucket {bucket} (M {', '.join(str(M) for M in sorted({row[2] for row in rows}))})", rows)
+
+
+def print_one_config_for(label: str, rows: list) -> None:
+    """Of the candidates that ran on every row of ``rows`` (summary rows), the one whose smallest
+    bf16 / ours is largest, beside the shipped table's smallest; its ratios in the rows' order."""
+    table_worst = min(bf16_ms / table_ms for _, _, _, bf16_ms, table_ms, _ in rows)
+    ratios: dict = {}
+    for _, _, _, bf16_ms, _, results in rows:
+        for ms, config in results:
+            ratios.setdefault(config, []).append(bf16_ms / ms)
+    complete = {config: min(r) for config, r in ratios.items() if len(r) == len(rows)}
+    if not complete:
+        print(f"{label}  table {table_worst:.2f}x  (no candidate ran on every shape)")
+        return
+    config = max(complete, key=complete.get)
+    each = " / ".join(f"{r:.2f}" for r in ratios[config])
+    print(f"{label}  table {table_worst:.2f}x  best {complete[config]:.2f}x ({each})  {describe(config)}")
 
 
 if __name__ == "__main__":

@@ -457,27 +457,30 @@ class CublasAfterDequantize:
 # two shapes and 1-5% more on the third; at M = 16 the same tiles transposed in the MMA order
 # (the weight rows the wgmma's 64-row side, the 16 activation rows its N) took 8-18% less time
 # than untransposed 16 x 128 x 256 tiles on 4096 x 4096, 8192 x 8192 and 4096 x 14336, and the
-# same on 14336 x 4096; at M = 17, 32-row tiles beat 64-row ones by 1.1-1.3x.
-# From 33 rows the wide tiles in the MMA order, each dequantized weight tile shared by up to 128
-# rows (2026-11-27, the K loop's wgmmas asynchronous as test_gemm_hopper_code.py checks): at
-# M = 64 they ran at 1.02-1.30x bf16's speed; at M = 128, 64-row tiles with the K split sized for
-# 4 row tiles at 0.94 / 1.05 / 0.85x (the 128-row tiles: 0.88 / 0.96 / 0.77x); at M = 256-512 the
-# 128-row tiles at 0.75-0.82x and 0.61-0.63x (cuBLAS after dequantizing: 0.47-0.60x). The 129-256
-# entry sizes its K split for 4 row tiles, which fills the SMs on the 14336 x 4096 weight and
-# leaves the other two unsplit. From 513 rows cuBLAS after dequantizing.
+# same on 14336 x 4096.
+# From 17 rows the wide tiles in the MMA order, each dequantized weight tile shared by up to 128
+# rows (2026-11-27, the K loop's wgmmas asynchronous as test_gemm_hopper_code.py checks), every
+# one a single warpgroup of 64 weight rows with two or more programs per SM, which hide each
+# other's dequantization better than one 8-warp program of 128 x 128 (whose two warpgroups wait
+# for each other's MMAs at every K tile): at M = 17-32, 32 x 64 x 256 tiles ran at 1.48-1.74x
+# bf16's speed (the untransposed 32 x 128 x 256 tiles 1.17-1.43x); at M = 33-64, 64 x 64 x 128
+# tiles at 1.32-1.59x (64 x 128 x 128 ones 1.05-1.37x); at M = 128 128 x 64 x 128 tiles at
+# 1.00-1.30x (8-warp 128 x 128 x 128 tiles 0.77-0.96x, 64 x 128 x 128 ones 0.84-1.04x), at
+# M = 256 0.81-0.90x (0.76-0.83x), at M = 512 0.67-0.71x (0.64-0.65x). The split entries size
+# their K split for one program per SM over one row tile, the 129-256 one over two; from 257 rows
+# unsplit. From 513 rows cuBLAS after dequantizing.
 # Few buckets on purpose: a graph compiled for a dynamic M holds every bucket's kernels behind a
 # cond (backends.triton_route), so each bucket adds compile time and host work per call.
 GEMM_CONFIGS = (
     (1, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2, activation_rows=1)),
     (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1)),
     (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
-    (32, GemmConfig(32, 128, 256, 4, 3, programs_per_sm=1)),
-    (64, GemmConfig(64, 128, 128, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
-    (128, GemmConfig(64, 128, 128, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True,
-                     row_tiles_for_split=4)),
-    (256, GemmConfig(128, 128, 128, 8, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True,
-                     row_tiles_for_split=4)),
-    (512, GemmConfig(128, 128, 128, 8, 3, weight_as_mma_a=True, mma_order=True)),
+    (32, GemmConfig(32, 64, 256, 4, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
+    (64, GemmConfig(64, 64, 128, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
+    (128, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
+    (256, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True,
+                     row_tiles_for_split=2)),
+    (512, GemmConfig(128, 64, 128, 4, 3, weight_as_mma_a=True, mma_order=True)),
     (None, CublasAfterDequantize()),
 )
 EPILOGUE_BLOCK = 1024
