@@ -28,7 +28,7 @@ import torch
 from nvfp4_static.kernels import gemm, grouped_gemm
 from nvfp4_static.kernels.gemm import GEMM_CONFIGS, GemmConfig, launch_nvfp4_gemm
 from nvfp4_static.kernels.grouped_gemm import GROUPED_GEMM_CONFIGS, GroupedGemmConfig, launch_grouped_nvfp4_gemm
-from nvfp4_static.kernels.launch import KernelCall
+from nvfp4_static.kernels.launch import KernelCall, ceil_div
 
 triton = pytest.importorskip("triton")
 nvidia_compiler = pytest.importorskip("triton.backends.nvidia.compiler")
@@ -136,7 +136,7 @@ def programs_per_h100_sm(build: HopperBuild) -> int:
     """How many programs of ``build`` an H100 SM holds at once, by registers (allocated per warp
     in steps of 8 per thread) and by shared memory."""
     registers = int(re.search(r"Used (\d+) registers", build.report).group(1))
-    by_registers = H100_REGISTERS_PER_SM // (-(-registers // 8) * 8 * 32 * build.num_warps)
+    by_registers = H100_REGISTERS_PER_SM // (ceil_div(registers, 8) * 8 * 32 * build.num_warps)
     by_shared = H100_SHARED_BYTES_PER_SM // (build.shared_bytes + 1024)
     return min(by_registers, by_shared)
 

@@ -33,8 +33,10 @@ from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.kernels.ops import deinterleave_blocks, gemm_activation_operand, nvfp4_gemm, quantizing_nvfp4_gemm
 from nvfp4_static.numerics import dequantize_nvfp4
 
-# The smallest token count the table hands to cuBLAS (after dequantizing the weight).
-FIRST_CUBLAS_ROWS = 1 + max(max_m for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig))
+# The table's Triton entries, and the smallest token count it hands to cuBLAS (after
+# dequantizing the weight).
+TRITON_ENTRIES = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
+FIRST_CUBLAS_ROWS = 1 + max(max_m for max_m, _ in TRITON_ENTRIES)
 
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
 DEQUANTIZE_LAUNCHER = "nvfp4_static.kernels.gemm:launch_weight_dequantize"
@@ -323,7 +325,7 @@ def test_gpu_gemm_matches_fp64_reference(dtype, with_bias, M, N, K):
 @requires_cuda
 @pytest.mark.parametrize("N,K", [(4096, 14336), (14336, 4096), (8192, 8192)], ids=str)
 @pytest.mark.parametrize(
-    "M,config", [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)], ids=str
+    "M,config", TRITON_ENTRIES, ids=str
 )
 def test_gpu_table_gemm_gives_the_same_output_every_launch(M, config, N, K):
     """The table's tiles keep wgmmas in flight while the next K tile's weight is dequantized and
