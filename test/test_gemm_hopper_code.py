@@ -40,7 +40,9 @@ H100_REGISTERS_PER_SM = 65536
 H100_SHARED_BYTES_PER_SM = 233472  # 228 KiB, of which each resident program reserves 1 KiB
 N = K = 4096
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int32: "i32"}
-TABLE_GEMMS = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
+TABLE_GEMMS = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)] + [
+    (max(gemm.TALL_TILE_BUCKETS), gemm.TALL_TILE)
+]
 
 
 def recorded_gemm_launch(M: int, config: GemmConfig, sum_splits_in_gemm: bool) -> KernelCall:
@@ -145,7 +147,7 @@ def table_cases():
     cases = []
     for max_m, config in TABLE_GEMMS:
         for in_gemm in (True, False) if config.programs_per_sm else (True,):
-            cases.append(pytest.param(max_m, config, in_gemm, id=f"m{max_m}-{'in-gemm' if in_gemm else 'epilogue'}"))
+            cases.append(pytest.param(max_m, config, in_gemm, id=f"m{max_m}{'-tall' if config is gemm.TALL_TILE else ''}-{'in-gemm' if in_gemm else 'epilogue'}"))
     return cases
 
 

@@ -7,14 +7,18 @@ child process, see triton_interpreter); on a CUDA machine the checks run compile
 """
 
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
 from conftest import UNIT_ROUNDOFF, gpu_tolerance, linear_operands, relative_error, requires_cuda
 from triton_interpreter import run_interpreted
 
+from nvfp4_static.kernels import gemm
 from nvfp4_static.kernels.gemm import (
     GEMM_CONFIGS,
+    TALL_TILE,
+    TALL_TILE_BUCKETS,
     CublasAfterDequantize,
     GemmConfig,
     activation_operand_dtype,
@@ -24,18 +28,22 @@ from nvfp4_static.kernels.gemm import (
     gemm_config,
     launch_nvfp4_gemm,
     launch_weight_dequantize,
+    operand_config,
     operand_in_mma_order,
     quantizes_activation_in_gemm,
     split_k_for,
+    table_config,
     tile_counts,
 )
 from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.kernels.ops import deinterleave_blocks, gemm_activation_operand, nvfp4_gemm, quantizing_nvfp4_gemm
 from nvfp4_static.numerics import dequantize_nvfp4
 
-# The table's Triton entries, and the smallest token count it hands to cuBLAS (after
-# dequantizing the weight).
-TRITON_ENTRIES = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
+# The table's Triton entries with the tall tile at the largest M it serves, and the smallest
+# token count the table hands to cuBLAS (after dequantizing the weight).
+TRITON_ENTRIES = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)] + [
+    (max_m, TALL_TILE) for max_m in TALL_TILE_BUCKETS
+]
 FIRST_CUBLAS_ROWS = 1 + max(max_m for max_m, _ in TRITON_ENTRIES)
 
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
@@ -280,6 +288,42 @@ def test_the_mma_order_runs_only_on_whole_32_element_groups():
     assert operand_in_mma_order(config_for_width(config, 4096))
     assert not operand_in_mma_order(config_for_width(config, 4112))
     assert config_for_width(config, 4112) == GemmConfig(64, 128, 128, 4, 3)
+
+
+def test_tall_tile_serves_wide_weights_at_mid_size_m_where_its_programs_fill_the_sms():
+    """At 132 SMs the tall tile needs 99 programs at its bucket's largest M: 14336 columns (112
+    tiles of 128) from 129 rows, 8192 (64 tiles) from 257 rows (two row tiles at M = 512),
+    4096 never; not below 129 rows, not at prefill sizes, not on the interpreter's CPU tensors."""
+    cuda = torch.device("cuda", 0)
+    with mock.patch.object(gemm, "_multiprocessor_count", return_value=132):
+        assert table_config(129, None, 14336, 4096, cuda) == TALL_TILE
+        assert table_config(512, None, 14336, 4096, cuda) == TALL_TILE
+        assert table_config(257, None, 8192, 8192, cuda) == TALL_TILE
+        assert table_config(256, None, 8192, 8192, cuda) == gemm_config(256)
+        assert table_config(512, None, 4096, 14336, cuda) == gemm_config(512)
+        assert table_config(128, None, 14336, 4096, cuda) == gemm_config(128)
+        assert table_config(513, None, 14336, 4096, cuda) == gemm_config(513)
+        assert table_config(100, gemm_bucket(300), 14336, 4096, cuda) == TALL_TILE  # the bucket decides
+        assert table_config(300, None, 14336, 4112, cuda) == replace(TALL_TILE, mma_order=False)
+    with mock.patch.object(gemm, "_multiprocessor_count", return_value=64):
+        assert table_config(256, None, 8192, 8192, cuda) == TALL_TILE  # 64 programs fill 64 SMs
+    assert table_config(300, None, 14336, 4096, torch.device("cpu")) == gemm_config(300)
+
+
+@pytest.mark.parametrize("K", [4096, 4112], ids=str)
+@pytest.mark.parametrize("max_m", TALL_TILE_BUCKETS, ids=str)
+def test_tall_tile_takes_the_operand_of_the_entry_it_replaces(max_m, K):
+    """The traced route prepares the operand from ``operand_config`` without asking the device;
+    the tile the op then runs must read that operand: same kind (quantized by the operand kernel,
+    not by the GEMM), same dtype, same order."""
+    entry = operand_config(gemm_bucket(max_m), K)
+    tall = config_for_width(TALL_TILE, K)
+    assert quantizes_activation_in_gemm(tall) == quantizes_activation_in_gemm(entry) is False
+    assert operand_in_mma_order(tall) == operand_in_mma_order(entry) == (K % 32 == 0)
+    for scale in (None, 1e-3):
+        assert activation_operand_dtype(tall, torch.bfloat16, scale, None) == activation_operand_dtype(
+            entry, torch.bfloat16, scale, None
+        )
 
 
 def test_only_large_m_with_a_host_scale_and_a_matching_bias_fuses_the_epilogue_into_cublas():

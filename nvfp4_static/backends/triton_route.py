@@ -25,9 +25,9 @@ from nvfp4_static.kernels.gemm import (
     GEMM_CONFIGS,
     activation_operand_dtype,
     gemm_bucket,
+    operand_config,
     operand_in_mma_order,
     quantizes_activation_in_gemm,
-    table_config,
 )
 from nvfp4_static.kernels.ops import (
     gemm_activation_operand,
@@ -74,7 +74,7 @@ def _linear_in_bucket(
     weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale = weights
     leading_shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    config = table_config(None, bucket, 2 * weight_qdata.shape[-1])
+    config = operand_config(bucket, 2 * weight_qdata.shape[-1])
     if quantizes_activation_in_gemm(config):
         out = quantizing_nvfp4_gemm(
             x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, bucket

@@ -483,6 +483,17 @@ GEMM_CONFIGS = (
     (512, GemmConfig(128, 64, 128, 4, 3, weight_as_mma_a=True, mma_order=True)),
     (None, CublasAfterDequantize()),
 )
+# Wide weights at 129-512 rows: one 8-warp program per SM of 256 activation rows by 128 weight
+# rows dequantizes each weight tile once per 256 rows, half as often as the entries above, and
+# where its programs at the bucket's largest M fill most SMs that is faster (H100, bf16 / ours):
+# 8192 x 8192 at M = 384 0.55 -> 0.65x, 512 0.69 -> 0.84x; 4096 x 14336 at M = 200 0.75 -> 0.91x,
+# 256 0.81 -> 0.97x, 512 0.69 -> 0.84x, M = 384 0.68 -> 0.61x (1.7 waves of half-empty row tiles).
+# Where they fill fewer (14336 x 4096, 32-64 programs) the bucket's entry runs. N is fixed per
+# layer, so the choice needs no guard in a compiled graph; it takes the same operand as the entry
+# it replaces (``operand_config``).
+TALL_TILE = GemmConfig(256, 128, 128, 8, 3, weight_as_mma_a=True, mma_order=True)
+TALL_TILE_BUCKETS = (256, 512)  # the largest M of the entries it may replace
+TALL_TILE_SM_FILL = 0.75
 EPILOGUE_BLOCK = 1024
 
 
@@ -500,10 +511,31 @@ def gemm_config(M: int) -> Union[GemmConfig, CublasAfterDequantize]:
     return GEMM_CONFIGS[gemm_bucket(M)][1]
 
 
-def table_config(M, bucket: Optional[int], K: int) -> Union[GemmConfig, CublasAfterDequantize]:
-    """The entry ``bucket`` names, else the one serving ``M``, as it runs at reduction width
-    ``K`` (``config_for_width``)."""
-    return config_for_width(gemm_config(M) if bucket is None else GEMM_CONFIGS[bucket][1], K)
+def table_config(
+    M, bucket: Optional[int], N: int, K: int, device: torch.device
+) -> Union[GemmConfig, CublasAfterDequantize]:
+    """The tiles for an ``[N, K]`` weight on ``device``: the entry ``bucket`` names, else the
+    one serving ``M``, or ``TALL_TILE`` in its place (``takes_tall_tile``), as it runs at
+    reduction width ``K`` (``config_for_width``)."""
+    max_m, config = GEMM_CONFIGS[gemm_bucket(M) if bucket is None else bucket]
+    return config_for_width(TALL_TILE if takes_tall_tile(max_m, N, device) else config, K)
+
+
+def takes_tall_tile(max_m: Optional[int], N: int, device: torch.device) -> bool:
+    """Whether the table entry serving up to ``max_m`` rows gives way to ``TALL_TILE`` for ``N``
+    output columns: a bucket in ``TALL_TILE_BUCKETS`` whose tall programs at ``max_m`` rows fill
+    ``TALL_TILE_SM_FILL`` of the CUDA device's SMs (the interpreter runs the table's entries)."""
+    if max_m not in TALL_TILE_BUCKETS or device.type != "cuda":
+        return False
+    programs = ceil_div(max_m, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n)
+    return programs >= TALL_TILE_SM_FILL * _multiprocessor_count(device)
+
+
+def operand_config(bucket: int, K: int) -> Union[GemmConfig, CublasAfterDequantize]:
+    """The entry ``bucket`` names at width ``K``, for what its activation operand is (raw or
+    quantized, dtype, MMA order): the same for ``TALL_TILE`` where it replaces the entry, so a
+    traced route decides the operand without asking the device."""
+    return config_for_width(GEMM_CONFIGS[bucket][1], K)
 
 
 def config_for_width(
@@ -675,7 +707,7 @@ def launch_nvfp4_gemm(
     ``tile_counts``, which a traced graph cannot hold) or else by ``_epilogue_kernel``; both sum
     in the same order, so they give the same output."""
     if config is None:
-        config = gemm_config(a.shape[0])
+        config = table_config(a.shape[0], None, weight_qdata.shape[0], 2 * weight_qdata.shape[1], a.device)
         config = config if raw_activation else taking_operand(config)
     config = config_for_width(config, 2 * weight_qdata.shape[1])
     quantize_rows = config.activation_rows if isinstance(config, GemmConfig) else 0

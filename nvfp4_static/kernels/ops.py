@@ -369,13 +369,13 @@ def nvfp4_gemm(
 
     ``a`` is ``q * s_b`` (no global scale) in ``activation_operand_dtype(config, out_dtype,
     output_scale, bias)``, in the MMA order where ``gemm.operand_in_mma_order(config)``, for the
-    ``config`` of ``gemm.table_config(M, bucket, K)``; ``output_scale``, when given, is
+    ``config`` of ``gemm.operand_config(bucket, K)``; ``output_scale``, when given, is
     ``act_scale * weight_scale`` (fp32) as a Python float. ``bucket`` is the index of the
     ``GEMM_CONFIGS`` entry to run, by default the one serving M. CUDA only: the torch route of
     the same product is ``backends.cpu``.
     """
     _require_cuda(a, "nvfp4_gemm")
-    config = table_config(a.shape[0], bucket, 2 * weight_qdata.shape[1])
+    config = table_config(a.shape[0], bucket, weight_qdata.shape[0], 2 * weight_qdata.shape[1], a.device)
     if fuses_epilogue_into_cublas(config, out_dtype, output_scale, bias):
         check_operands(a, weight_qdata, weight_block_scales, out_dtype)
         return cublas_with_fused_epilogue(a, weight_qdata, weight_block_scales, output_scale, bias)
@@ -418,7 +418,7 @@ def quantizing_nvfp4_gemm(
         weight_per_tensor_scale,
         bias,
         out,
-        table_config(x.shape[0], bucket, 2 * weight_qdata.shape[1]),
+        table_config(x.shape[0], bucket, weight_qdata.shape[0], 2 * weight_qdata.shape[1], x.device),
         raw_activation=True,
     )
     return out
