@@ -233,16 +233,34 @@ def test_row_tile_split_cases_split_k_over_several_row_tiles():
 
 
 def test_split_k_is_sized_for_the_planned_row_tiles():
-    """One "SM" on CPU: 12 programs wanted over 2 column tiles (N = 64) times the planned row
+    """One "SM" on CPU: at most 12 programs over 2 column tiles (N = 64) times the planned row
     tiles, capped at 2 K tiles per split (K = 1280: 40 tiles, at most 20 splits)."""
     cpu = torch.device("cpu")
     splits = [
         split_k_for(GemmConfig(16, 32, 32, 4, 1, programs_per_sm=12, row_tiles_for_split=rows), 64, 1280, cpu)
         for rows in (1, 2, 3, 12)
     ]
-    assert splits == [6, 3, 2, 1]  # ceil(12 / 2), ceil(12 / 4), ceil(12 / 6), ceil(12 / 24)
+    assert splits == [6, 3, 2, 1]  # 12 // 2, 12 // 4, 12 // 6, and unsplit where 24 tiles exceed 12
     assert split_k_for(GemmConfig(16, 32, 32, 4, 1, programs_per_sm=64), 64, 1280, cpu) == 20  # the cap
     assert split_k_for(GemmConfig(16, 32, 32, 4, 1), 64, 1280, cpu) == 1
+
+
+def test_split_k_keeps_the_grid_within_programs_per_sm():
+    """The most splits that keep every table entry's grid within its programs per SM: on 132
+    SMs at 2 per SM, the 8192 x 8192 weight in 64 column tiles of 128 splits 4 ways at M = 1
+    (256 programs, not 5 ways: 320), 14336 x 4096 in 64 tiles of 64 4 ways at M = 16 (not 3),
+    4096 x 14336 in 224 tiles not at all; the 129-256 entry plans two row tiles."""
+    cuda = torch.device("cuda", 0)
+    with mock.patch.object(gemm, "_multiprocessor_count", return_value=132):
+        assert split_k_for(gemm_config(1), 8192, 8192, cuda) == 4
+        assert split_k_for(gemm_config(16), 4096, 14336, cuda) == 4
+        assert split_k_for(gemm_config(16), 14336, 4096, cuda) == 1
+        assert split_k_for(gemm_config(256), 4096, 14336, cuda) == 2  # 2 x 64 tiles, 2 splits
+        for max_m, config in TRITON_ENTRIES:
+            for N, K in [(4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336), (96, 16)]:
+                split = split_k_for(config, N, K, cuda)
+                programs = split * config.row_tiles_for_split * ceil_div(N, config.block_n)
+                assert split == 1 or programs <= config.programs_per_sm * 132, (max_m, config, N, K, split)
 
 
 def test_no_k_split_is_left_without_a_k_tile():
@@ -495,8 +513,8 @@ def test_gpu_split_k_summed_in_the_gemm_equals_the_epilogue_kernels_sum(M, N, K,
 # that a weight with few column tiles fills the SMs at mid-size M; each splits K on both shapes
 # at 132 SMs (asserted), over 2-8 row tiles with row edges at M = 129 and 300.
 WIDE_ROW_TILE_SPLIT_CONFIGS = [
-    GemmConfig(128, 128, 128, 8, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True, row_tiles_for_split=2),
-    GemmConfig(64, 128, 128, 4, 4, programs_per_sm=4, weight_as_mma_a=True, mma_order=True, row_tiles_for_split=4),
+    GemmConfig(128, 128, 128, 8, 3, programs_per_sm=4, weight_as_mma_a=True, mma_order=True, row_tiles_for_split=2),
+    GemmConfig(64, 128, 128, 4, 4, programs_per_sm=8, weight_as_mma_a=True, mma_order=True, row_tiles_for_split=4),
 ]
 
 

@@ -56,3 +56,18 @@ def test_per_bucket_weighs_every_m_and_shape_of_the_bucket(capsys):
     assert "best 0.80x" in line and "table 0.62x" in line
     # Its ratios in M order: both M = 200 rows, then both M = 256 rows.
     assert "(0.83 / 0.91 / 0.80 / 0.83)" in line
+
+
+@pytest.mark.parametrize("M", [1, 16, 100, 200, 300, 4096])
+def test_programs_candidates_vary_only_the_split_of_the_entry_serving_m(M):
+    """``--candidates programs``: the table's entry for M, its programs per SM 1 to 8 (the K
+    split), plus unsplit where the entry plans one row tile; none for an unsplit entry."""
+    entry = tune_gemm.gemm.gemm_config(M)
+    configs = tune_gemm.programs_candidates(M)
+    if not getattr(entry, "programs_per_sm", 0):
+        assert configs == []
+        return
+    expected = set(range(1, 9)) | ({0} if entry.row_tiles_for_split == 1 else set())
+    assert {config.programs_per_sm for config in configs} == expected
+    assert len(configs) == len(expected)
+    assert all(tune_gemm.replace(config, programs_per_sm=entry.programs_per_sm) == entry for config in configs)

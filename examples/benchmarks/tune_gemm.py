@@ -12,19 +12,20 @@ table and the best candidate; per M, and per bucket of the shipped table where s
 ran, the one candidate whose slowest case against bf16 is fastest: the entry to put in the
 table for that bucket. Run on one GPU:
 
-    python examples/benchmarks/tune_gemm.py [--m 1 16 64 512 4096] [--candidates full|wide|decode-wide]
+    python examples/benchmarks/tune_gemm.py [--m 1 16 64 512 4096] [--candidates full|wide|decode-wide|programs]
         [--shapes 4096x4096 8192x8192]
 
 ``--candidates wide`` times only the table and the wide MMA-order tiles (``WIDE_TILES``) from
 M = 17 up, ``--candidates decode-wide`` the table and the decode tiles in the wide form
-(``DECODE_WIDE_TILES``) up to M = 16; ``--shapes`` replaces the three weight shapes;
+(``DECODE_WIDE_TILES``) up to M = 16, ``--candidates programs`` the table's split entries with
+their K split sized for 1 to 8 programs per SM (and unsplit); ``--shapes`` replaces the three weight shapes;
 ``--budget-s`` starts no further M after that many seconds (each M runs on every shape, so put
 the Ms that matter most first).
 """
 
 import argparse
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -95,8 +96,8 @@ MAX_ERROR = 1e-2
 
 def wide_candidates(M: int) -> list:
     """The wide tiles for M: those with at most max(64, M rounded up to a power of 2) rows and
-    at most 4 row tiles (from 1024 rows on, the 256-row ones); each also with K split to one
-    program per SM where the tile allows it, the split sized for M's row tiles and, where M
+    at most 4 row tiles (from 1024 rows on, the 256-row ones); each also with K split within two
+    programs per SM where the tile allows it, the split sized for M's row tiles and, where M
     spans several, also for twice as many (half the split: fewer partial products to sum).
     A split entry's split is fixed (``GemmConfig.row_tiles_for_split``), so in the table it
     serves its whole bucket with the split chosen here for M."""
@@ -111,7 +112,7 @@ def wide_candidates(M: int) -> list:
         if splits:
             row_tiles = ceil_div(M, block_m)
             for planned in (row_tiles, 2 * row_tiles) if row_tiles > 1 else (1,):
-                configs.append(GemmConfig(*tile, programs_per_sm=1, row_tiles_for_split=planned, **wide))
+                configs.append(GemmConfig(*tile, programs_per_sm=2, row_tiles_for_split=planned, **wide))
     return configs
 
 
@@ -147,7 +148,19 @@ def decode_wide_candidates(M: int) -> list:
     return [GemmConfig(*tile, programs_per_sm=p, **wide) for tile in DECODE_WIDE_TILES for p in (1, 2, 3)]
 
 
+def programs_candidates(M: int) -> list:
+    """The table's entry for M with its K split for 1 to 8 programs per SM, and unsplit where it
+    plans one row tile (``gemm.split_k_for``): the split that entry should take."""
+    entry = gemm.gemm_config(M)
+    if not isinstance(entry, GemmConfig) or not entry.programs_per_sm:
+        return []
+    unsplit = [replace(entry, programs_per_sm=0)] if entry.row_tiles_for_split == 1 else []
+    return unsplit + [replace(entry, programs_per_sm=p) for p in range(1, 9)]
+
+
 def candidates(M: int, which: str) -> list:
+    if which == "programs":
+        return programs_candidates(M)
     if which == "decode-wide":
         return decode_wide_candidates(M)
     if which == "wide":
@@ -244,7 +257,7 @@ def tune(weight: Weight, M: int, configs: list) -> tuple[float, Optional[float],
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
-    parser.add_argument("--candidates", choices=["full", "wide", "decode-wide"], default="full")
+    parser.add_argument("--candidates", choices=["full", "wide", "decode-wide", "programs"], default="full")
     parser.add_argument("--shapes", nargs="+", default=[f"{K}x{N}" for K, N in SHAPES],
                         help="weight shapes as KxN (in_features x out_features)")
     parser.add_argument("--budget-s", type=float, default=None, help="start no M after this many seconds")

@@ -373,10 +373,10 @@ def _dequantize_weight_kernel(
 class GemmConfig:
     """One tile shape and launch setting.
 
-    ``programs_per_sm > 0`` splits K until the grid holds about that many programs per SM (a
-    decode GEMM has few output tiles, and streaming the weight at full bandwidth needs many loads
-    in flight, as does a mid-size GEMM whose N spans few column tiles) when M spans
-    ``row_tiles_for_split`` row tiles. The split is fixed per entry, not a function of M (a graph
+    ``programs_per_sm > 0`` splits K into as many parts as keep the grid within that many
+    programs per SM (a decode GEMM has few output tiles, and streaming the weight at full
+    bandwidth needs many loads in flight, as does a mid-size GEMM whose N spans few column tiles)
+    when M spans ``row_tiles_for_split`` row tiles (``split_k_for``). The split is fixed per entry, not a function of M (a graph
     compiled for a dynamic M launches each bucket's GEMM with one split), so where a bucket spans
     several row tiles its grid grows with M around the planned size; each split's partial products
     cover all M rows (``[split, M, N]`` fp32, allocated per call) and each tile counts its arrived
@@ -453,7 +453,7 @@ class CublasAfterDequantize:
 # each by its worst shape (examples/benchmarks/RESULTS.md, "GEMM tile table"). At M = 1, tiles
 # that quantize their one activation row themselves (no activation kernel) took 2%, 2% and 21%
 # less time for the whole linear than the M <= 4 entry after the activation kernel; at M = 1-4,
-# 16 x 64 x 256 tiles split to one program per SM took 7-14% less time than the M <= 16 entry on
+# 16 x 64 x 256 tiles with K split took 7-14% less time than the M <= 16 entry on
 # two shapes and 1-5% more on the third; at M = 16 the same tiles transposed in the MMA order
 # (the weight rows the wgmma's 64-row side, the 16 activation rows its N) took 8-18% less time
 # than untransposed 16 x 128 x 256 tiles on 4096 x 4096, 8192 x 8192 and 4096 x 14336, and the
@@ -466,19 +466,19 @@ class CublasAfterDequantize:
 # bf16's speed (the untransposed 32 x 128 x 256 tiles 1.17-1.43x); at M = 33-64, 64 x 64 x 128
 # tiles at 1.32-1.59x (64 x 128 x 128 ones 1.05-1.37x); at M = 128 128 x 64 x 128 tiles at
 # 1.00-1.30x (8-warp 128 x 128 x 128 tiles 0.77-0.96x, 64 x 128 x 128 ones 0.84-1.04x), at
-# M = 256 0.81-0.90x (0.76-0.83x), at M = 512 0.67-0.71x (0.64-0.65x). The split entries size
-# their K split for one program per SM over one row tile, the 129-256 one over two; from 257 rows
-# unsplit. From 513 rows cuBLAS after dequantizing.
+# M = 256 0.81-0.90x (0.76-0.83x), at M = 512 0.67-0.71x (0.64-0.65x). The split entries split
+# K into as many parts as keep the grid within two programs per SM (``split_k_for``) over one row
+# tile, the 129-256 one over two; from 257 rows unsplit. From 513 rows cuBLAS after dequantizing.
 # Few buckets on purpose: a graph compiled for a dynamic M holds every bucket's kernels behind a
 # cond (backends.triton_route), so each bucket adds compile time and host work per call.
 GEMM_CONFIGS = (
     (1, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2, activation_rows=1)),
-    (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1)),
-    (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
-    (32, GemmConfig(32, 64, 256, 4, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
-    (64, GemmConfig(64, 64, 128, 4, 4, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
-    (128, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True)),
-    (256, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=1, weight_as_mma_a=True, mma_order=True,
+    (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=2)),
+    (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=2, weight_as_mma_a=True, mma_order=True)),
+    (32, GemmConfig(32, 64, 256, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True)),
+    (64, GemmConfig(64, 64, 128, 4, 4, programs_per_sm=2, weight_as_mma_a=True, mma_order=True)),
+    (128, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True)),
+    (256, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True,
                      row_tiles_for_split=2)),
     (512, GemmConfig(128, 64, 128, 4, 3, weight_as_mma_a=True, mma_order=True)),
     (None, CublasAfterDequantize()),
@@ -567,16 +567,22 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 
 def split_k_for(config: GemmConfig, N: int, K: int, device: torch.device) -> int:
-    """How many programs share each output tile's K range: enough for ``programs_per_sm``
-    programs per SM over ``row_tiles_for_split`` row tiles (``GemmConfig``), at least 2 K tiles
-    each, and none without a K tile (the kernel relies on it). Not a function of M, which a
-    traced graph may hold only symbolically."""
+    """How many programs share each output tile's K range: the most splits whose programs over
+    ``row_tiles_for_split`` row tiles stay within ``programs_per_sm`` per SM (``GemmConfig``),
+    with at least 2 K tiles each and none without a K tile (the kernel relies on it). Not a
+    function of M, which a traced graph may hold only symbolically.
+
+    At most, not at least: an SM given one program more than most of the others finishes last,
+    and more programs than fit at once run in a second wave. On an H100 (132 SMs, 2 per SM) the
+    14336 x 4096 weight in 64 column tiles runs 4 splits, 256 programs, where the fewest splits
+    reaching 132 programs gave 3 (192 programs, 9-13% slower at M = 16-128;
+    examples/benchmarks/RESULTS.md, "GEMM tile table")."""
     if config.programs_per_sm == 0:
         return 1
     output_tiles = config.row_tiles_for_split * ceil_div(N, config.block_n)
-    wanted = ceil_div(config.programs_per_sm * _multiprocessor_count(device), output_tiles)
+    most = config.programs_per_sm * _multiprocessor_count(device) // output_tiles
     tiles_k = ceil_div(K, config.block_k)
-    tiles_per_split = ceil_div(tiles_k, max(1, min(wanted, tiles_k // 2)))
+    tiles_per_split = ceil_div(tiles_k, max(1, min(most, tiles_k // 2)))
     return ceil_div(tiles_k, tiles_per_split)
 
 
