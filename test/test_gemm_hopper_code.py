@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from nvfp4_static.kernels import gemm, grouped_gemm
-from nvfp4_static.kernels.gemm import GEMM_CONFIGS, GemmConfig, launch_nvfp4_gemm
+from nvfp4_static.kernels.gemm import GemmConfig, launch_nvfp4_gemm
 from nvfp4_static.kernels.grouped_gemm import GROUPED_GEMM_CONFIGS, GroupedGemmConfig, launch_grouped_nvfp4_gemm
 from nvfp4_static.kernels.launch import KernelCall, ceil_div
 
@@ -40,9 +40,7 @@ H100_REGISTERS_PER_SM = 65536
 H100_SHARED_BYTES_PER_SM = 233472  # 228 KiB, of which each resident program reserves 1 KiB
 N = K = 4096
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int32: "i32"}
-TABLE_GEMMS = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)] + [
-    (max(gemm.TALL_TILE_BUCKETS), gemm.TALL_TILE)
-]
+TABLE_GEMMS = gemm.triton_entries()
 
 
 def recorded_gemm_launch(M: int, config: GemmConfig, sum_splits_in_gemm: bool) -> KernelCall:
@@ -147,7 +145,8 @@ def table_cases():
     cases = []
     for max_m, config in TABLE_GEMMS:
         for in_gemm in (True, False) if config.programs_per_sm else (True,):
-            cases.append(pytest.param(max_m, config, in_gemm, id=f"m{max_m}{'-tall' if config is gemm.TALL_TILE else ''}-{'in-gemm' if in_gemm else 'epilogue'}"))
+            tall = "-tall" if config is gemm.TALL_TILE else ""
+            cases.append(pytest.param(max_m, config, in_gemm, id=f"m{max_m}{tall}-{'in-gemm' if in_gemm else 'epilogue'}"))
     return cases
 
 

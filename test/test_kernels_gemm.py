@@ -34,16 +34,15 @@ from nvfp4_static.kernels.gemm import (
     split_k_for,
     table_config,
     tile_counts,
+    triton_entries,
 )
 from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.kernels.ops import deinterleave_blocks, gemm_activation_operand, nvfp4_gemm, quantizing_nvfp4_gemm
 from nvfp4_static.numerics import dequantize_nvfp4
 
-# The table's Triton entries with the tall tile at the largest M it serves, and the smallest
-# token count the table hands to cuBLAS (after dequantizing the weight).
-TRITON_ENTRIES = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)] + [
-    (max_m, TALL_TILE) for max_m in TALL_TILE_BUCKETS
-]
+# Every Triton tile the table runs, and the smallest token count the table hands to cuBLAS
+# (after dequantizing the weight).
+TRITON_ENTRIES = triton_entries()
 FIRST_CUBLAS_ROWS = 1 + max(max_m for max_m, _ in TRITON_ENTRIES)
 
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"

@@ -94,9 +94,9 @@ class EagerTritonLaunches:
             or (bias is not None and (bias.dim() != 1 or not bias.is_contiguous() or bias.device != device))
         ):
             return
-        from nvfp4_static.kernels.gemm import GEMM_CONFIGS, GemmConfig
+        from nvfp4_static.kernels.gemm import triton_entries
 
-        self._largest_rows = max(max_m for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig))
+        self._largest_rows = max(max_m for max_m, _ in triton_entries())
 
 
 def _not_replayed(x: torch.Tensor, stream: Optional[int]) -> None:

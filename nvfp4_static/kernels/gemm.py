@@ -376,9 +376,10 @@ class GemmConfig:
     ``programs_per_sm > 0`` splits K into as many parts as keep the grid within that many
     programs per SM (a decode GEMM has few output tiles, and streaming the weight at full
     bandwidth needs many loads in flight, as does a mid-size GEMM whose N spans few column tiles)
-    when M spans ``row_tiles_for_split`` row tiles (``split_k_for``). The split is fixed per entry, not a function of M (a graph
-    compiled for a dynamic M launches each bucket's GEMM with one split), so where a bucket spans
-    several row tiles its grid grows with M around the planned size; each split's partial products
+    when M spans ``row_tiles_for_split`` row tiles (``split_k_for``). The split is fixed per
+    entry, not a function of M (a graph compiled for a dynamic M launches each bucket's GEMM with
+    one split), so where a bucket spans several row tiles its grid grows with M around the
+    planned size; each split's partial products
     cover all M rows (``[split, M, N]`` fp32, allocated per call) and each tile counts its arrived
     splits in ``tile_counts``. ``weight_as_mma_a`` computes each tile transposed (``W @ A^T``), so
     that the dequantized weight feeds the tensor cores from registers rather than shared memory.
@@ -486,8 +487,8 @@ GEMM_CONFIGS = (
 # Wide weights at 129-512 rows: one 8-warp program per SM of 256 activation rows by 128 weight
 # rows dequantizes each weight tile once per 256 rows, half as often as the entries above, and
 # where its programs at the bucket's largest M fill most SMs that is faster (H100, bf16 / ours):
-# 8192 x 8192 at M = 384 0.55 -> 0.65x, 512 0.69 -> 0.84x; 4096 x 14336 at M = 200 0.75 -> 0.91x,
-# 256 0.81 -> 0.97x, 512 0.69 -> 0.84x, M = 384 0.68 -> 0.61x (1.7 waves of half-empty row tiles).
+# 8192 x 8192 at M = 384 0.55 -> 0.63x, 512 0.69 -> 0.83x; 4096 x 14336 at M = 200 0.75 -> 0.91x,
+# 256 0.81 -> 0.98x, 512 0.69 -> 0.83x, M = 384 0.68 -> 0.61x (1.7 waves of half-empty row tiles).
 # Where they fill fewer (14336 x 4096, 32-64 programs) the bucket's entry runs. N is fixed per
 # layer, so the choice needs no guard in a compiled graph; it takes the same operand as the entry
 # it replaces (``operand_config``).
@@ -519,6 +520,13 @@ def table_config(
     reduction width ``K`` (``config_for_width``)."""
     max_m, config = GEMM_CONFIGS[gemm_bucket(M) if bucket is None else bucket]
     return config_for_width(TALL_TILE if takes_tall_tile(max_m, N, device) else config, K)
+
+
+def triton_entries() -> list[tuple[int, GemmConfig]]:
+    """``(largest M, tiles)`` of every Triton tile the table runs: its Triton entries, then
+    ``TALL_TILE`` at each bucket it may serve."""
+    entries = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
+    return entries + [(max_m, TALL_TILE) for max_m in TALL_TILE_BUCKETS]
 
 
 def takes_tall_tile(max_m: Optional[int], N: int, device: torch.device) -> bool:
@@ -712,10 +720,12 @@ def launch_nvfp4_gemm(
     (``sum_splits_in_gemm``, by default on real tensors outside tracing: it needs the stream's
     ``tile_counts``, which a traced graph cannot hold) or else by ``_epilogue_kernel``; both sum
     in the same order, so they give the same output."""
+    K = 2 * weight_qdata.shape[1]
     if config is None:
-        config = table_config(a.shape[0], None, weight_qdata.shape[0], 2 * weight_qdata.shape[1], a.device)
+        config = table_config(a.shape[0], None, weight_qdata.shape[0], K, a.device)
         config = config if raw_activation else taking_operand(config)
-    config = config_for_width(config, 2 * weight_qdata.shape[1])
+    else:
+        config = config_for_width(config, K)
     quantize_rows = config.activation_rows if isinstance(config, GemmConfig) else 0
     if bool(quantize_rows) != raw_activation:
         raise ValueError(
@@ -724,7 +734,7 @@ def launch_nvfp4_gemm(
         )
     check_operands(a, weight_qdata, weight_block_scales, None if raw_activation else torch.float16)
     a = a if a.stride(1) == 1 else a.contiguous()
-    M, K = a.shape
+    M = a.shape[0]
     N = weight_qdata.shape[0]
     act_scale = act_per_tensor_scale.to(torch.float32).reshape(1)
     weight_scale = weight_per_tensor_scale.to(torch.float32).reshape(1)
