@@ -1,9 +1,13 @@
 """NVFP4StaticTensor: torchao layout, type preservation, and the static-activation linear."""
 
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounter
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+from torchao.utils import TorchAOBaseTensor
 
 from nvfp4_static.backends import resolve_backend
 from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
@@ -116,6 +120,52 @@ def test_flatten_unflatten_round_trip():
     q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
     reshaped = q.view(4, 16, 128).view(64, 128)
     assert torch.equal(reshaped.dequantize(), q.dequantize())
+
+
+FIELD_SETS = {
+    "copy_ of other scales": lambda q: q.copy_(NVFP4StaticTensor.from_float(make_weight(seed=1), ACT_AMAX * 3)),
+    "backend_override": lambda q: setattr(q, "backend_override", "cpu"),
+    "per_tensor_scale dropped": lambda q: setattr(q, "per_tensor_scale", None),
+    "block_size": lambda q: setattr(q, "block_size", 32),
+}
+
+
+@pytest.mark.parametrize("set_field", FIELD_SETS.values(), ids=FIELD_SETS.keys())
+def test_flatten_is_torchaos_after_a_field_is_set(set_field):
+    """The kept flatten follows every change; the dict handed out before is left as it was, so a
+    guard holding it tells the old metadata from the new."""
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    names, metadata = q.__tensor_flatten__()
+    assert (names, metadata) == TorchAOBaseTensor.__tensor_flatten__(q)
+    kept = dict(metadata)
+    set_field(q)
+    assert q.__tensor_flatten__() == TorchAOBaseTensor.__tensor_flatten__(q)
+    assert q.__tensor_flatten__() != (names, kept)
+    assert metadata == kept
+
+
+def test_a_compiled_call_recompiles_when_the_weights_metadata_changes():
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    counter = CompileCounter()
+    compiled = torch.compile(lambda x, w: F.linear(x, w), backend=counter, fullgraph=True)
+    x = make_weight(shape=(4, 128), seed=2)
+    compiled(x, q)
+    compiled(x, q)
+    assert counter.frame_count == 1
+    q.copy_(NVFP4StaticTensor.from_float(make_weight(seed=1), ACT_AMAX * 3))
+    out = compiled(x, q)
+    assert counter.frame_count == 2
+    assert torch.equal(out, F.linear(x, q))
+
+
+def test_a_pickled_weight_carries_no_flatten_cache():
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    q.__tensor_flatten__()
+    buffer = io.BytesIO()
+    torch.save(q, buffer)
+    assert b"_flattened" not in buffer.getvalue()
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    assert loaded.__tensor_flatten__() == TorchAOBaseTensor.__tensor_flatten__(q)
 
 
 def reference_linear(x, q, bias):

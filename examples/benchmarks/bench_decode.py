@@ -19,7 +19,9 @@ linears are all the work: what a decode step spends on weights. Rows:
 - ``compiled, graph replay``: the default-mode compiled stack captured into a CUDA graph by
   hand and replayed: GPU time alone, whatever the compiled call costs on the host.
 
-Times are medians of ``triton.testing.do_bench``; tokens/s is one token per step. With
+Times are medians of ``triton.testing.do_bench``; the host-bound rows (every row but the graph
+replay) are measured in ``--rounds`` interleaved rounds, bf16 then NVFP4, and the median round is
+shown, so that drift of the host's speed moves both sides alike. Tokens/s is one token per step. With
 ``--kernels``, where the GPU time of one step of the compiled stack goes: each kernel's launches
 and microseconds per step, from a torch.profiler trace of CUDA-graph replays, for the
 default-mode compiled NVFP4 stack (what ``reduce-overhead`` replays) and for its layers' own eager
@@ -29,6 +31,7 @@ launches captured the same way.
 import argparse
 import collections
 import copy
+import statistics
 import time
 
 import torch
@@ -116,10 +119,17 @@ def ms_per_step(fn) -> float:
         return do_bench(fn, return_mode="median")
 
 
+def interleaved_ms(fns: list, rounds: int) -> list[float]:
+    """``ms_per_step`` of each of ``fns``, taken in turn ``rounds`` times; the median of each."""
+    times = [[ms_per_step(fn) for fn in fns] for _ in range(rounds)]
+    return [statistics.median(round_[i] for round_ in times) for i in range(len(fns))]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32, help="layers of the eager stack")
     parser.add_argument("--compiled-layers", type=int, default=8, help="layers compiled (0: skip)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the host-bound rows")
     parser.add_argument("--kernels", action="store_true",
                         help="also list the kernels of one step of the compiled stacks")
     args = parser.parse_args()
@@ -132,8 +142,8 @@ def main():
     nvfp4 = converted(bf16)
     print(f"device: {torch.cuda.get_device_name()}; quantized {args.layers} layers in "
           f"{time.perf_counter() - start:.1f} s (backend {nvfp4[0].q_proj.weight.linear_backend})")
-    bf16_ms = ms_per_step(lambda: bf16(token))
-    rows.append(("eager", args.layers, bf16_ms, ms_per_step(lambda: nvfp4(token))))
+    bf16_ms, nvfp4_ms = interleaved_ms([lambda: bf16(token), lambda: nvfp4(token)], args.rounds)
+    rows.append(("eager", args.layers, bf16_ms, nvfp4_ms))
     linears = [m for m in nvfp4.modules() if isinstance(m, NVFP4StaticLinear)]
     for layer in linears:
         layer.forward = through_f_linear.__get__(layer)
@@ -144,8 +154,10 @@ def main():
     if args.compiled_layers:
         bf16 = stack(args.compiled_layers)
         nvfp4 = converted(bf16)
+        # A copy unwrapped (torchao changes the layers it unwraps), compiled beside the others.
+        models = (bf16, nvfp4, unwrap_tensor_subclass(copy.deepcopy(nvfp4)))
         overhead_reduced, replayed = [], []
-        for model in (bf16, nvfp4):
+        for model in models:
             compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
             start = time.perf_counter()
             with torch.no_grad():
@@ -153,23 +165,20 @@ def main():
                     compiled(token)
             torch.cuda.synchronize()
             print(f"compiled {type(model[0].q_proj).__name__} stack in {time.perf_counter() - start:.0f} s")
-            overhead_reduced.append(ms_per_step(lambda: compiled(token).clone()))
-            default_mode = torch.compile(model, fullgraph=True)
-            with torch.no_grad():
-                replayed.append(graph_ms(lambda: default_mode(token)))
-        if args.kernels:  # before unwrapping, which changes both the layers and what compiles
+            overhead_reduced.append(lambda compiled=compiled: compiled(token).clone())
+            if model is not models[2]:
+                default_mode = torch.compile(model, fullgraph=True)
+                with torch.no_grad():
+                    replayed.append(graph_ms(lambda: default_mode(token)))
+        if args.kernels:
             with torch.no_grad():
                 kernel_tables = [
                     ("default-mode compiled", kernels_per_step(lambda: default_mode(token))),
                     ("the layers' eager launches", kernels_per_step(lambda: nvfp4(token))),
                 ]
-        unwrapped = torch.compile(unwrap_tensor_subclass(nvfp4), mode="reduce-overhead", fullgraph=True)
-        with torch.no_grad():
-            for _ in range(3):
-                unwrapped(token)
-        rows.append(("reduce-overhead", args.compiled_layers, *overhead_reduced))
-        rows.append(("reduce-overhead, unwrapped", args.compiled_layers, overhead_reduced[0],
-                     ms_per_step(lambda: unwrapped(token).clone())))
+        bf16_ms, nvfp4_ms, unwrapped_ms = interleaved_ms(overhead_reduced, args.rounds)
+        rows.append(("reduce-overhead", args.compiled_layers, bf16_ms, nvfp4_ms))
+        rows.append(("reduce-overhead, unwrapped", args.compiled_layers, bf16_ms, unwrapped_ms))
         rows.append(("compiled, graph replay", args.compiled_layers, *replayed))
 
     print(f"\n{'mode':<26} {'layers':>6} {'bf16 ms':>8} {'nvfp4 ms':>9} {'bf16 tok/s':>10} "
