@@ -93,9 +93,10 @@ def test_interleave_undoes_deinterleave():
 # tiles), M and N edges, and a split K (programs_per_sm large against the CPU's one "SM"). The
 # split-K configs split K = 224 three ways, unevenly (3 + 3 + 1 tiles). The
 # quantizing configs take the raw activation: one row per tile (M = 3: three tiles), two rows
-# spread over the 16 MMA rows with a split K, and one transposed. The MMA-order configs take the
-# operand in that order where K is a multiple of 32 (224) and run without it elsewhere (48, 16):
-# one transposed with a split K, one not.
+# spread over the 16 MMA rows with a split K, one transposed, and one transposed in the MMA order
+# with a split K. The MMA-order configs take the operand in that order, or quantize into it, where
+# K is a multiple of 32 (224) and run without it elsewhere (48, 16): one transposed with a split K,
+# one not.
 INTERPRETER_CONFIGS = {
     "one-pass": GemmConfig(16, 16, 32, num_warps=4, num_stages=1),
     "split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, group_n=2, programs_per_sm=64),
@@ -104,6 +105,9 @@ INTERPRETER_CONFIGS = {
     "quantizing-1-row": GemmConfig(16, 16, 32, num_warps=4, num_stages=1, activation_rows=1),
     "quantizing-2-rows-split-k": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, activation_rows=2),
     "quantizing-weight-as-a": GemmConfig(16, 32, 32, num_warps=4, num_stages=1, weight_as_mma_a=True, activation_rows=4),
+    "quantizing-mma-order-split-k": GemmConfig(
+        16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True, mma_order=True, activation_rows=1
+    ),
     "mma-order-weight-as-a-split-k": GemmConfig(
         16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True, mma_order=True
     ),
@@ -294,9 +298,9 @@ def test_gemm_config_refuses_activation_rows_that_do_not_tile_the_mma_rows(rows)
         GemmConfig(16, 64, 256, 4, 3, activation_rows=rows)
 
 
-@pytest.mark.parametrize("block_k,rows", [(256, 1), (16, 0), (48, 0)])
-def test_gemm_config_refuses_the_mma_order_with_its_own_rows_or_partial_groups(block_k, rows):
-    with pytest.raises(ValueError, match="mma_order"):
+@pytest.mark.parametrize("block_k,rows", [(16, 0), (48, 0), (48, 1), (80, 4)])
+def test_gemm_config_refuses_the_mma_order_on_partial_groups(block_k, rows):
+    with pytest.raises(ValueError, match="mma_order .* multiple of 32; got " + str(block_k)):
         GemmConfig(16, 64, block_k, 4, 3, activation_rows=rows, mma_order=True)
 
 
@@ -479,22 +483,25 @@ def test_gpu_cublas_fused_epilogue_matches_fp64_reference_and_the_triton_epilogu
     ],
     ids=str,
 )
-def test_gpu_quantizing_gemm_equals_the_two_kernel_route_bit_for_bit(dtype, with_bias, M, N, K, rows, programs_per_sm):
+@pytest.mark.parametrize("wide", [False, True], ids=["", "wide"])
+def test_gpu_quantizing_gemm_equals_the_two_kernel_route_bit_for_bit(dtype, with_bias, M, N, K, rows, programs_per_sm, wide):
     """Quantizing the activation inside the GEMM (rows spread over the MMA tile, several row
-    tiles at M = 5, split K or not, a K shorter than one tile) gives the operand kernel + GEMM's
-    output exactly, with the same tiles: same operand values, same sums in the same order."""
+    tiles at M = 5, split K or not, a K shorter than one tile; untransposed, or transposed in
+    the MMA order) gives the operand kernel + GEMM's output exactly, with the same tiles: same
+    operand values, same sums in the same order."""
     x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias = raw_gemm_operands(M, N, K, seed=M, device="cuda")
     x = x.to(dtype)
     bias = bias if with_bias else None
-    config = GemmConfig(16, 64, 256, 4, 4, programs_per_sm=programs_per_sm, activation_rows=rows)
+    layout = dict(weight_as_mma_a=True, mma_order=True) if wide else {}
+    config = GemmConfig(16, 64, 256, 4, 4, programs_per_sm=programs_per_sm, activation_rows=rows, **layout)
     fused = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
     launch_nvfp4_gemm(x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, fused, config, raw_activation=True)
-    operand = gemm_activation_operand(x, act_scale)
+    operand_config = replace(config_for_width(config, K), activation_rows=0)
+    operand = gemm_activation_operand(x, act_scale, mma_order=operand_in_mma_order(operand_config))
     two_kernels = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
-    operand_config = replace(config, activation_rows=0)
     launch_nvfp4_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, two_kernels, operand_config)
     assert torch.equal(fused, two_kernels)
-    reference = reference_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
+    reference = reference_gemm(gemm_activation_operand(x, act_scale), weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
     assert relative_error(fused, reference) <= gpu_tolerance(K, dtype)
 
 

@@ -17,7 +17,7 @@ table for that bucket. Run on one GPU:
 
 ``--candidates wide`` times only the table and the wide MMA-order tiles (``WIDE_TILES``) from
 M = 17 up, ``--candidates decode-wide`` the table and the decode tiles in the wide form
-(``DECODE_WIDE_TILES``) up to M = 16, ``--candidates programs`` the table's split entries with
+(``DECODE_WIDE_TILES``, after the activation kernel and quantizing their rows) up to M = 16, ``--candidates programs`` the table's split entries with
 their K split sized for 1 to 8 programs per SM (and unsplit); ``--shapes`` replaces the three
 weight shapes; ``--budget-s`` starts no further M after that many seconds (each M runs on every shape, so put
 the Ms that matter most first).
@@ -52,8 +52,8 @@ DECODE_TILES = [
 ]
 # The decode tiles in the wide form (``--candidates decode-wide``), and two with shorter K tiles:
 # the weight as the MMA's first operand in the MMA order, the activation's operand (from the
-# activation kernel) as the wgmma's 16 columns, block_n a multiple of 64 (64 weight rows per
-# warpgroup).
+# activation kernel, or quantized by the GEMM itself) as the wgmma's 16 columns, block_n a
+# multiple of 64 (64 weight rows per warpgroup).
 DECODE_WIDE_TILES = DECODE_TILES + [(16, 64, 128, 4, 5), (16, 128, 128, 8, 4)]
 MID_TILES = [(64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (32, 128, 256, 4, 3), (64, 128, 256, 8, 3)]
 # Transposed tiles (GemmConfig.weight_as_mma_a): the weight is the MMA's M side, so block_n >= 64.
@@ -141,11 +141,17 @@ def full_candidates(M: int) -> list:
 
 
 def decode_wide_candidates(M: int) -> list:
-    """The decode tiles in the wide form up to M = 16, K split to 1-3 programs per SM."""
+    """The decode tiles in the wide form up to M = 16, K split to 1-3 programs per SM, each
+    after the activation kernel and quantizing its rows itself."""
     if M > 16:
         return []
     wide = dict(weight_as_mma_a=True, mma_order=True)
-    return [GemmConfig(*tile, programs_per_sm=p, **wide) for tile in DECODE_WIDE_TILES for p in (1, 2, 3)]
+    return [
+        GemmConfig(*tile, programs_per_sm=p, activation_rows=r, **wide)
+        for tile in DECODE_WIDE_TILES
+        for p in (1, 2, 3)
+        for r in (0, next_power_of_2(M))
+    ]
 
 
 def programs_candidates(M: int) -> list:

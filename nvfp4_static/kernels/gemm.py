@@ -129,9 +129,16 @@ def dequantize_weight_tile_in_mma_order(
     ``16c + 8h + 2t + i``, which is where the wgmma's register operand wants the values of a
     thread that holds those 4 bytes: its 32-bit load feeds the PTX as it is, with no byte moves."""
     even, odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
-    shape: tl.constexpr = (BLOCK_N, BLOCK_K // 32, 4, 2, 2)  # (t, c, i)
+    return in_mma_order(even, odd, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def in_mma_order(even, odd, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile's even-K and odd-K elements (``[ROWS, BLOCK_K / 2]`` each) as one ``[ROWS,
+    BLOCK_K]`` tile in the MMA order (``dequantize_weight_tile_in_mma_order``)."""
+    shape: tl.constexpr = (ROWS, BLOCK_K // 32, 4, 2, 2)  # (t, c, i)
     tile = tl.join(tl.reshape(even, shape), tl.reshape(odd, shape))
-    return tl.reshape(tl.permute(tile, (0, 1, 3, 5, 2, 4)), (BLOCK_N, BLOCK_K))
+    return tl.reshape(tl.permute(tile, (0, 1, 3, 5, 2, 4)), (ROWS, BLOCK_K))
 
 
 @triton.jit
@@ -228,8 +235,11 @@ def _nvfp4_gemm_kernel(
                 other=0.0,
             )
             a_even, a_odd = quantize_to_operand_halves(x, act_scale, ROWS, BLOCK_K)
-            a_even = spread_rows(a_even, ROWS, SPREAD, BLOCK_K // 2).to(tl.float16)
-            a_odd = spread_rows(a_odd, ROWS, SPREAD, BLOCK_K // 2).to(tl.float16)
+            if MMA_ORDER:
+                a = spread_rows(in_mma_order(a_even, a_odd, ROWS, BLOCK_K), ROWS, SPREAD, BLOCK_K).to(tl.float16)
+            else:
+                a_even = spread_rows(a_even, ROWS, SPREAD, BLOCK_K // 2).to(tl.float16)
+                a_odd = spread_rows(a_odd, ROWS, SPREAD, BLOCK_K // 2).to(tl.float16)
         elif MMA_ORDER:
             # The activation operand is stored in the MMA order, the weight tile's below.
             offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -389,7 +399,7 @@ class GemmConfig:
     ``mma_order`` permutes K within each 32-element group into the order in which the wgmma's
     register operand takes the dequantized weight (``dequantize_weight_tile_in_mma_order``), the
     activation operand stored in the same order (``ops.gemm_activation_operand(...,
-    mma_order=True)``): each thread then dequantizes 4 contiguous packed bytes straight into its
+    mma_order=True)``) or, with ``activation_rows``, quantized into it in the K loop: each thread then dequantizes 4 contiguous packed bytes straight into its
     operand registers, and each K tile takes one dot rather than one per even/odd half (whose
     MMAs run as two groups, the first waited on before the second starts). It needs K to be a
     multiple of 32; on other K the same tiles run without it (``config_for_width``).
@@ -420,10 +430,10 @@ class GemmConfig:
                 f"nvfp4_static: GemmConfig.activation_rows must be 0 or a power of 2 dividing "
                 f"block_m = {self.block_m}, got {rows}"
             )
-        if self.mma_order and (rows or self.block_k % MMA_GROUP):
+        if self.mma_order and self.block_k % MMA_GROUP:
             raise ValueError(
-                f"nvfp4_static: GemmConfig.mma_order takes the operand from gemm_activation_operand in K "
-                f"tiles of whole 32-element groups; got activation_rows = {rows}, block_k = {self.block_k}"
+                f"nvfp4_static: GemmConfig.mma_order permutes K within whole 32-element groups, so "
+                f"block_k must be a multiple of 32; got {self.block_k}"
             )
 
     @property
