@@ -399,10 +399,11 @@ class GemmConfig:
     ``mma_order`` permutes K within each 32-element group into the order in which the wgmma's
     register operand takes the dequantized weight (``dequantize_weight_tile_in_mma_order``), the
     activation operand stored in the same order (``ops.gemm_activation_operand(...,
-    mma_order=True)``) or, with ``activation_rows``, quantized into it in the K loop: each thread then dequantizes 4 contiguous packed bytes straight into its
-    operand registers, and each K tile takes one dot rather than one per even/odd half (whose
-    MMAs run as two groups, the first waited on before the second starts). It needs K to be a
-    multiple of 32; on other K the same tiles run without it (``config_for_width``).
+    mma_order=True)``) or, with ``activation_rows``, quantized into it in the K loop: each thread
+    then dequantizes 4 contiguous packed bytes straight into its operand registers, and each K
+    tile takes one dot rather than one per even/odd half (whose MMAs run as two groups, the first
+    waited on before the second starts). It needs K to be a multiple of 32; on other K the same
+    tiles run without it (``config_for_width``).
     """
 
     block_m: int
