@@ -71,7 +71,13 @@ class NVFP4StaticLinear(torch.nn.Linear):
         recipe: ``{"act_calibration": ..., "weight_scale": ...}`` this layer was converted with.
         calibration_stats: the activation calibrator's diagnostics (not saved).
         loaded: False for a placeholder until a checkpoint is loaded into it.
+        sibling_gemm: the ``SiblingGemm`` whose GEMM this layer's eager calls share with its
+            fusion group (``fuse_sibling_linears``), or None.
     """
+
+    # Class defaults, so that a layer pickled whole before they existed loads without them.
+    sibling_gemm = None
+    sibling_index = 0
 
     def __init__(
         self,
@@ -126,6 +132,10 @@ class NVFP4StaticLinear(torch.nn.Linear):
             self._count_clipped(x)
         if torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
+        if self.sibling_gemm is not None:
+            out = self.sibling_gemm.output(self.sibling_index, x)
+            if out is not None:
+                return _InferenceOnly.apply(out) if out.requires_grad else out
         # From the parameters' dict: Module.__getattr__ is reached through a failed attribute
         # lookup, 1.9 us per name against 0.08 us for the dict read (on a CPU host).
         parameters = self._parameters
@@ -140,6 +150,13 @@ class NVFP4StaticLinear(torch.nn.Linear):
                 # What F.linear reaches through the subclass's dispatch, without its host cost.
                 out = static_linear(x, weight, bias)
         return _InferenceOnly.apply(out) if out.requires_grad else out
+
+    def _apply(self, fn, recurse=True):
+        # Moved or converted, the layer no longer holds a slice of its sibling GEMM's weight,
+        # which would stay behind: the siblings run alone from now on.
+        if self.sibling_gemm is not None:
+            self.sibling_gemm.dissolve()
+        return super()._apply(fn, recurse)
 
     def start_clip_monitor(self) -> None:
         """Count, from now on, the inputs above ``act_global_amax`` (see ``clip_monitor``)."""

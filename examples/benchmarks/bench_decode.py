@@ -8,6 +8,8 @@ down 14336 -> 4096), bf16, with RMS norms and residuals between them and no atte
 linears are all the work: what a decode step spends on weights. Rows:
 
 - ``eager``: the model called from Python, as ``model.generate()`` runs without compile.
+- ``eager, siblings fused``: the same after ``fuse_sibling_linears``: q/k/v run as one GEMM, and
+  gate/up as another.
 - ``eager via F.linear``: the same converted layers called through ``F.linear`` and the weight
   subclass's dispatch (the route a compiled graph traces), to show what the layer's direct eager
   call saves.
@@ -42,7 +44,13 @@ from torchao.utils import unwrap_tensor_subclass
 from triton.testing import do_bench
 
 from bench_linear import captured, graph_ms
-from nvfp4_static import NVFP4StaticActivationConfig, NVFP4StaticLinear, is_quantizable
+from nvfp4_static import (
+    NVFP4StaticActivationConfig,
+    NVFP4StaticLinear,
+    fuse_sibling_linears,
+    is_quantizable,
+    tie_fused_layers,
+)
 
 DIM, HIDDEN = 4096, 14336
 
@@ -75,11 +83,13 @@ def stack(layers: int) -> torch.nn.Sequential:
 
 
 def converted(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy quantized by the default recipe, calibrated on 64 random tokens."""
+    """A copy quantized by the default recipe, calibrated on 64 random tokens, its q/k/v and
+    gate/up tied (``tie_fused_layers``), as a model to be served fused is."""
     quantized = copy.deepcopy(model)
     quantize_(quantized, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
     with torch.no_grad():
         quantized(torch.randn(64, DIM, device="cuda", dtype=torch.bfloat16))
+    tie_fused_layers(quantized)
     quantize_(quantized, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
     return quantized
 
@@ -142,8 +152,14 @@ def main():
     nvfp4 = converted(bf16)
     print(f"device: {torch.cuda.get_device_name()}; quantized {args.layers} layers in "
           f"{time.perf_counter() - start:.1f} s (backend {nvfp4[0].q_proj.weight.linear_backend})")
-    bf16_ms, nvfp4_ms = interleaved_ms([lambda: bf16(token), lambda: nvfp4(token)], args.rounds)
+    siblings_fused = copy.deepcopy(nvfp4)
+    fuse_sibling_linears(siblings_fused)
+    bf16_ms, nvfp4_ms, fused_ms = interleaved_ms(
+        [lambda: bf16(token), lambda: nvfp4(token), lambda fused=siblings_fused: fused(token)], args.rounds
+    )
     rows.append(("eager", args.layers, bf16_ms, nvfp4_ms))
+    rows.append(("eager, siblings fused", args.layers, bf16_ms, fused_ms))
+    del siblings_fused
     linears = [m for m in nvfp4.modules() if isinstance(m, NVFP4StaticLinear)]
     for layer in linears:
         layer.forward = through_f_linear.__get__(layer)

@@ -1,0 +1,175 @@
+"""Sibling linears run as one GEMM: a layer's q/k/v projections, its MLP's gate and up.
+
+A decoder layer calls its attention projections one after another on the same hidden states, and
+its gated MLP's gate and up projections likewise. Converted, each is a GEMM launch of its own,
+and at decode those GEMMs are short: each pays a fixed cost (Python and a launch on the host, a
+ramp-up on the GPU) that one GEMM over the members' concatenated weight rows pays once.
+
+``fuse_sibling_linears(model)`` gives each converted, tied fusion group (``tie_fused_layers``
+before convert) one weight holding the members' rows; each member's weight (and bias) becomes
+its row slice, the same memory, so a checkpoint loaded into the members updates the group.
+Eagerly, the first member called on an input runs the group's GEMM and keeps the other members'
+parts of its output; each of them, called next on that same input (the same tensor, not changed
+in place since), takes its part instead of running; a call on another input, or a member's
+second call, runs the group's GEMM again. Calls on inference tensors (``torch.inference_mode``:
+they keep no count of changes in place) and every call under ``torch.compile`` run the member
+alone. A member's output is then a column slice of the
+group's: a strided view, as ``Tensor.split`` gives. Moving the model (``.to()``, ``.cuda()``),
+or replacing a member's weight or bias, dissolves the group: the members run alone from then on.
+"""
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from nvfp4_static.backends.triton_eager import EagerTritonLaunches
+from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups
+from nvfp4_static.linear import NVFP4StaticLinear
+from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
+
+__all__ = ["SiblingGemm", "fuse_sibling_linears"]
+
+
+class SiblingGemm:
+    """One fusion group's GEMM: the members (in order), their concatenated weight and bias, and
+    the parts of the last output not yet taken by their members."""
+
+    def __init__(self, members: list[NVFP4StaticLinear], weight: NVFP4StaticTensor, bias: Optional[torch.Tensor]):
+        self.members = members
+        self.weight = weight
+        self.bias = bias
+        self.sizes = [member.out_features for member in members]
+        self._parameters = [(member.weight, member.bias) for member in members]
+        self._addresses = _addresses(members)
+        self._launches = EagerTritonLaunches()
+        self._pending = None  # (input, its version, {member index: output part})
+
+    def output(self, index: int, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Member ``index``'s output for ``x``: kept from the group's last GEMM on this ``x``, or
+        from a new one; None where the member must run alone (an inference tensor, or the group
+        dissolved)."""
+        if x.is_inference():  # no version counter: a change in place could not be seen
+            return None
+        pending = self._pending
+        if pending is not None:
+            pending_x, version, parts = pending
+            if pending_x is x and version == x._version and index in parts:
+                out = parts.pop(index)
+                if not parts:
+                    self._pending = None
+                return out
+            self._pending = None
+        if self.weight is None or not self._intact():
+            self.dissolve()
+            return None
+        out = self._launches(x, self.weight, self.bias)
+        if out is None:
+            out = static_linear(x, self.weight, self.bias)
+        parts = dict(enumerate(out.split(self.sizes, dim=-1)))
+        own = parts.pop(index)
+        self._pending = (x, x._version, parts) if parts else None
+        return own
+
+    def dissolve(self) -> None:
+        """Let every member run alone from now on, and drop the group's own references."""
+        for member in self.members:
+            if member.sibling_gemm is self:
+                member.sibling_gemm = None
+        self.weight = self.bias = self._pending = None
+
+    def _intact(self) -> bool:
+        """Whether each member still holds the row slices it was given, where they were (a
+        deep copy, for one, copies the slices apart from the group's weight)."""
+        for member, (weight, bias) in zip(self.members, self._parameters):
+            parameters = member._parameters
+            if parameters.get("weight") is not weight or parameters.get("bias") is not bias:
+                return False
+        return _addresses(self.members) == self._addresses
+
+
+def _addresses(members: list[NVFP4StaticLinear]) -> list[tuple]:
+    return [
+        (m.weight.qdata.data_ptr(), m.weight.scale.data_ptr(), None if m.bias is None else m.bias.data_ptr())
+        for m in members
+    ]
+
+
+def fuse_sibling_linears(
+    model: torch.nn.Module, groups: Sequence[Sequence[str]] = STANDARD_FUSION_GROUPS
+) -> list[tuple[str, ...]]:
+    """Run each converted fusion group of ``model`` as one GEMM (see the module docstring).
+
+    Call it on a converted (or loaded) model whose groups were tied before convert
+    (``tie_fused_layers``). Groups with a member that is not converted, or is an empty
+    placeholder, are left as they are; groups already fused are kept. The outputs equal the
+    members' own up to the order of fp32 sums.
+
+    Returns:
+        The fused groups, as fully qualified layer names.
+
+    Raises:
+        ValueError: a group's members differ in what one GEMM must share (activation or weight
+            global scale, input width, dtype, device, backend, having a bias); nothing is
+            changed then.
+    """
+    plans = []
+    for names in find_fusion_groups(model, groups):
+        members = [model.get_submodule(name) for name in names]
+        if not all(isinstance(m, NVFP4StaticLinear) and m.loaded for m in members):
+            continue
+        if all(m.sibling_gemm is not None and m.sibling_gemm.members == members for m in members):
+            plans.append((names, None))
+            continue
+        _check_fusable(names, members)
+        plans.append((names, members))
+    for _, members in plans:
+        if members is not None:
+            _fuse(members)
+    return [names for names, _ in plans]
+
+
+def _check_fusable(names: tuple[str, ...], members: list[NVFP4StaticLinear]) -> None:
+    first = members[0].weight
+    checks = {
+        "activation global scale": lambda w, b: bool(torch.equal(w.act_per_tensor_scale, first.act_per_tensor_scale)),
+        "weight global scale": lambda w, b: bool(torch.equal(w.per_tensor_scale, first.per_tensor_scale)),
+        "input width": lambda w, b: w.shape[1] == first.shape[1],
+        "dtype": lambda w, b: w.orig_dtype == first.orig_dtype,
+        "device": lambda w, b: w.qdata.device == first.qdata.device,
+        "backend": lambda w, b: w.linear_backend == first.linear_backend,
+        "bias": lambda w, b: (b is None) == (members[0].bias is None),
+    }
+    for what, same in checks.items():
+        different = [name for name, m in zip(names, members) if not same(m.weight, m.bias)]
+        if different:
+            raise ValueError(
+                f"nvfp4_static: cannot fuse {list(names)} into one GEMM: {different} differ from "
+                f"'{names[0]}' in {what}. One GEMM shares it; tie the group with "
+                f"tie_fused_layers(model) after calibration and before convert"
+            )
+
+
+def _fuse(members: list[NVFP4StaticLinear]) -> None:
+    first = members[0].weight
+    weight = NVFP4StaticTensor(
+        torch.cat([m.weight.qdata for m in members]),
+        torch.cat([m.weight.scale for m in members]),
+        first.block_size,
+        first.orig_dtype,
+        first.per_tensor_scale,
+        first.act_per_tensor_scale,
+        backend_override=first.backend_override,
+        output_scale=first.output_scale,
+    )
+    bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+    start = 0
+    for member in members:
+        end = start + member.out_features
+        member.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            member.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    gemm = SiblingGemm(members, weight, bias)
+    for index, member in enumerate(members):
+        member.sibling_gemm, member.sibling_index = gemm, index

@@ -1,0 +1,189 @@
+"""fuse_sibling_linears: a layer's q/k/v and gate/up run as one GEMM and give the members' outputs."""
+
+import copy
+
+import pytest
+import torch
+from tiny_llama import convert_llama, converted_llama, logits, prepared_and_calibrated, tiny_llama
+
+import nvfp4_static.linear
+import nvfp4_static.sibling_linears
+from nvfp4_static import NVFP4StaticLinear, fuse_sibling_linears, tie_fused_layers
+
+ATTENTION = "model.layers.0.self_attn"
+QKV = tuple(f"{ATTENTION}.{name}" for name in ("q_proj", "k_proj", "v_proj"))
+HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return converted_llama()
+
+
+def other_llama(seed=1, **config_changes):
+    """``converted_llama()`` from other random weights (or another config)."""
+    model = prepared_and_calibrated(tiny_llama(seed=seed, **config_changes), weight_scale="max")
+    tie_fused_layers(model)
+    return convert_llama(model, weight_scale="max")
+
+
+def fused_copy(model):
+    fused = copy.deepcopy(model)
+    fuse_sibling_linears(fused)
+    return fused
+
+
+def members(model, names=QKV) -> list[NVFP4StaticLinear]:
+    return [model.get_submodule(name) for name in names]
+
+
+def gemm_counter(monkeypatch) -> list:
+    """Records the output width of every linear the layers and the sibling GEMMs run."""
+    widths = []
+    for module in (nvfp4_static.linear, nvfp4_static.sibling_linears):
+        original = module.static_linear
+
+        def counting(x, weight, bias, original=original):
+            widths.append(weight.shape[0])
+            return original(x, weight, bias)
+
+        monkeypatch.setattr(module, "static_linear", counting)
+    return widths
+
+
+def test_each_group_runs_one_gemm_and_the_model_gives_the_same_logits(reference, monkeypatch):
+    fused = copy.deepcopy(reference)
+    groups = fuse_sibling_linears(fused)
+    assert len(groups) == 4 and QKV in groups
+    widths = gemm_counter(monkeypatch)
+    out = logits(fused)
+    per_layer = sorted(widths[: len(widths) // 2])
+    # q/k/v (64 + 32 + 32) and gate/up (2 x 128) as one GEMM each; o and down alone.
+    assert per_layer == sorted([128, 64, 256, 64]), widths
+    monkeypatch.undo()
+    torch.testing.assert_close(out, logits(reference), rtol=1e-6, atol=1e-6)
+
+
+def test_biased_members_give_their_outputs_through_the_groups_bias():
+    reference = other_llama(seed=2, attention_bias=True, mlp_bias=True)
+    assert reference.get_submodule(QKV[1]).bias is not None
+    fused = fused_copy(reference)
+    assert fused.get_submodule(QKV[0]).sibling_gemm.bias is not None
+    torch.testing.assert_close(logits(fused), logits(reference), rtol=1e-6, atol=1e-6)
+
+
+CALL_ORDERS = {
+    "q, k, v": ["q", "k", "v"],
+    "k first": ["k", "q", "v"],
+    "q twice": ["q", "q", "k", "v"],
+    "v alone": ["v"],
+    "k on another input": ["q", "k other", "v", "k"],
+    "input changed in place after q": ["q", "change", "k", "v"],
+}
+
+
+@pytest.mark.parametrize("order", CALL_ORDERS.values(), ids=CALL_ORDERS.keys())
+@pytest.mark.parametrize("inference_mode", [False, True], ids=["no_grad", "inference_mode"])
+def test_members_called_in_any_order_give_their_own_outputs(reference, order, inference_mode):
+    """Each member's output is its own: taken from the group's GEMM where that ran on the same,
+    unchanged input, computed otherwise."""
+    fused = fused_copy(reference)
+    own, alone = dict(zip("qkv", members(fused))), dict(zip("qkv", members(reference)))
+    torch.manual_seed(0)
+    x, other = torch.randn(2, 3, HIDDEN), torch.randn(2, 3, HIDDEN)
+    with torch.inference_mode() if inference_mode else torch.no_grad():
+        x, other = x.clone(), other.clone()
+        for step in order:
+            if step == "change":
+                x.mul_(2)
+                continue
+            name, _, which = step.partition(" ")
+            given = other if which else x
+            torch.testing.assert_close(own[name](given), alone[name](given), rtol=1e-6, atol=1e-6, msg=step)
+    assert own["q"].sibling_gemm is not None
+
+
+def test_under_inference_mode_the_members_run_alone(reference, monkeypatch):
+    fused = fused_copy(reference)
+    tokens = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    widths = gemm_counter(monkeypatch)
+    with torch.inference_mode():
+        out = fused(tokens).logits
+    # Alone: q 64, k and v 32, o 64, gate and up 128, down 64 wide (fused: q/k/v 128, gate/up 256).
+    assert sorted(widths) == sorted([64, 32, 32, 64, 128, 128, 64] * 2), widths
+    monkeypatch.undo()
+    with torch.inference_mode():
+        torch.testing.assert_close(out, reference(tokens).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_a_checkpoint_loaded_into_the_members_reaches_the_group(reference):
+    fused = fused_copy(reference)
+    other = other_llama()
+    fused.load_state_dict(other.state_dict())
+    assert all(m.sibling_gemm is not None for m in members(fused))
+    torch.testing.assert_close(logits(fused), logits(other), rtol=1e-6, atol=1e-6)
+
+
+def test_a_fused_models_checkpoint_loads_into_an_unfused_one(reference):
+    fused = fused_copy(reference)
+    state = fused.state_dict()
+    assert state.keys() == reference.state_dict().keys()
+    unfused = other_llama()
+    unfused.load_state_dict(state)
+    torch.testing.assert_close(logits(unfused), logits(reference), rtol=1e-6, atol=1e-6)
+
+
+def replace_k_weight(model):
+    model.get_submodule(QKV[1]).weight = other_llama().get_submodule(QKV[1]).weight
+
+
+CHANGES = {
+    "a member's weight replaced": replace_k_weight,
+    "a member's weight loaded with assign": lambda model: model.load_state_dict(
+        other_llama().state_dict(), assign=True
+    ),
+    "the model moved": lambda model: model.to("cpu"),
+    "the model copied": copy.deepcopy,
+}
+
+
+@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
+def test_a_member_no_longer_holding_its_slice_runs_alone(reference, change):
+    """Replaced, reloaded with assign, moved or copied apart from the group's weight, the
+    members run alone and give their own weights' outputs."""
+    fused = fused_copy(reference)
+    changed = change(fused)
+    model = changed if isinstance(changed, torch.nn.Module) and changed is not fused else fused
+    expected = copy.deepcopy(model)
+    for module in expected.modules():
+        if isinstance(module, NVFP4StaticLinear):
+            module.sibling_gemm = None
+    torch.testing.assert_close(logits(model), logits(expected), rtol=1e-6, atol=1e-6)
+    assert all(m.sibling_gemm is None for m in members(model))
+
+
+def test_an_untied_group_is_refused_and_nothing_changes():
+    model = converted_llama(tie=False)
+    before = [(m.weight, m.weight.qdata.data_ptr()) for m in members(model)]
+    with pytest.raises(ValueError, match=r"cannot fuse .*q_proj.*k_proj.*global scale.*tie_fused_layers"):
+        fuse_sibling_linears(model)
+    assert [(m.weight, m.weight.qdata.data_ptr()) for m in members(model)] == before
+    assert all(m.sibling_gemm is None for m in model.modules() if isinstance(m, NVFP4StaticLinear))
+
+
+def test_groups_with_a_float_member_are_left_alone_and_fusing_again_changes_nothing(reference):
+    model = copy.deepcopy(reference)
+    attention = model.get_submodule(ATTENTION)
+    attention.k_proj = torch.nn.Linear(HIDDEN, 32, bias=False)
+    groups = fuse_sibling_linears(model)
+    assert QKV not in groups and len(groups) == 3
+    assert model.get_submodule(QKV[0]).sibling_gemm is None
+    gemms = [m.sibling_gemm for m in model.modules() if isinstance(m, NVFP4StaticLinear)]
+    assert fuse_sibling_linears(model) == groups
+    assert [m.sibling_gemm for m in model.modules() if isinstance(m, NVFP4StaticLinear)] == gemms
+
+
+def test_compiled_members_run_alone_on_their_slices(reference):
+    fused = fused_copy(reference)
+    compiled = torch.compile(fused, fullgraph=True)
+    torch.testing.assert_close(logits(compiled), logits(reference), rtol=1e-5, atol=1e-5)
