@@ -11,11 +11,12 @@ its row slice, the same memory, so a checkpoint loaded into the members updates 
 Eagerly, the first member called on an input runs the group's GEMM and keeps the other members'
 parts of its output; each of them, called next on that same input (the same tensor, not changed
 in place since), takes its part instead of running; a call on another input, or a member's
-second call, runs the group's GEMM again. Calls on inference tensors (``torch.inference_mode``:
-they keep no count of changes in place) and every call under ``torch.compile`` run the member
-alone. A member's output is then a column slice of the
-group's: a strided view, as ``Tensor.split`` gives. Moving the model (``.to()``, ``.cuda()``),
-or replacing a member's weight or bias, dissolves the group: the members run alone from then on.
+second call, runs the group's GEMM again. A member's output from the group is a column slice
+of the group's output: a strided view, as ``Tensor.split`` gives. Calls on inference tensors
+(``torch.inference_mode``: they keep no count of changes in place) and every call under
+``torch.compile`` run the member alone. Moving the model (``.to()``, ``.cuda()``), replacing a
+member's weight or bias, or copying the model (the copy's slices no longer share the group's
+memory) dissolves the group: the members run alone from then on.
 """
 
 from collections.abc import Sequence
