@@ -458,6 +458,18 @@ def _check_target(target: pathlib.Path, written: set, overwrite: bool) -> None:
         )
 
 
+def _apart(shard: dict) -> dict:
+    """``shard`` with every tensor in memory of its own: safetensors refuses tensors that share
+    storage, as the global scales of a fused group's members do (``fuse_sibling_linears``)."""
+    seen = set()
+    apart = {}
+    for name, tensor in shard.items():
+        storage = tensor.untyped_storage().data_ptr()
+        apart[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return apart
+
+
 def _write(
     target: pathlib.Path,
     tensors: dict,
@@ -471,7 +483,7 @@ def _write(
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.export-", dir=target.parent))
     try:
         for file, names in shards.items():
-            shard = {name: tensors[name].to("cpu").contiguous() for name in names}
+            shard = _apart({name: tensors[name].to("cpu").contiguous() for name in names})
             metadata = {"format": "pt"}
             shard_scales = {n: exact_scales[n] for n in names if n in exact_scales}
             if shard_scales:

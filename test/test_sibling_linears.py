@@ -4,11 +4,12 @@ import copy
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_llama import convert_llama, converted_llama, logits, prepared_and_calibrated, tiny_llama
 
 import nvfp4_static.linear
 import nvfp4_static.sibling_linears
-from nvfp4_static import NVFP4StaticLinear, fuse_sibling_linears, tie_fused_layers
+from nvfp4_static import NVFP4StaticLinear, export_checkpoint, fuse_sibling_linears, tie_fused_layers
 
 ATTENTION = "model.layers.0.self_attn"
 QKV = tuple(f"{ATTENTION}.{name}" for name in ("q_proj", "k_proj", "v_proj"))
@@ -131,6 +132,18 @@ def test_a_fused_models_checkpoint_loads_into_an_unfused_one(reference):
     unfused = other_llama()
     unfused.load_state_dict(state)
     torch.testing.assert_close(logits(unfused), logits(reference), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("format", ["compressed-tensors", "modelopt"])
+def test_a_fused_model_exports_the_files_of_the_unfused_one(reference, format, tmp_path):
+    export_checkpoint(reference, tmp_path / "unfused", format=format)
+    export_checkpoint(fused_copy(reference), tmp_path / "fused", format=format)
+    files = sorted(path.name for path in (tmp_path / "unfused").glob("*.safetensors"))
+    assert files and files == sorted(path.name for path in (tmp_path / "fused").glob("*.safetensors"))
+    for name in files:
+        unfused, fused = load_file(tmp_path / "unfused" / name), load_file(tmp_path / "fused" / name)
+        assert unfused.keys() == fused.keys()
+        assert all(torch.equal(unfused[key], fused[key]) for key in unfused), name
 
 
 def replace_k_weight(model):
