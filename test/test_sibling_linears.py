@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import requires_cuda
 from tiny_llama import convert_llama, converted_llama, logits, prepared_and_calibrated, tiny_llama
 
 import nvfp4_static.linear
@@ -200,3 +201,21 @@ def test_compiled_members_run_alone_on_their_slices(reference):
     fused = fused_copy(reference)
     compiled = torch.compile(fused, fullgraph=True)
     torch.testing.assert_close(logits(compiled), logits(reference), rtol=1e-5, atol=1e-5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_gpu_fused_members_give_their_outputs_through_the_triton_route(tokens):
+    """On the GPU the group's GEMM (its launches replayed eagerly) gives each member's output up
+    to the order of fp32 sums (the fused width splits K differently), at decode and mid sizes."""
+    reference = converted_llama(torch.bfloat16).cuda()
+    assert reference.get_submodule(QKV[0]).weight.linear_backend == "triton"
+    fused = fused_copy(reference)
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(2):  # the first call records the launches, the second replays them
+            outputs = [member(x) for member in members(fused)]
+        expected = [member(x) for member in members(reference)]
+    assert fused.get_submodule(QKV[0]).sibling_gemm is not None
+    for out, want in zip(outputs, expected):
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
