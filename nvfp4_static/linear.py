@@ -132,23 +132,18 @@ class NVFP4StaticLinear(torch.nn.Linear):
             self._count_clipped(x)
         if torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
-        if self.sibling_gemm is not None:
-            out = self.sibling_gemm.output(self.sibling_index, x)
-            if out is not None:
-                return _InferenceOnly.apply(out) if out.requires_grad else out
-        # From the parameters' dict: Module.__getattr__ is reached through a failed attribute
-        # lookup, 1.9 us per name against 0.08 us for the dict read (on a CPU host).
-        parameters = self._parameters
-        weight, bias = parameters.get("weight"), parameters["bias"]
-        if weight is None:
-            # Held as plain tensors (torchao's unwrap_tensor_subclass) and rebuilt at each read:
-            # no weight object to replay recorded launches for.
-            out = static_linear(x, self.weight, bias)
-        else:
-            out = self._eager_launches(x, weight, bias)
-            if out is None:
-                # What F.linear reaches through the subclass's dispatch, without its host cost.
-                out = static_linear(x, weight, bias)
+        out = None if self.sibling_gemm is None else self.sibling_gemm.output(self.sibling_index, x)
+        if out is None:
+            # From the parameters' dict: Module.__getattr__ is reached through a failed attribute
+            # lookup, 1.9 us per name against 0.08 us for the dict read (on a CPU host).
+            parameters = self._parameters
+            weight, bias = parameters.get("weight"), parameters["bias"]
+            if weight is None:
+                # Held as plain tensors (torchao's unwrap_tensor_subclass) and rebuilt at each
+                # read: no weight object to replay recorded launches for.
+                out = static_linear(x, self.weight, bias)
+            else:
+                out = self._eager_launches.linear(x, weight, bias)
         return _InferenceOnly.apply(out) if out.requires_grad else out
 
     def _apply(self, fn, recurse=True):

@@ -27,7 +27,7 @@ import torch
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups
 from nvfp4_static.linear import NVFP4StaticLinear
-from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
+from nvfp4_static.tensor import NVFP4StaticTensor
 
 __all__ = ["SiblingGemm", "fuse_sibling_linears"]
 
@@ -61,12 +61,10 @@ class SiblingGemm:
                     self._pending = None
                 return out
             self._pending = None
-        if self.weight is None or not self._intact():
+        if not self._intact():
             self.dissolve()
             return None
-        out = self._launches(x, self.weight, self.bias)
-        if out is None:
-            out = static_linear(x, self.weight, self.bias)
+        out = self._launches.linear(x, self.weight, self.bias)
         parts = dict(enumerate(out.split(self.sizes, dim=-1)))
         own = parts.pop(index)
         self._pending = (x, x._version, parts) if parts else None
@@ -114,20 +112,18 @@ def fuse_sibling_linears(
             global scale, input width, dtype, device, backend, having a bias); nothing is
             changed then.
     """
-    plans = []
+    fused, to_fuse = [], []
     for names in find_fusion_groups(model, groups):
         members = [model.get_submodule(name) for name in names]
         if not all(isinstance(m, NVFP4StaticLinear) and m.loaded for m in members):
             continue
-        if all(m.sibling_gemm is not None and m.sibling_gemm.members == members for m in members):
-            plans.append((names, None))
-            continue
-        _check_fusable(names, members)
-        plans.append((names, members))
-    for _, members in plans:
-        if members is not None:
-            _fuse(members)
-    return [names for names, _ in plans]
+        if not all(m.sibling_gemm is not None and m.sibling_gemm.members == members for m in members):
+            _check_fusable(names, members)
+            to_fuse.append(members)
+        fused.append(names)
+    for members in to_fuse:
+        _fuse(members)
+    return fused
 
 
 def _check_fusable(names: tuple[str, ...], members: list[NVFP4StaticLinear]) -> None:

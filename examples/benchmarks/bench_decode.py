@@ -171,9 +171,9 @@ def main():
         bf16 = stack(args.compiled_layers)
         nvfp4 = converted(bf16)
         # A copy unwrapped (torchao changes the layers it unwraps), compiled beside the others.
-        models = (bf16, nvfp4, unwrap_tensor_subclass(copy.deepcopy(nvfp4)))
+        unwrapped = unwrap_tensor_subclass(copy.deepcopy(nvfp4))
         overhead_reduced, replayed = [], []
-        for model in models:
+        for model in (bf16, nvfp4, unwrapped):
             compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
             start = time.perf_counter()
             with torch.no_grad():
@@ -182,7 +182,7 @@ def main():
             torch.cuda.synchronize()
             print(f"compiled {type(model[0].q_proj).__name__} stack in {time.perf_counter() - start:.0f} s")
             overhead_reduced.append(lambda compiled=compiled: compiled(token).clone())
-            if model is not models[2]:
+            if model is not unwrapped:
                 default_mode = torch.compile(model, fullgraph=True)
                 with torch.no_grad():
                     replayed.append(graph_ms(lambda: default_mode(token)))

@@ -17,10 +17,11 @@ table for that bucket. Run on one GPU:
 
 ``--candidates wide`` times only the table and the wide MMA-order tiles (``WIDE_TILES``) from
 M = 17 up, ``--candidates decode-wide`` the table and the decode tiles in the wide form
-(``DECODE_WIDE_TILES``, after the activation kernel and quantizing their rows) up to M = 16, ``--candidates programs`` the table's split entries with
-their K split sized for 1 to 8 programs per SM (and unsplit); ``--shapes`` replaces the three
-weight shapes; ``--budget-s`` starts no further M after that many seconds (each M runs on every shape, so put
-the Ms that matter most first).
+(``DECODE_WIDE_TILES``, after the activation kernel and quantizing their rows) up to M = 16,
+``--candidates programs`` the table's split entries with their K split sized for 1 to 8
+programs per SM (and unsplit); ``--shapes`` replaces the three weight shapes; ``--budget-s``
+starts no further M after that many seconds (each M runs on every shape, so put the Ms that
+matter most first).
 """
 
 import argparse

@@ -45,6 +45,16 @@ class EagerTritonLaunches:
     def __reduce__(self):
         return (type(self), ())
 
+    def linear(self, x: torch.Tensor, weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``static_linear(x, weight, bias)``: replayed where it can be, else by the route
+        itself (what ``F.linear`` reaches through the subclass's dispatch, without its host cost)."""
+        out = self(x, weight, bias)
+        if out is None:
+            from nvfp4_static.tensor import static_linear
+
+            out = static_linear(x, weight, bias)
+        return out
+
     def __call__(self, x: torch.Tensor, weight, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``static_linear(x, weight, bias)``, or None where this call is not replayed."""
         if type(x) is not torch.Tensor or not x.is_cuda or torch._C._len_torch_dispatch_stack():
