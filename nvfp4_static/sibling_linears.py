@@ -42,7 +42,7 @@ class SiblingGemm:
         self.bias = bias
         self.sizes = [member.out_features for member in members]
         self._parameters = [(member.weight, member.bias) for member in members]
-        self._addresses = _addresses(members)
+        self._addresses = _addresses(self._parameters)
         self._launches = EagerTritonLaunches()
         self._pending = None  # (input, its version, {member index: output part})
 
@@ -84,13 +84,16 @@ class SiblingGemm:
             parameters = member._parameters
             if parameters.get("weight") is not weight or parameters.get("bias") is not bias:
                 return False
-        return _addresses(self.members) == self._addresses
+        return _addresses(self._parameters) == self._addresses
 
 
-def _addresses(members: list[NVFP4StaticLinear]) -> list[tuple]:
+def _addresses(parameters: list[tuple]) -> list[tuple]:
+    """Where each member's weight and bias (``(weight, bias)`` pairs) keep their data; read from
+    the parameters themselves, not through ``Module.__getattr__`` (a few microseconds a name,
+    paid at every group GEMM)."""
     return [
-        (m.weight.qdata.data_ptr(), m.weight.scale.data_ptr(), None if m.bias is None else m.bias.data_ptr())
-        for m in members
+        (weight.qdata.data_ptr(), weight.scale.data_ptr(), None if bias is None else bias.data_ptr())
+        for weight, bias in parameters
     ]
 
 
