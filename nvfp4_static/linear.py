@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale
-from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
+from nvfp4_static.tensor import NVFP4StaticTensor
 
 __all__ = ["NVFP4StaticLinear", "check_checkpoint_scales", "check_checkpoint_scale_values"]
 
@@ -140,10 +140,9 @@ class NVFP4StaticLinear(torch.nn.Linear):
             weight, bias = parameters.get("weight"), parameters["bias"]
             if weight is None:
                 # Held as plain tensors (torchao's unwrap_tensor_subclass) and rebuilt at each
-                # read: no weight object to replay recorded launches for.
-                out = static_linear(x, self.weight, bias)
-            else:
-                out = self._eager_launches.linear(x, weight, bias)
+                # read around the same inner tensors, which is what the replay checks.
+                weight = self.weight
+            out = self._eager_launches.linear(x, weight, bias)
         return _InferenceOnly.apply(out) if out.requires_grad else out
 
     def _apply(self, fn, recurse=True):

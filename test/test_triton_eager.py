@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import linear_operands, requires_cuda
 from torch.utils._python_dispatch import TorchDispatchMode
+from torchao.utils import unwrap_tensor_subclass
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches, ReplayedLinear
@@ -137,6 +138,29 @@ def test_cpu_activations_take_the_general_route():
     assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias))
 
 
+def test_a_layer_with_unwrapped_weights_asks_for_the_replay_with_its_inner_tensors(monkeypatch):
+    """torchao's unwrap_tensor_subclass holds the weight as plain tensors and rebuilds it at
+    each read around them: the layer still goes to its replay, with those tensors (on a GPU it
+    replays; on CPU the replay declines and the route runs)."""
+    layer = _layer(32, 64, torch.float32, "cpu")
+    expected = layer(torch.ones(3, 64))
+    unwrap_tensor_subclass(torch.nn.Sequential(layer))
+    assert layer._parameters.get("weight") is None
+    asked = []
+    original = EagerTritonLaunches.__call__
+
+    def recording(self, x, weight, bias):
+        asked.append((weight.qdata, weight.scale, bias))
+        return original(self, x, weight, bias)
+
+    monkeypatch.setattr(EagerTritonLaunches, "__call__", recording)
+    assert torch.equal(layer(torch.ones(3, 64)), expected)
+    originals = layer.parametrizations.weight
+    assert len(asked) == 1
+    assert asked[0][0] is originals.original0 and asked[0][1] is originals.original1
+    assert asked[0][2] is layer.bias
+
+
 # --- On a GPU: the layer's forward against the general route ---------------------------------------------
 
 
@@ -206,3 +230,19 @@ def test_gpu_replay_follows_new_weights_streams_and_falls_back_on_odd_activation
             out = layer(x)
         assert torch.equal(out, expected(x))
         assert any("nvfp4_static" in name for name in mode.names), mode.names
+
+
+@requires_cuda
+def test_gpu_a_layer_with_unwrapped_weights_replays_its_launches():
+    """The weight rebuilt at each read (torchao's unwrap_tensor_subclass) shares its inner
+    tensors, so the second call of each shape replays, with the route's outputs."""
+    layer = _layer(1024, 2048, torch.bfloat16, "cuda")
+    unwrap_tensor_subclass(torch.nn.Sequential(layer))
+    shapes = [(1, 2048), (16, 2048), (64, 2048)]
+    with torch.no_grad():
+        for seed, shape in enumerate(shapes):
+            for call in range(2):
+                x = _activation(shape, torch.bfloat16, seed=10 * seed + call)
+                assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias)), (shape, call)
+    replayed = {key[0] for key, linear in layer._eager_launches._linears.items() if isinstance(linear, ReplayedLinear)}
+    assert replayed == {torch.Size(shape) for shape in shapes}

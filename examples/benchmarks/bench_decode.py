@@ -10,6 +10,8 @@ linears are all the work: what a decode step spends on weights. Rows:
 - ``eager``: the model called from Python, as ``model.generate()`` runs without compile.
 - ``eager, siblings fused``: the same after ``fuse_sibling_linears``: q/k/v run as one GEMM, and
   gate/up as another.
+- ``eager, unwrapped``: the same after torchao's ``unwrap_tensor_subclass`` (below), called
+  eagerly: each call rebuilds the weights from their plain tensors.
 - ``eager via F.linear``: the same converted layers called through ``F.linear`` and the weight
   subclass's dispatch (the route a compiled graph traces), to show what the layer's direct eager
   call saves.
@@ -154,12 +156,16 @@ def main():
           f"{time.perf_counter() - start:.1f} s (backend {nvfp4[0].q_proj.weight.linear_backend})")
     siblings_fused = copy.deepcopy(nvfp4)
     fuse_sibling_linears(siblings_fused)
-    bf16_ms, nvfp4_ms, fused_ms = interleaved_ms(
-        [lambda: bf16(token), lambda: nvfp4(token), lambda fused=siblings_fused: fused(token)], args.rounds
+    unwrapped = unwrap_tensor_subclass(copy.deepcopy(nvfp4))
+    bf16_ms, nvfp4_ms, fused_ms, unwrapped_ms = interleaved_ms(
+        [lambda: bf16(token), lambda: nvfp4(token), lambda fused=siblings_fused: fused(token),
+         lambda plain=unwrapped: plain(token)],
+        args.rounds,
     )
     rows.append(("eager", args.layers, bf16_ms, nvfp4_ms))
     rows.append(("eager, siblings fused", args.layers, bf16_ms, fused_ms))
-    del siblings_fused
+    rows.append(("eager, unwrapped", args.layers, bf16_ms, unwrapped_ms))
+    del siblings_fused, unwrapped
     linears = [m for m in nvfp4.modules() if isinstance(m, NVFP4StaticLinear)]
     for layer in linears:
         layer.forward = through_f_linear.__get__(layer)
