@@ -12,6 +12,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import UNIT_ROUNDOFF, gpu_tolerance, linear_operands, relative_error, requires_cuda
+from torch.utils._python_dispatch import TorchDispatchMode
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.kernels import gemm
@@ -47,6 +48,19 @@ FIRST_CUBLAS_ROWS = 1 + max(max_m for max_m, _ in TRITON_ENTRIES)
 
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
 DEQUANTIZE_LAUNCHER = "nvfp4_static.kernels.gemm:launch_weight_dequantize"
+TRACED_LAUNCHER = "test_kernels_gemm:launch_as_traced"
+
+
+def launch_as_traced(*args):
+    """``launch_nvfp4_gemm(*args)`` as a traced graph runs it: under a dispatch mode (as
+    functionalization and fake tensors are), where its epilogue is torch ops."""
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with PassThrough():
+        launch_nvfp4_gemm(*args)
 
 
 def raw_gemm_operands(M: int, N: int, K: int, seed: int, device: str = "cpu"):
@@ -154,6 +168,9 @@ def interpreted_results():
                         target, args = launches[name]
                         args = (*args[:6], summed_apart, config, bool(config.activation_rows), False)
                         launches[f"{name}-epilogue-kernel"] = (target, args)
+                        # and as a traced graph sums it: the epilogue as torch ops
+                        summed_by_ops = torch.full((M, N), float("nan"), dtype=dtype)
+                        launches[f"{name}-epilogue-ops"] = (TRACED_LAUNCHER, (*args[:6], summed_by_ops, *args[7:]))
     weight_qdata, weight_block_scales = gemm_operands(*DEQUANTIZE_SHAPE, seed=5)[1:3]
     for dtype in DEQUANTIZE_DTYPES:
         dequantized = torch.full(DEQUANTIZE_SHAPE[1:], float("nan"), dtype=dtype)
@@ -165,6 +182,7 @@ def interpreted_results():
     outputs = {name: (dtype_name, operands, results[name].args[6]) for name, dtype_name, operands in cases}
     for name in SPLIT_K_CASES:
         outputs[f"{name}-epilogue-kernel"] = results[f"{name}-epilogue-kernel"].args[6]
+        outputs[f"{name}-epilogue-ops"] = results[f"{name}-epilogue-ops"].args[6]
     for dtype in DEQUANTIZE_DTYPES:
         outputs[f"dequantize-{dtype}"] = results[f"dequantize-{dtype}"].args[:3]
     return outputs
@@ -210,6 +228,18 @@ def test_interpreted_split_k_summed_in_the_gemm_equals_the_epilogue_kernels_sum(
     in_gemm, apart = interpreted_results[case][2], interpreted_results[f"{case}-epilogue-kernel"]
     assert not apart.isnan().any()
     assert torch.equal(in_gemm, apart)
+
+
+@pytest.mark.parametrize("case", [case for case in SPLIT_K_CASES if "-fp32-" in case])
+def test_interpreted_epilogue_as_ops_equals_the_epilogue_kernel(interpreted_results, case):
+    """Traced, the split sum and the scales are torch ops (for Inductor to fuse into the
+    output's reader); they sum and scale in the kernel's order: the same output bit for bit.
+    fp32 outputs only: Triton's interpreter truncates fp32 to bf16 where a GPU (and torch)
+    rounds to nearest even; test_gpu_compiled_fullgraph_one_graph_for_every_m compares bf16
+    outputs on a GPU."""
+    kernel, ops = interpreted_results[f"{case}-epilogue-kernel"], interpreted_results[f"{case}-epilogue-ops"]
+    assert not ops.isnan().any()
+    assert torch.equal(ops, kernel)
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES)

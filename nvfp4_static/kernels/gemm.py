@@ -810,12 +810,29 @@ def launch_nvfp4_gemm(
         ).launch()
         if split_k == 1 or sum_splits:
             return
+    if not runs_eagerly(a):
+        out.copy_(epilogue_as_ops(partials.view(split_k, M, N), act_scale, weight_scale, bias))
+        return
     KernelCall(
         _epilogue_kernel,
         (ceil_div(M * N, EPILOGUE_BLOCK),),
         (partials, act_scale, weight_scale, bias_or_unused, out, M, N, out.stride(0), split_k),
         dict(BLOCK=EPILOGUE_BLOCK, HAS_BIAS=bias is not None),
     ).launch()
+
+
+def epilogue_as_ops(
+    partials: torch.Tensor, act_scale: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``_epilogue_kernel``'s fp32 result as torch ops, for a traced graph: the splits summed in
+    the kernel's order, then ``scaled_and_biased``. Inductor fuses these into the kernel that
+    reads the output (a residual add, the SiLU product, a norm) instead of launching the epilogue
+    kernel after every GEMM, a fixed cost per linear at decode."""
+    total = partials[0]
+    for split in range(1, partials.shape[0]):
+        total = total + partials[split]
+    total = total * (act_scale * weight_scale)
+    return total if bias is None else total + bias.to(torch.float32)
 
 
 _TILE_COUNTS: dict[tuple[int, int], torch.Tensor] = {}
