@@ -17,8 +17,8 @@ straight into its wgmma operand registers, one dot per K tile, the activation op
 the same order. Small and mid-size batches may split K over several programs
 (``GemmConfig.programs_per_sm``) and sum the fp32 partials in split order: eagerly in the GEMM
 itself, by the last program to finish each tile (one launch; it counts arrivals in the stream's
-``tile_counts``), in a traced graph in a second small kernel that applies the epilogue (same
-sums, same output). Large batches
+``tile_counts``), in a traced graph as torch ops that apply the epilogue too, which Inductor
+fuses into whatever reads the output (same sums, same output). Large batches
 dequantize the weight once and hand the product to cuBLAS (``CublasAfterDequantize``); the
 numerics are the same. There, when the caller knows the scale product on the host
 (``output_scale``) and the output is bf16 or fp16, both operands take the output's dtype (``q *
@@ -720,7 +720,7 @@ def launch_nvfp4_gemm(
     raw_activation: bool = False,
     sum_splits_in_gemm: Optional[bool] = None,
 ) -> None:
-    """Run the GEMM into ``out [M, N]`` with the epilogue in Triton. ``a`` is the fp16 operand
+    """Run the GEMM into ``out [M, N]``, epilogue included. ``a`` is the fp16 operand
     from ``gemm_activation_operand``, or with ``raw_activation`` the activation itself (bf16,
     fp16 or fp32), which the kernel quantizes: then the config must have ``activation_rows > 0``,
     and without it ``activation_rows == 0`` (each would misread the other's ``a``); the operand
@@ -729,8 +729,8 @@ def launch_nvfp4_gemm(
 
     A split K's partial products are summed by the GEMM's last program per tile
     (``sum_splits_in_gemm``, by default on real tensors outside tracing: it needs the stream's
-    ``tile_counts``, which a traced graph cannot hold) or else by ``_epilogue_kernel``; both sum
-    in the same order, so they give the same output."""
+    ``tile_counts``, which a traced graph cannot hold) or else by ``_epilogue_kernel``, or under
+    tracing by ``epilogue_as_ops``; all three sum in the same order, so they give the same output."""
     K = 2 * weight_qdata.shape[1]
     if config is None:
         config = table_config(a.shape[0], None, weight_qdata.shape[0], K, a.device)
