@@ -75,7 +75,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
             fusion group (``fuse_sibling_linears``), or None.
     """
 
-    # Class defaults, so that a layer pickled whole before they existed loads without them.
+    # Class defaults: a pickled layer that lacks these attributes loads as an unfused layer.
     sibling_gemm = None
     sibling_index = 0
 

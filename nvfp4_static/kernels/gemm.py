@@ -759,6 +759,7 @@ def launch_nvfp4_gemm(
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
     bias_or_unused = bias if bias is not None else act_scale
     ptx = use_ptx_dequant(a.device)
+    eager = runs_eagerly(a)
     if isinstance(config, CublasAfterDequantize):
         split_k = 1
         weight = torch.empty((N, K), dtype=torch.float16, device=a.device)
@@ -768,7 +769,7 @@ def launch_nvfp4_gemm(
         split_k = split_k_for(config, N, K, a.device)
         tiles = ceil_div(M, config.rows_per_tile) * ceil_div(N, config.block_n)
         partials = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
-        sum_splits = split_k > 1 and (runs_eagerly(a) if sum_splits_in_gemm is None else sum_splits_in_gemm)
+        sum_splits = split_k > 1 and (eager if sum_splits_in_gemm is None else sum_splits_in_gemm)
         counts = tile_counts(a.device, tiles) if sum_splits else act_scale
         KernelCall(
             _nvfp4_gemm_kernel,
@@ -810,7 +811,7 @@ def launch_nvfp4_gemm(
         ).launch()
         if split_k == 1 or sum_splits:
             return
-    if not runs_eagerly(a):
+    if not eager:
         out.copy_(epilogue_as_ops(partials.view(split_k, M, N), act_scale, weight_scale, bias))
         return
     KernelCall(
