@@ -42,6 +42,7 @@ from nvfp4_static.observers import (
 )
 from nvfp4_static.quantized_activation_hessian import calibrate_hessians_under_quantized_activations
 from nvfp4_static.serving_import import import_checkpoint
+from nvfp4_static.sibling_gemm_backend import sibling_gemm_backend
 from nvfp4_static.sibling_linears import fuse_sibling_linears
 from nvfp4_static.tensor import NVFP4StaticTensor
 from nvfp4_static.workflow import is_quantizable
@@ -53,6 +54,7 @@ __all__ = [
     "tie_fused_layers",
     "find_fusion_groups",
     "fuse_sibling_linears",
+    "sibling_gemm_backend",
     "STANDARD_FUSION_GROUPS",
     "export_checkpoint",
     "import_checkpoint",

@@ -13,23 +13,29 @@ parts of its output; each of them, called next on that same input (the same tens
 in place since), takes its part instead of running; a call on another input, or a member's
 second call, runs the group's GEMM again. A member's output from the group is a column slice
 of the group's output: a strided view, as ``Tensor.split`` gives. Calls on inference tensors
-(``torch.inference_mode``: they keep no count of changes in place) and every call under
-``torch.compile`` run the member alone. Moving the model (``.to()``, ``.cuda()``), replacing a
-member's weight or bias, or copying the model (the copy's slices no longer share the group's
-memory) dissolves the group: the members run alone from then on.
+(``torch.inference_mode``: they keep no count of changes in place), calls of members whose
+weight torchao's ``unwrap_tensor_subclass`` holds as plain tensors, and calls under
+``torch.compile`` run the member alone; ``sibling_gemm_backend`` merges the group in a compiled
+graph instead. Moving the model (``.to()``, ``.cuda()``), replacing a member's weight or bias,
+or copying the model (the copy's slices no longer share the group's memory) dissolves the
+group: the members run alone from then on.
 """
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 import torch
+from torch.nn.utils import parametrize
 
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.tensor import NVFP4StaticTensor
 
-__all__ = ["SiblingGemm", "fuse_sibling_linears"]
+__all__ = ["SiblingGemm", "fuse_sibling_linears", "live_sibling_gemms"]
+
+_GEMMS: "weakref.WeakSet[SiblingGemm]" = weakref.WeakSet()
 
 
 class SiblingGemm:
@@ -45,6 +51,7 @@ class SiblingGemm:
         self._addresses = _addresses(self._parameters)
         self._launches = EagerTritonLaunches()
         self._pending = None  # (input, its version, {member index: output part})
+        _GEMMS.add(self)
 
     def output(self, index: int, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Member ``index``'s output for ``x``: kept from the group's last GEMM on this ``x``, or
@@ -62,7 +69,8 @@ class SiblingGemm:
                 return out
             self._pending = None
         if not self._intact():
-            self.dissolve()
+            if not self._unwrapped():
+                self.dissolve()
             return None
         out = self._launches.linear(x, self.weight, self.bias)
         parts = dict(enumerate(out.split(self.sizes, dim=-1)))
@@ -85,6 +93,19 @@ class SiblingGemm:
             if parameters.get("weight") is not weight or parameters.get("bias") is not bias:
                 return False
         return _addresses(self._parameters) == self._addresses
+
+
+    def _unwrapped(self) -> bool:
+        """Whether a member holds its weight as plain tensors (torchao's
+        ``unwrap_tensor_subclass``): it runs alone eagerly, rebuilding its weight, while a
+        compiled graph can still merge the group (``sibling_gemm_backend``)."""
+        return any(parametrize.is_parametrized(member, "weight") for member in self.members)
+
+
+def live_sibling_gemms() -> Iterator[SiblingGemm]:
+    """Every group not dissolved, of every model in this process (what a compiler backend
+    matches a graph's weights against)."""
+    return (gemm for gemm in list(_GEMMS) if gemm.weight is not None)
 
 
 def _addresses(parameters: list[tuple]) -> list[tuple]:

@@ -1,0 +1,255 @@
+"""sibling_gemm_backend: a compiled fused model runs each group as one linear, where that is safe."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import requires_cuda
+from torch._inductor.compile_fx import compile_fx
+from tiny_llama import converted_llama, logits
+from torchao.utils import unwrap_tensor_subclass
+
+import nvfp4_static.tensor
+from nvfp4_static import NVFP4StaticLinear, sibling_gemm_backend
+from test_sibling_linears import CHANGES, QKV, fused_copy, members, other_llama
+
+HIDDEN = 64
+LINEARS_UNFUSED = 2 * 7 + 1  # two layers of q, k, v, o, gate, up, down; lm_head
+LINEARS_MERGED = 2 * 4 + 1  # two layers of q/k/v, o, gate/up, down; lm_head
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return converted_llama()
+
+
+class GraphRecorder:
+    """A dynamo backend that keeps each graph it is given (after the merge) and runs it as is."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def linears(self) -> int:
+        return sum(node.target is F.linear for gm in self.graphs for node in gm.graph.nodes)
+
+
+def compiled(model, backend="inductor", **options):
+    torch._dynamo.reset()
+    return torch.compile(model, backend=sibling_gemm_backend(backend=backend, **options), fullgraph=True)
+
+
+def unfused(model):
+    """A copy of ``model`` whose members run alone."""
+    copied = copy.deepcopy(model)
+    for module in copied.modules():
+        if isinstance(module, NVFP4StaticLinear):
+            module.sibling_gemm = None
+    return copied
+
+
+@pytest.mark.parametrize("unwrap", [False, True], ids=["subclass weights", "unwrapped weights"])
+def test_each_group_is_one_linear_in_the_graph_and_the_logits_are_the_eager_ones(reference, unwrap):
+    fused = fused_copy(reference)
+    if unwrap:
+        unwrap_tensor_subclass(fused)
+    recorder = GraphRecorder()
+    out = logits(compiled(fused, recorder))
+    assert recorder.linears() == LINEARS_MERGED
+    torch.testing.assert_close(out, logits(reference), rtol=1e-6, atol=1e-6)
+    # Eager calls of an unwrapped member run alone and keep the group for compiled graphs.
+    assert all(m.sibling_gemm is not None for m in members(fused))
+
+
+@pytest.mark.parametrize("unwrap", [False, True], ids=["subclass weights", "unwrapped weights"])
+def test_inductor_runs_the_groups_gemms(reference, unwrap, monkeypatch):
+    fused = fused_copy(reference)
+    if unwrap:
+        unwrap_tensor_subclass(fused)
+    widths = []
+    original = nvfp4_static.tensor.static_linear
+
+    def counting(x, weight, bias):
+        widths.append(weight.shape[0])
+        return original(x, weight, bias)
+
+    def inductor_counting_its_linears(gm, example_inputs):
+        widths.clear()  # dynamo's own tracing ran the members before the merge
+        return compile_fx(gm, example_inputs)
+
+    monkeypatch.setattr(nvfp4_static.tensor, "static_linear", counting)
+    out = logits(compiled(fused, inductor_counting_its_linears))
+    # q/k/v: 64 + 32 + 32 rows; gate/up: 2 x 128; k and v (32 rows) never alone.
+    assert 256 in widths and 32 not in widths
+    torch.testing.assert_close(out, logits(unfused(reference)), rtol=1e-5, atol=1e-5)
+
+
+def test_without_fused_groups_nothing_is_merged(reference):
+    recorder = GraphRecorder()
+    model = copy.deepcopy(reference)
+    torch.testing.assert_close(logits(compiled(model, recorder)), logits(reference), rtol=1e-6, atol=1e-6)
+    assert recorder.linears() == LINEARS_UNFUSED
+
+
+class Projections(torch.nn.Module):
+    """Layer 0's q/k/v members, called on one input that ``write`` may change between them."""
+
+    def __init__(self, model, write):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = members(model)
+        self.write = write
+
+    def forward(self, x):
+        x = x * 1.0  # a tensor of the graph's own, which the writes may change
+        q = self.q_proj(x)
+        self.write(x)
+        return q, self.k_proj(x), self.v_proj(x)
+
+
+WRITES = {
+    "in-place method": lambda x: x.mul_(2.0),
+    "through a view": lambda x: x.view(-1).add_(1.0),
+    "item assignment": lambda x: x.__setitem__(0, 0.5),
+    "augmented assignment": lambda x: x.__imul__(3.0),
+    "inplace=True": lambda x: F.relu(x, inplace=True),
+    "out=": lambda x: torch.mul(x, 0.5, out=x),
+    "in-place function": lambda x: torch.sigmoid_(x),
+}
+
+
+@pytest.mark.parametrize("write", WRITES.values(), ids=WRITES.keys())
+def test_a_group_whose_input_may_be_written_between_its_members_is_not_merged(reference, write):
+    module = Projections(fused_copy(reference), write)
+    x = torch.randn(5, HIDDEN)
+    with torch.no_grad():
+        expected = module(x.clone())
+        recorder = GraphRecorder()
+        out = compiled(module, recorder)(x.clone())
+    assert recorder.linears() == 3
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_group_with_a_member_on_another_input_is_not_merged(reference):
+    class OtherInput(Projections):
+        def forward(self, x):
+            return self.q_proj(x), self.k_proj(x + 1.0), self.v_proj(x)
+
+    module = OtherInput(fused_copy(reference), None)
+    x = torch.randn(3, HIDDEN)
+    recorder = GraphRecorder()
+    with torch.no_grad():
+        out, expected = compiled(module, recorder)(x), module(x)
+    assert recorder.linears() == 3
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+AFTER_COMPILING = {name: change for name, change in CHANGES.items() if name != "the model moved"}
+
+
+@pytest.mark.parametrize("change", AFTER_COMPILING.values(), ids=AFTER_COMPILING.keys())
+def test_a_change_after_compiling_gives_the_changed_models_outputs(reference, change):
+    """(Dynamo recompiles for a replaced parameter; the new graph leaves the group unmerged.)"""
+    fused = fused_copy(reference)
+    model = compiled(fused)
+    logits(model)
+    changed = change(fused)
+    if isinstance(changed, torch.nn.Module) and changed is not fused:
+        model, fused = compiled(changed), changed
+    torch.testing.assert_close(logits(model), logits(unfused(fused)), rtol=1e-5, atol=1e-5)
+
+
+def replaced_k_weight(module, inputs: list) -> list:
+    k_weight = module.k_proj.weight
+    module.k_proj.weight = other_llama().get_submodule(QKV[1]).weight
+    return [module.k_proj.weight if value is k_weight else value for value in inputs]
+
+
+def dissolved_group(module, inputs: list) -> list:
+    module.q_proj.sibling_gemm.dissolve()
+    return inputs
+
+
+@pytest.mark.parametrize("change", [replaced_k_weight, dissolved_group])
+def test_a_call_that_no_longer_meets_the_merge_runs_the_graph_without_it(reference, change):
+    """The compiled merge checks its members at every call (here called with the new inputs
+    directly, as a guard that dynamo does not install would let through)."""
+    module = Projections(fused_copy(reference), lambda x: None)
+    recorder = GraphRecorder()
+    merging = sibling_gemm_backend(backend=recorder)
+    captured = {}
+
+    def capturing(gm, example_inputs):
+        captured["compiled"], captured["inputs"] = merging(gm, example_inputs), list(example_inputs)
+        return captured["compiled"]
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module, backend=capturing, fullgraph=True)(torch.randn(3, HIDDEN))
+        inputs = change(module, captured["inputs"])
+        out = captured["compiled"](*inputs)
+        x = next(value for value in inputs if value.shape == (3, HIDDEN))
+        expected = [F.linear(x, m.weight) for m in (module.q_proj, module.k_proj, module.v_proj)]
+    assert [gm.graph.find_nodes(op="call_function", target=F.linear) != [] for gm in recorder.graphs] == [True, True]
+    assert recorder.linears() == 1 + 3
+    assert module.q_proj.sibling_gemm is None
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_copied_model_compiles_unmerged(reference):
+    copied = copy.deepcopy(fused_copy(reference))
+    recorder = GraphRecorder()
+    torch.testing.assert_close(logits(compiled(copied, recorder)), logits(reference), rtol=1e-6, atol=1e-6)
+    assert recorder.linears() == LINEARS_UNFUSED
+
+
+def test_a_checkpoint_loaded_into_the_members_reaches_the_compiled_group(reference):
+    fused = fused_copy(reference)
+    model = compiled(fused)
+    logits(model)
+    other = other_llama()
+    fused.load_state_dict(other.state_dict())
+    torch.testing.assert_close(logits(model), logits(other), rtol=1e-5, atol=1e-5)
+    assert all(m.sibling_gemm is not None for m in members(fused))
+
+
+BAD_ARGUMENTS = {
+    "unknown mode": (dict(mode="fastest"), r"unknown Inductor mode 'fastest'.*reduce-overhead"),
+    "unknown option": (dict(options={"no_such_option": True}), r"unknown Inductor options \['no_such_option'\]"),
+    "mode for another backend": (dict(mode="reduce-overhead", backend="eager"), r"backend 'eager' takes neither"),
+    "options for another backend": (dict(options={"max_autotune": True}, backend="aot_eager"), r"'aot_eager'"),
+}
+
+
+@pytest.mark.parametrize("arguments, message", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
+def test_bad_arguments_are_refused(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        sibling_gemm_backend(**arguments)
+
+
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+@pytest.mark.parametrize("unwrap", [False, True], ids=["subclass weights", "unwrapped weights"])
+def test_gpu_compiled_group_equals_the_eager_groups_gemm(tokens, unwrap):
+    """On the GPU the merged graph runs the group's GEMM as the eager group does, bit for bit
+    (a traced GEMM sums its K splits in the eager kernel's order)."""
+    reference = converted_llama(torch.bfloat16).cuda()
+    fused = fused_copy(reference)
+    module = Projections(fused, lambda x: None)
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = module(x)
+        if unwrap:
+            unwrap_tensor_subclass(module)
+        recorder = GraphRecorder()
+        out = compiled(module, recorder)(x)
+        merged = compiled(module)(x)
+    assert recorder.linears() == 1
+    for got, inductor, want in zip(out, merged, expected):
+        assert torch.equal(got, want) and torch.equal(inductor, want)
