@@ -163,7 +163,7 @@ def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list) -> list[Merg
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     inputs = {node: (position, value) for position, (node, value) in enumerate(zip(placeholders, example_inputs))}
     member_of = _members_by_weight_address()
-    calls: dict[tuple[fx.Node, SiblingGemm], dict[int, tuple[fx.Node, tuple]]] = {}
+    calls: dict[tuple[fx.Node, SiblingGemm], dict[int, list[tuple[fx.Node, tuple]]]] = {}
     for node in gm.graph.nodes:
         operands = _linear_operands(node)
         if operands is None:
@@ -176,7 +176,7 @@ def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list) -> list[Merg
     order = {node: position for position, node in enumerate(gm.graph.nodes)}
     mergeable = []
     for (x, gemm), by_index in calls.items():
-        if sorted(by_index) != list(range(len(gemm.members))) or any(len(c) != 1 for c in by_index.values()):
+        if sorted(by_index) != list(range(len(gemm.members))) or any(len(c) > 1 for c in by_index.values()):
             continue
         members = [by_index[index][0] for index in range(len(gemm.members))]
         if not _writes_between(gm.graph, [node for node, _ in members], order):
@@ -219,13 +219,13 @@ def _member_called(weight: fx.Node, bias: Optional[fx.Node], inputs: dict, membe
     of the group's memory and its bias is the member's; else None."""
     if weight in inputs:
         weight_inputs = [weight]
-        position, value = inputs[weight]
+        _, value = inputs[weight]
         if not isinstance(value, NVFP4StaticTensor):
             return None
         names, _ = value.__tensor_flatten__()
         inner = [getattr(value, name) for name in names]
     elif weight.op == "call_function" and weight.target is NVFP4StaticTensor:
-        weight_inputs = [node for node in weight.all_input_nodes]
+        weight_inputs = list(weight.all_input_nodes)
         if not all(node in inputs for node in weight_inputs):
             return None
         inner = [inputs[node][1] for node in weight_inputs]
@@ -311,13 +311,17 @@ def _may_write(node: fx.Node) -> bool:
     return getattr(target, "__name__", "").endswith("_")
 
 
-def _merge(gm: fx.GraphModule, x: fx.Node, gemm: SiblingGemm, members: list[fx.Node], first: fx.Node, number: int) -> None:
+def _merge(
+    gm: fx.GraphModule, x: fx.Node, gemm: SiblingGemm, members: list[fx.Node], first: fx.Node, number: int
+) -> None:
     """Replace the member linears ``members`` (in member order; ``first`` of them in the graph)
     by one linear on the group's weight and a column slice of its output per member."""
     names, metadata = gemm.weight.__tensor_flatten__()
     weight_class = type(gemm.weight)
     graph = gm.graph
-    attributes = [_add_constant(gm, f"_nvfp4_sibling_gemm_{number}_{name}", getattr(gemm.weight, name)) for name in names]
+    attributes = [
+        _add_constant(gm, f"_nvfp4_sibling_gemm_{number}_{name}", getattr(gemm.weight, name)) for name in names
+    ]
 
     def group_weight(*inner: torch.Tensor) -> NVFP4StaticTensor:
         return weight_class.__tensor_unflatten__(dict(zip(names, inner)), metadata, None, None)

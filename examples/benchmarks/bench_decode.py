@@ -20,16 +20,20 @@ linears are all the work: what a decode step spends on weights. Rows:
 - ``reduce-overhead, unwrapped``: the same after torchao's ``unwrap_tensor_subclass`` (each
   weight held as plain tensors, the NVFP4 tensor rebuilt inside the graph), which spares each
   call the guards and unwrapping of 7 weight subclasses per layer.
-- ``compiled, graph replay``: the default-mode compiled stack captured into a CUDA graph by
-  hand and replayed: GPU time alone, whatever the compiled call costs on the host.
+- ``reduce-overhead, siblings + unwrapped``: the unwrapped stack after ``fuse_sibling_linears``,
+  compiled with ``sibling_gemm_backend("reduce-overhead")``, which runs q/k/v and gate/up as one
+  GEMM each inside the graph.
+- ``compiled, graph replay`` and ``compiled siblings, graph replay``: the default-mode compiled
+  stack (the second through ``sibling_gemm_backend()``) captured into a CUDA graph by hand and
+  replayed: GPU time alone, whatever the compiled call costs on the host.
 
 Times are medians of ``triton.testing.do_bench``; the host-bound rows (every row but the graph
 replay) are measured in ``--rounds`` interleaved rounds, bf16 then NVFP4, and the median round is
 shown, so that drift of the host's speed moves both sides alike. Tokens/s is one token per step. With
 ``--kernels``, where the GPU time of one step of the compiled stack goes: each kernel's launches
 and microseconds per step, from a torch.profiler trace of CUDA-graph replays, for the
-default-mode compiled NVFP4 stack (what ``reduce-overhead`` replays) and for its layers' own eager
-launches captured the same way.
+default-mode compiled NVFP4 stack (what ``reduce-overhead`` replays), the same with the siblings
+merged, and for its layers' own eager launches captured the same way.
 """
 
 import argparse
@@ -51,6 +55,7 @@ from nvfp4_static import (
     NVFP4StaticLinear,
     fuse_sibling_linears,
     is_quantizable,
+    sibling_gemm_backend,
     tie_fused_layers,
 )
 
@@ -145,7 +150,7 @@ def main():
     parser.add_argument("--kernels", action="store_true",
                         help="also list the kernels of one step of the compiled stacks")
     args = parser.parse_args()
-    torch._dynamo.config.recompile_limit = 32  # two stacks, two modes, one forward code object
+    torch._dynamo.config.recompile_limit = 32  # several stacks and backends, one forward code object
     token = torch.randn(1, DIM, device="cuda", dtype=torch.bfloat16)
     rows, kernel_tables = [], []
 
@@ -176,37 +181,55 @@ def main():
     if args.compiled_layers:
         bf16 = stack(args.compiled_layers)
         nvfp4 = converted(bf16)
-        # A copy unwrapped (torchao changes the layers it unwraps), compiled beside the others.
+        # Copies unwrapped (torchao changes the layers it unwraps), compiled beside the others.
         unwrapped = unwrap_tensor_subclass(copy.deepcopy(nvfp4))
-        overhead_reduced, replayed = [], []
-        for model in (bf16, nvfp4, unwrapped):
-            compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        siblings, siblings_unwrapped = copy.deepcopy(nvfp4), copy.deepcopy(nvfp4)
+        fuse_sibling_linears(siblings)  # after copying: a copy's slices leave the group's memory
+        fuse_sibling_linears(siblings_unwrapped)
+        unwrap_tensor_subclass(siblings_unwrapped)
+        compiles = [
+            (bf16, dict(mode="reduce-overhead")),
+            (nvfp4, dict(mode="reduce-overhead")),
+            (unwrapped, dict(mode="reduce-overhead")),
+            (siblings_unwrapped, dict(backend=sibling_gemm_backend("reduce-overhead"))),
+        ]
+        overhead_reduced = []
+        for model, how in compiles:
+            compiled = torch.compile(model, fullgraph=True, **how)
             start = time.perf_counter()
             with torch.no_grad():
                 for _ in range(3):
                     compiled(token)
             torch.cuda.synchronize()
-            print(f"compiled {type(model[0].q_proj).__name__} stack in {time.perf_counter() - start:.0f} s")
+            print(f"compiled {type(model[0].q_proj).__name__} stack ({how}) in {time.perf_counter() - start:.0f} s")
             overhead_reduced.append(lambda compiled=compiled: compiled(token).clone())
-            if model is not unwrapped:
-                default_mode = torch.compile(model, fullgraph=True)
-                with torch.no_grad():
-                    replayed.append(graph_ms(lambda: default_mode(token)))
+        default_modes = {
+            "bf16": torch.compile(bf16, fullgraph=True),
+            "nvfp4": torch.compile(nvfp4, fullgraph=True),
+            "nvfp4 siblings": torch.compile(siblings, fullgraph=True, backend=sibling_gemm_backend()),
+        }
+        with torch.no_grad():
+            replayed = {name: graph_ms(lambda fn=fn: fn(token)) for name, fn in default_modes.items()}
         if args.kernels:
             with torch.no_grad():
                 kernel_tables = [
-                    ("default-mode compiled", kernels_per_step(lambda: default_mode(token))),
+                    ("default-mode compiled", kernels_per_step(lambda: default_modes["nvfp4"](token))),
+                    ("siblings merged", kernels_per_step(lambda: default_modes["nvfp4 siblings"](token))),
                     ("the layers' eager launches", kernels_per_step(lambda: nvfp4(token))),
                 ]
-        bf16_ms, nvfp4_ms, unwrapped_ms = interleaved_ms(overhead_reduced, args.rounds)
+        bf16_ms, nvfp4_ms, unwrapped_ms, siblings_ms = interleaved_ms(overhead_reduced, args.rounds)
         rows.append(("reduce-overhead", args.compiled_layers, bf16_ms, nvfp4_ms))
         rows.append(("reduce-overhead, unwrapped", args.compiled_layers, bf16_ms, unwrapped_ms))
-        rows.append(("compiled, graph replay", args.compiled_layers, *replayed))
+        rows.append(("reduce-overhead, siblings + unwrapped", args.compiled_layers, bf16_ms, siblings_ms))
+        rows.append(("compiled, graph replay", args.compiled_layers, replayed["bf16"], replayed["nvfp4"]))
+        rows.append(
+            ("compiled siblings, graph replay", args.compiled_layers, replayed["bf16"], replayed["nvfp4 siblings"])
+        )
 
-    print(f"\n{'mode':<26} {'layers':>6} {'bf16 ms':>8} {'nvfp4 ms':>9} {'bf16 tok/s':>10} "
+    print(f"\n{'mode':<38} {'layers':>6} {'bf16 ms':>8} {'nvfp4 ms':>9} {'bf16 tok/s':>10} "
           f"{'nvfp4 tok/s':>11} {'speed vs bf16':>13}")
     for mode, layers, bf16_ms, nvfp4_ms in rows:
-        print(f"{mode:<26} {layers:>6} {bf16_ms:>8.3f} {nvfp4_ms:>9.3f} {1e3 / bf16_ms:>10.0f} "
+        print(f"{mode:<38} {layers:>6} {bf16_ms:>8.3f} {nvfp4_ms:>9.3f} {1e3 / bf16_ms:>10.0f} "
               f"{1e3 / nvfp4_ms:>11.0f} {bf16_ms / nvfp4_ms:>12.2f}x")
     for label, kernels in kernel_tables:
         print_kernels(f"nvfp4 {args.compiled_layers} layers, {label}", kernels)
