@@ -12,7 +12,7 @@ from torchao.utils import unwrap_tensor_subclass
 
 import nvfp4_static.tensor
 from nvfp4_static import NVFP4StaticLinear, sibling_gemm_backend
-from test_sibling_linears import CHANGES, QKV, fused_copy, members, other_llama
+from test_sibling_linears import CHANGES, QKV, biased_llama, fused_copy, members, other_llama
 
 HIDDEN = 64
 LINEARS_UNFUSED = 2 * 7 + 1  # two layers of q, k, v, o, gate, up, down; lm_head
@@ -86,6 +86,40 @@ def test_inductor_runs_the_groups_gemms(reference, unwrap, monkeypatch):
     # q/k/v: 64 + 32 + 32 rows; gate/up: 2 x 128; k and v (32 rows) never alone.
     assert 256 in widths and 32 not in widths
     torch.testing.assert_close(out, logits(unfused(reference)), rtol=1e-5, atol=1e-5)
+
+
+def test_biased_groups_merge_with_the_groups_bias():
+    reference = biased_llama()
+    fused = fused_copy(reference)
+    assert fused.get_submodule(QKV[0]).sibling_gemm.bias is not None
+    recorder = GraphRecorder()
+    torch.testing.assert_close(logits(compiled(fused, recorder)), logits(reference), rtol=1e-6, atol=1e-6)
+    assert recorder.linears() == LINEARS_MERGED
+
+
+class Reordered(torch.nn.Module):
+    """Layer 0's q/k/v members called v, q, k, between other work on their input."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = members(model)
+
+    def forward(self, x):
+        v = self.v_proj(x)
+        scaled = x * 2.0
+        q = self.q_proj(x)
+        return q, self.k_proj(x), v, scaled
+
+
+def test_members_in_another_order_merge_and_give_their_own_outputs(reference):
+    module = Reordered(fused_copy(reference))
+    x = torch.randn(4, HIDDEN)
+    recorder = GraphRecorder()
+    with torch.no_grad():
+        out, expected = compiled(module, recorder)(x), module(x)
+    assert recorder.linears() == 1
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_without_fused_groups_nothing_is_merged(reference):
