@@ -27,6 +27,10 @@ feeding q/k/v and gate/up are smoothed first, from the first calibration batch
 load (``--format compressed-tensors`` for ``vllm serve DIR/<recipe>``, or ``modelopt``), with
 the tokenizer. Engines run q/k/v and gate/up as one GEMM each, so ``--export`` ties those layers'
 scales (``nvfp4_static.tie_fused_layers``); ``--tie-fused-layers`` alone measures what tying costs.
+``--fuse-siblings`` (which ties them too) runs each W4A4 model's q/k/v and gate/up as one GEMM
+each (``nvfp4_static.fuse_sibling_linears``), and with ``--compile`` compiles through
+``nvfp4_static.sibling_gemm_backend``, which keeps them one GEMM in the compiled graphs, the
+generation's CUDA-graph decoding step included.
 """
 
 import argparse
@@ -89,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the --export format")
     parser.add_argument("--tie-fused-layers", action="store_true",
                         help="q/k/v and gate/up share their scales, as serving engines need")
+    parser.add_argument("--fuse-siblings", action="store_true",
+                        help="run q/k/v and gate/up as one GEMM each, compiled through "
+                        "sibling_gemm_backend (implies --tie-fused-layers)")
     return parser.parse_args(argv)
 
 
@@ -100,14 +107,16 @@ import torch.nn.functional as F  # noqa: E402
 from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
 
 from nvfp4_static import (  # noqa: E402
     NVFP4StaticActivationConfig,
     NVFP4StaticLinear,
     calibrate_hessians_under_quantized_activations,
     export_checkpoint,
+    fuse_sibling_linears,
     is_quantizable,
+    sibling_gemm_backend,
     smooth_norm_inputs,
     tie_fused_layers,
 )
@@ -344,7 +353,7 @@ def format_results(rows, float_ppl: float) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tie = args.tie_fused_layers or args.export is not None
+    tie = args.tie_fused_layers or args.export is not None or args.fuse_siblings
 
     b_min_options = {
         key: value for key, value in (("rho", args.rho), ("b_max_percentile", args.b_max_percentile))
@@ -365,13 +374,17 @@ def main(argv=None) -> None:
     )
 
     def run(model):
-        return torch.compile(model) if args.compile else model
+        if not args.compile:
+            return model
+        return torch.compile(model, backend=sibling_gemm_backend()) if args.fuse_siblings else torch.compile(model)
 
     prompt = held_out[:1, : min(32, args.seq_len)].to(args.device)
 
     def generated_per_s(model):
         if args.generate_tokens <= 0:
             return None
+        if args.fuse_siblings:  # transformers compiles the decoding step with this config
+            model.generation_config.compile_config = CompileConfig(backend=sibling_gemm_backend())
         return generation_speed(model, prompt, args.generate_tokens, args.compile, tokenizer.eos_token_id)
 
     def row(name, model, desc):
@@ -386,6 +399,9 @@ def main(argv=None) -> None:
     diagnostics = []
     for name, recipe in recipes.items():
         model = quantize(float_model, recipe, calib_batches, name, tie)
+        if args.fuse_siblings and is_w4a4(recipe):
+            groups = fuse_sibling_linears(model)
+            tqdm.write(f"{name}: {len(groups)} sibling groups (q/k/v, gate/up) run as one GEMM each")
         rows.append(row(name, model, f"evaluate {name}"))
         if is_w4a4(recipe):
             summary = diagnostics_summary(

@@ -61,7 +61,8 @@ def sibling_gemm_backend(
     """A ``torch.compile`` backend that runs each fused group's members as one GEMM.
 
     ``torch.compile(model, backend=sibling_gemm_backend("reduce-overhead"), fullgraph=True)``
-    on a model after ``fuse_sibling_linears`` (see the module docstring).
+    on a model after ``fuse_sibling_linears`` (see the module docstring). A mode or options given
+    to ``torch.compile`` itself (as transformers' ``CompileConfig`` does) apply as well.
 
     Args:
         mode: Inductor's mode, as ``torch.compile(mode=...)`` takes it ("reduce-overhead" for
@@ -71,38 +72,61 @@ def sibling_gemm_backend(
             backend's name or callable (then without ``mode`` and ``options``).
 
     Raises:
-        ValueError: an unknown mode or option, or a mode or options given for another backend.
+        ValueError: an unknown mode or option, or a mode or options given for another backend
+            (when compiling, for those given to ``torch.compile``: then also two different modes).
     """
-    if backend == "inductor":
-        from torch._inductor import config, list_mode_options
-        from torch._inductor.compile_fx import compile_fx
+    compile_graph = _graph_compiler(backend, mode, options)
+    given_mode, given_options = mode, options
 
-        modes = list_mode_options()
-        if mode is not None and mode not in modes:
-            raise ValueError(f"nvfp4_static: unknown Inductor mode {mode!r}; the modes are {sorted(modes)}")
-        unknown = sorted(set(options or {}) - set(config.get_config_copy()))
-        if unknown:
-            raise ValueError(f"nvfp4_static: unknown Inductor options {unknown}")
-        patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
-
-        def compile_graph(gm, example_inputs):
-            return compile_fx(gm, example_inputs, config_patches=patches)
-
-    else:
+    def merging_backend(
+        gm: fx.GraphModule, example_inputs: list, mode: Optional[str] = None, options: Optional[dict] = None
+    ) -> Callable:
+        """Merge, then compile; ``mode`` and ``options`` are those given to ``torch.compile``."""
+        compiler = compile_graph
         if mode is not None or options:
-            raise ValueError(
-                f"nvfp4_static: mode and options are Inductor's; backend {backend!r} takes neither"
+            compiler = _graph_compiler(
+                backend, _one_mode(given_mode, mode), {**(given_options or {}), **(options or {})}
             )
-        compile_graph = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-
-    def merging_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
         unmerged = _copy_of(gm)
         merges = merge_sibling_linears(gm, example_inputs)
         if not merges:
-            return compile_graph(gm, example_inputs)
-        return _CheckedMerge(compile_graph(gm, example_inputs), merges, unmerged, compile_graph)
+            return compiler(gm, example_inputs)
+        return _CheckedMerge(compiler(gm, example_inputs), merges, unmerged, compiler)
 
     return merging_backend
+
+
+def _one_mode(given: Optional[str], compiling: Optional[str]) -> Optional[str]:
+    """The mode of ``sibling_gemm_backend(given)`` under ``torch.compile(mode=compiling)``."""
+    if given is not None and compiling is not None and given != compiling:
+        raise ValueError(
+            f"nvfp4_static: sibling_gemm_backend({given!r}) compiled with torch.compile(mode={compiling!r}); "
+            f"give the mode once"
+        )
+    return compiling if compiling is not None else given
+
+
+def _graph_compiler(backend: Union[str, Callable], mode: Optional[str], options: Optional[dict]) -> Callable:
+    """``(gm, example_inputs) -> compiled``: Inductor with ``mode`` and ``options``, or ``backend``."""
+    if backend != "inductor":
+        if mode is not None or options:
+            raise ValueError(f"nvfp4_static: mode and options are Inductor's; backend {backend!r} takes neither")
+        return torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+    from torch._inductor import config, list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    modes = list_mode_options()
+    if mode is not None and mode not in modes:
+        raise ValueError(f"nvfp4_static: unknown Inductor mode {mode!r}; the modes are {sorted(modes)}")
+    unknown = sorted(set(options or {}) - set(config.get_config_copy()))
+    if unknown:
+        raise ValueError(f"nvfp4_static: unknown Inductor options {unknown}")
+    patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+
+    def compile_graph(gm, example_inputs):
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    return compile_graph
 
 
 class MergedGroup(NamedTuple):

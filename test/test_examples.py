@@ -76,6 +76,24 @@ def test_llm_example_reports_every_recipe_with_finite_perplexity():
     bool(missing_llm_deps),
     reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
 )
+def test_llm_example_with_fused_siblings_compiled_scores_what_the_tied_model_scores():
+    """``--fuse-siblings --compile`` (one GEMM per q/k/v and gate/up, through
+    ``sibling_gemm_backend``) changes only the order of fp32 sums against the tied model."""
+    tiny = ["--num-layers", "1", "--n-calib", "1", "--n-eval", "2", "--seq-len", "32", "--batch-size", "2",
+            "--recipes", "b_min+max", "--diagnostics-rows", "0"]
+    tied = run_script("examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--tie-fused-layers", timeout=600)
+    fused = run_script("examples/quantize_llm.py", *tiny, "--generate-tokens", "2", "--fuse-siblings", "--compile",
+                       timeout=600)
+    assert "b_min+max: 2 sibling groups (q/k/v, gate/up) run as one GEMM each" in fused
+    # (A one-layer model's perplexity is in the millions: compare relatively.)
+    for row in ("float", "b_min+max"):
+        assert results_table(fused)[row] == pytest.approx(results_table(tied)[row], rel=1e-5)
+
+
+@pytest.mark.skipif(
+    bool(missing_llm_deps),
+    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
+)
 def test_llm_example_calibration_window_moves_and_never_overlaps_the_held_out_text():
     example = llm_example()
     token_ids = torch.arange(10 * 4)  # ten sequences of four tokens

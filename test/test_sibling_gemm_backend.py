@@ -267,6 +267,37 @@ def test_bad_arguments_are_refused(arguments, message):
         sibling_gemm_backend(**arguments)
 
 
+def test_a_mode_and_options_given_to_torch_compile_reach_inductor(reference, monkeypatch):
+    """As transformers' CompileConfig passes them: torch.compile hands a custom backend its
+    mode and options, which join the backend's own."""
+    patches = []
+    monkeypatch.setattr(
+        "torch._inductor.compile_fx.compile_fx",
+        lambda gm, example_inputs, config_patches: patches.append(config_patches) or gm.forward,
+    )
+    fused = fused_copy(reference)
+    torch._dynamo.reset()
+    backend = sibling_gemm_backend(options={"max_autotune": False})
+    model = torch.compile(fused, backend=backend, mode="max-autotune-no-cudagraphs", fullgraph=True)
+    torch.testing.assert_close(logits(model), logits(reference), rtol=1e-6, atol=1e-6)
+    assert patches == [{"max_autotune": False, "coordinate_descent_tuning": True}]
+
+
+TWO_MODES = {
+    "two different modes": (dict(mode="reduce-overhead"), dict(mode="max-autotune"), r"give the mode once"),
+    "an unknown mode": (dict(), dict(mode="fastest"), r"unknown Inductor mode 'fastest'"),
+    "a mode for another backend": (dict(backend="eager"), dict(mode="reduce-overhead"), r"takes neither"),
+}
+
+
+@pytest.mark.parametrize("given, compiling, message", TWO_MODES.values(), ids=TWO_MODES.keys())
+def test_a_mode_given_to_torch_compile_that_cannot_apply_is_refused(reference, given, compiling, message):
+    torch._dynamo.reset()
+    model = torch.compile(fused_copy(reference), backend=sibling_gemm_backend(**given), fullgraph=True, **compiling)
+    with pytest.raises(Exception, match=message):
+        logits(model)
+
+
 @requires_cuda
 @pytest.mark.parametrize("tokens", [1, 16, 300])
 @pytest.mark.parametrize("unwrap", [False, True], ids=["subclass weights", "unwrapped weights"])
