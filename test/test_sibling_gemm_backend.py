@@ -1,6 +1,7 @@
 """sibling_gemm_backend: a compiled fused model runs each group as one linear, where that is safe."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -318,3 +319,37 @@ def test_gpu_compiled_group_equals_the_eager_groups_gemm(tokens, unwrap):
     assert recorder.linears() == 1
     for got, inductor, want in zip(out, merged, expected):
         assert torch.equal(got, want) and torch.equal(inductor, want)
+
+
+@requires_cuda
+def test_gpu_generate_compiles_its_decoding_step_through_the_backend(monkeypatch):
+    """transformers' generate with a static cache compiles its decoding step through the backend
+    (CUDA graphs: the CompileConfig's default mode reaches Inductor): the groups merge and the
+    tokens and logits follow the eager fused model's."""
+    from transformers import CompileConfig
+
+    # The package exports the function under the module's name: the module from sys.modules.
+    backend_module = importlib.import_module("nvfp4_static.sibling_gemm_backend")
+    merged = []
+    merge = backend_module.merge_sibling_linears
+
+    def recording(gm, example_inputs):
+        groups = merge(gm, example_inputs)
+        merged.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(backend_module, "merge_sibling_linears", recording)
+    fused = fused_copy(converted_llama(torch.bfloat16).cuda())
+    prompt = torch.randint(0, 128, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    options = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = fused.generate(prompt, **options)
+        out = fused.generate(
+            prompt, cache_implementation="static", compile_config=CompileConfig(backend=sibling_gemm_backend()),
+            **options,
+        )
+    assert sum(merged) == 4  # two layers' q/k/v and gate/up
+    assert torch.equal(out.sequences, expected.sequences)
+    for got, want in zip(out.logits, expected.logits):
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
