@@ -17,8 +17,9 @@ of the group's output: a strided view, as ``Tensor.split`` gives. Calls on infer
 weight torchao's ``unwrap_tensor_subclass`` holds as plain tensors, and calls under
 ``torch.compile`` run the member alone; ``sibling_gemm_backend`` merges the group in a compiled
 graph instead. Moving the model (``.to()``, ``.cuda()``), replacing a member's weight or bias,
-or copying the model (the copy's slices no longer share the group's memory) dissolves the
-group: the members run alone from then on.
+or loading one with ``assign=True`` dissolves the group: the members run alone from then on. A
+copy of the model (``copy.deepcopy``, or saved whole and loaded) holds its members' weights as
+rows of the copy's group weight, and so keeps working groups.
 """
 
 import weakref
@@ -48,9 +49,17 @@ class SiblingGemm:
         self.bias = bias
         self.sizes = [member.out_features for member in members]
         self._parameters = [(member.weight, member.bias) for member in members]
-        self._addresses = _addresses(self._parameters)
+        self._addresses = self._rows_addresses()
         self._launches = EagerTritonLaunches()
         self._pending = None  # (input, its version, {member index: output part})
+        _GEMMS.add(self)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copied or unpickled group is live too (``live_sibling_gemms``), and intact where the
+        copy kept its members' weights as rows of its weight (``copy.deepcopy`` of a model does)."""
+        self.__dict__.update(state)
+        if self.weight is not None:
+            self._addresses = self._rows_addresses()
         _GEMMS.add(self)
 
     def output(self, index: int, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -86,14 +95,24 @@ class SiblingGemm:
         self.weight = self.bias = self._pending = None
 
     def _intact(self) -> bool:
-        """Whether each member still holds the row slices it was given, where they were (a
-        deep copy, for one, copies the slices apart from the group's weight)."""
+        """Whether each member still holds the row slices it was given (the same parameters),
+        at their rows of the group's weight and bias."""
         for member, (weight, bias) in zip(self.members, self._parameters):
             parameters = member._parameters
             if parameters.get("weight") is not weight or parameters.get("bias") is not bias:
                 return False
         return _addresses(self._parameters) == self._addresses
 
+    def _rows_addresses(self) -> list[tuple]:
+        """Where each member's weight and bias keep their data while the group is intact: at
+        their rows of the group's weight and bias (as ``_addresses`` lists them)."""
+        rows, start = [], 0
+        for size in self.sizes:
+            end = start + size
+            bias = None if self.bias is None else self.bias[start:end].data_ptr()
+            rows.append((self.weight.qdata[start:end].data_ptr(), self.weight.scale[start:end].data_ptr(), bias))
+            start = end
+        return rows
 
     def _unwrapped(self) -> bool:
         """Whether a member holds its weight as plain tensors (torchao's
@@ -125,7 +144,8 @@ def fuse_sibling_linears(
 
     Call it on a converted (or loaded) model whose groups were tied before convert
     (``tie_fused_layers``). Groups with a member that is not converted, or is an empty
-    placeholder, are left as they are; groups already fused are kept. The outputs equal the
+    placeholder, are left as they are; groups already fused are kept (a copied model's groups,
+    which no longer share the group's memory, are fused anew). The outputs equal the
     members' own up to the order of fp32 sums.
 
     Returns:
@@ -141,7 +161,9 @@ def fuse_sibling_linears(
         members = [model.get_submodule(name) for name in names]
         if not all(isinstance(m, NVFP4StaticLinear) and m.loaded for m in members):
             continue
-        if not all(m.sibling_gemm is not None and m.sibling_gemm.members == members for m in members):
+        gemm = members[0].sibling_gemm
+        kept = gemm is not None and gemm.members == members and all(m.sibling_gemm is gemm for m in members)
+        if not (kept and gemm._intact()):
             _check_fusable(names, members)
             to_fuse.append(members)
         fused.append(names)

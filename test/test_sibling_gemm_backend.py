@@ -185,6 +185,7 @@ def test_a_group_with_a_member_on_another_input_is_not_merged(reference):
 
 
 AFTER_COMPILING = {name: change for name, change in CHANGES.items() if name != "the model moved"}
+AFTER_COMPILING["the model copied"] = copy.deepcopy
 
 
 @pytest.mark.parametrize("change", AFTER_COMPILING.values(), ids=AFTER_COMPILING.keys())
@@ -237,11 +238,12 @@ def test_a_call_that_no_longer_meets_the_merge_runs_the_graph_without_it(referen
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_a_copied_model_compiles_unmerged(reference):
+def test_a_copied_model_compiles_merged(reference):
+    """(A copy's groups are its own, live and intact.)"""
     copied = copy.deepcopy(fused_copy(reference))
     recorder = GraphRecorder()
     torch.testing.assert_close(logits(compiled(copied, recorder)), logits(reference), rtol=1e-6, atol=1e-6)
-    assert recorder.linears() == LINEARS_UNFUSED
+    assert recorder.linears() == LINEARS_MERGED
 
 
 def test_a_checkpoint_loaded_into_the_members_reaches_the_compiled_group(reference):

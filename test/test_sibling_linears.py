@@ -1,6 +1,7 @@
 """fuse_sibling_linears: a layer's q/k/v and gate/up run as one GEMM and give the members' outputs."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -167,7 +168,6 @@ CHANGES = {
         other_llama().state_dict(), assign=True
     ),
     "the model moved": lambda model: model.to("cpu"),
-    "the model copied": copy.deepcopy,
 }
 
 
@@ -205,6 +205,30 @@ def test_groups_with_a_float_member_are_left_alone_and_fusing_again_changes_noth
     gemms = [m.sibling_gemm for m in model.modules() if isinstance(m, NVFP4StaticLinear)]
     assert fuse_sibling_linears(model) == groups
     assert [m.sibling_gemm for m in model.modules() if isinstance(m, NVFP4StaticLinear)] == gemms
+
+
+def saved_and_loaded(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("copied", [copy.deepcopy, saved_and_loaded], ids=["deepcopy", "torch.save and load"])
+def test_a_copied_model_keeps_working_groups(reference, monkeypatch, copied):
+    """A copy holds its members' weights as rows of its own group weight: its groups are intact,
+    fusing again keeps them, and each runs one GEMM."""
+    fused = fused_copy(reference)
+    model = copied(fused)
+    gemms = [m.sibling_gemm for m in members(model)]
+    assert gemms[0] is not fused.get_submodule(QKV[0]).sibling_gemm and gemms[0]._intact()
+    assert fuse_sibling_linears(model) and [m.sibling_gemm for m in members(model)] == gemms
+    widths = gemm_counter(monkeypatch)
+    out = logits(model)
+    monkeypatch.undo()
+    assert 256 in widths and 32 not in widths
+    torch.testing.assert_close(out, logits(reference), rtol=1e-6, atol=1e-6)
+    assert all(m.sibling_gemm is gemms[0] for m in members(model))
 
 
 def test_compiled_members_run_alone_on_their_slices(reference):
