@@ -153,8 +153,9 @@ def fuse_sibling_linears(
 
     Raises:
         ValueError: a group's members differ in what one GEMM must share (activation or weight
-            global scale, input width, dtype, device, backend, having a bias); nothing is
-            changed then.
+            global scale, input width, dtype, device, backend, having a bias), or a member's
+            weight was unwrapped (torchao's ``unwrap_tensor_subclass``) before fusing; nothing
+            is changed then.
     """
     fused, to_fuse = [], []
     for names in find_fusion_groups(model, groups):
@@ -163,7 +164,7 @@ def fuse_sibling_linears(
             continue
         gemm = members[0].sibling_gemm
         kept = gemm is not None and gemm.members == members and all(m.sibling_gemm is gemm for m in members)
-        if not (kept and gemm._intact()):
+        if not (kept and (gemm._intact() or gemm._unwrapped())):
             _check_fusable(names, members)
             to_fuse.append(members)
         fused.append(names)
@@ -173,6 +174,12 @@ def fuse_sibling_linears(
 
 
 def _check_fusable(names: tuple[str, ...], members: list[NVFP4StaticLinear]) -> None:
+    unwrapped = [name for name, m in zip(names, members) if parametrize.is_parametrized(m, "weight")]
+    if unwrapped:
+        raise ValueError(
+            f"nvfp4_static: cannot fuse {list(names)} into one GEMM: {unwrapped} hold their weight as plain "
+            f"tensors (torchao's unwrap_tensor_subclass); call fuse_sibling_linears(model) before unwrapping"
+        )
     first = members[0].weight
     checks = {
         "activation global scale": lambda w, b: bool(torch.equal(w.act_per_tensor_scale, first.act_per_tensor_scale)),

@@ -6,6 +6,7 @@ import io
 import pytest
 import torch
 from safetensors.torch import load_file
+from torchao.utils import unwrap_tensor_subclass
 from conftest import requires_cuda
 from tiny_llama import convert_llama, converted_llama, logits, prepared_and_calibrated, tiny_llama
 
@@ -193,6 +194,25 @@ def test_an_untied_group_is_refused_and_nothing_changes():
         fuse_sibling_linears(model)
     assert [(m.weight, m.weight.qdata.data_ptr()) for m in members(model)] == before
     assert all(m.sibling_gemm is None for m in model.modules() if isinstance(m, NVFP4StaticLinear))
+
+
+def test_a_model_unwrapped_before_fusing_is_refused_and_nothing_changes(reference):
+    model = copy.deepcopy(reference)
+    unwrap_tensor_subclass(model)
+    before = logits(model)
+    with pytest.raises(ValueError, match=r"cannot fuse .*q_proj.*unwrap_tensor_subclass.*before unwrapping"):
+        fuse_sibling_linears(model)
+    assert all(m.sibling_gemm is None for m in model.modules() if isinstance(m, NVFP4StaticLinear))
+    assert torch.equal(logits(model), before)
+
+
+def test_a_model_unwrapped_after_fusing_keeps_its_groups(reference):
+    model = fused_copy(reference)
+    gemm = model.get_submodule(QKV[0]).sibling_gemm
+    unwrap_tensor_subclass(model)
+    assert fuse_sibling_linears(model) and model.get_submodule(QKV[0]).sibling_gemm is gemm
+    torch.testing.assert_close(logits(model), logits(reference), rtol=1e-6, atol=1e-6)
+    assert model.get_submodule(QKV[0]).sibling_gemm is gemm  # its eager calls run alone, keeping it
 
 
 def test_groups_with_a_float_member_are_left_alone_and_fusing_again_changes_nothing(reference):
