@@ -4,26 +4,18 @@ Eagerly, a fused group's members (``fuse_sibling_linears``) share one GEMM by ke
 between their calls, which needs to know that the shared input was not changed in place in
 between; a traced call cannot ask (dynamo reads a tensor's version counter as an unknown). The
 graph dynamo hands its backend shows the whole layer instead. ``sibling_gemm_backend`` rewrites
-a copy of it before compiling:
+it before compiling: where every member of a group is a ``linear`` of one input node, and no
+node between the first and the last of them can write a tensor, the members' linears become one
+linear on the group's weight (rebuilt in the graph from its inner tensors) and a column slice of
+its output per member. Then Inductor compiles the graph, with the ``mode`` and ``options``
+``torch.compile`` would take, or another backend does.
 
-- where every member of a group is a ``linear`` of one input node, and no node between the first
-  and the last of them can write a tensor, the members' linears become one linear on the group's
-  weight and a column slice of its output per member;
-- every NVFP4 weight the graph takes as an input (a weight subclass) is held by the graph
-  instead, as its inner tensors (the same memory) rebuilt by a node of the graph, and left out
-  of the compiled graph's inputs: a compiled region unwraps each subclass input on the host at
-  every call, what torchao's ``unwrap_tensor_subclass`` otherwise avoids.
-
-Then Inductor compiles the copy, with the ``mode`` and ``options`` ``torch.compile`` would take,
-or another backend does. The graph reads the weights' memory (the group's, which its members'
-weights are rows of), so a checkpoint loaded into the model reaches it; a change of a weight's
-global scales changes its metadata, on which dynamo guards (it recompiles). Each call checks that
-the members' weights and biases and the weights held are still the objects the graph was
-compiled from and that no group was dissolved; otherwise the groups are dissolved and that call
-and the later ones run dynamo's graph, compiled then, as it was. Works on weight subclasses and
-on weights unwrapped by torchao (then only the merge applies). Move the model before compiling:
-afterwards ``model.to()`` fails, as torch refuses to swap a parameter that the compiled graph's
-tracing state still weakly references (a plain ``torch.compile`` releases that state).
+The graph reads the group's memory, which the members' weights are row slices of: a checkpoint
+loaded into the members reaches it. Works on the subclass weights and on weights that torchao's
+``unwrap_tensor_subclass`` holds as plain tensors. Each call checks that the members' weights
+and biases are still the objects the graph was compiled with and that the group was not
+dissolved (moved, copied apart); otherwise the group is dissolved and the call runs, from then
+on, the graph compiled without the merge.
 """
 
 import copy
@@ -66,8 +58,7 @@ def sibling_gemm_backend(
     options: Optional[dict[str, Any]] = None,
     backend: Union[str, Callable] = "inductor",
 ) -> Callable:
-    """A ``torch.compile`` backend that runs each fused group's members as one GEMM and holds the
-    NVFP4 weights in the graph rather than taking them as inputs.
+    """A ``torch.compile`` backend that runs each fused group's members as one GEMM.
 
     ``torch.compile(model, backend=sibling_gemm_backend("reduce-overhead"), fullgraph=True)``
     on a model after ``fuse_sibling_linears`` (see the module docstring). A mode or options given
@@ -90,23 +81,17 @@ def sibling_gemm_backend(
     def merging_backend(
         gm: fx.GraphModule, example_inputs: list, mode: Optional[str] = None, options: Optional[dict] = None
     ) -> Callable:
-        """Rewrite a copy, then compile; ``mode`` and ``options`` are those given to ``torch.compile``."""
+        """Merge, then compile; ``mode`` and ``options`` are those given to ``torch.compile``."""
         compiler = compile_graph
         if mode is not None or options:
             compiler = _graph_compiler(
                 backend, _one_mode(given_mode, mode), {**(given_options or {}), **(options or {})}
             )
-        # Rewritten on a copy: dynamo calls the compiled graph with the inputs of its own graph.
-        rewritten = _copy_of(gm, example_values=True)
-        merges = merge_sibling_linears(rewritten, example_inputs)
-        held = hold_weights_as_constants(rewritten, example_inputs)
-        if not merges and not held:
+        unmerged = _copy_of(gm)
+        merges = merge_sibling_linears(gm, example_inputs)
+        if not merges:
             return compiler(gm, example_inputs)
-        dropped = {position for position, _ in held}
-        kept = [position for position in range(len(example_inputs)) if position not in dropped]
-        compiled = compiler(rewritten, [example_inputs[position] for position in kept])
-        _drop_example_values(rewritten)
-        return _RewrittenGraph(compiled, merges, held, kept, _copy_of(gm, example_values=False), compiler)
+        return _CheckedMerge(compiler(gm, example_inputs), merges, unmerged, compiler)
 
     return merging_backend
 
@@ -153,31 +138,21 @@ class MergedGroup(NamedTuple):
     inputs: tuple[tuple[int, Any], ...]
 
 
-class _RewrittenGraph:
-    """The compiled rewritten graph, called with the inputs it kept while every merged group
-    holds (not dissolved, each member's weight and bias the object compiled from) and each weight
-    it holds is the object it was compiled from; from the first call where one does not, the
-    groups are dissolved and dynamo's graph, compiled as it was, runs. The
-    check reads all inputs at once (C-level ``itemgetter`` and ``map``) rather than looping in
-    Python: a 32-layer model has 64 groups and 224 weights, checked at every call."""
+class _CheckedMerge:
+    """The compiled merged graph, called while every merged group holds (not dissolved, each
+    member's weight and bias the object compiled with); from the first call where one does not,
+    the groups are dissolved and the graph compiled without the merge runs. The check reads all
+    groups' inputs at once (C-level ``itemgetter`` and ``map``) rather than looping over them in
+    Python: a 32-layer model has 64 groups, checked at every call."""
 
-    def __init__(
-        self,
-        compiled: Callable,
-        groups: list[MergedGroup],
-        held: list[tuple[int, Any]],
-        kept: list[int],
-        unmerged: fx.GraphModule,
-        compile_graph: Callable,
-    ):
-        self._compiled = compiled
+    def __init__(self, merged: Callable, groups: list[MergedGroup], unmerged: fx.GraphModule, compile_graph: Callable):
+        self._merged = merged
         self._groups = groups
         self._unmerged = unmerged
         self._compile_graph = compile_graph
-        checked = [entry for group in groups for entry in group.inputs] + held
-        self._inputs = _getter([position for position, _ in checked])
-        self._compiled_from = tuple(value for _, value in checked)
-        self._kept = _getter(kept)
+        positions = [position for group in groups for position, _ in group.inputs]
+        self._inputs = operator.itemgetter(*positions, positions[0])  # a tuple even for one position
+        self._compiled_from = tuple(value for group in groups for _, value in group.inputs) + (groups[0].inputs[0][1],)
         self._gemms = tuple(group.gemm for group in groups)
         self._weights = tuple(group.weight for group in groups)
 
@@ -187,60 +162,33 @@ class _RewrittenGraph:
         )
 
     def __call__(self, *args):
-        if self._compiled is not None:
+        if self._groups is not None:
             if self._holds(args):
-                return self._compiled(*self._kept(args))
+                return self._merged(*args)
             for group in self._groups:
                 group.gemm.dissolve()
-            self._compiled = None
+            self._groups = self._merged = None
             self._unmerged = self._compile_graph(self._unmerged, list(args))
         return self._unmerged(*args)
-
-
-def _getter(positions: list[int]) -> Callable[[tuple], tuple]:
-    """``args -> tuple(args[p] for p in positions)``, in C."""
-    if len(positions) == 1:
-        return lambda args: (args[positions[0]],)
-    return operator.itemgetter(*positions) if positions else lambda args: ()
 
 
 _weight_of = operator.attrgetter("weight")
 
 
-def _copy_of(gm: fx.GraphModule, example_values: bool) -> fx.GraphModule:
-    """A copy of dynamo's graph, to rewrite (with the nodes' example values) or to compile later
-    (without them: they hold the fake-tensor mode that weakly references each parameter, and a
-    weakly referenced parameter cannot be swapped, which ``model.to()`` does). Each input keeps
-    what AOTAutograd asks of a dynamo graph's inputs (its source, whether it is static) and none
-    keeps dynamo's record of its real value."""
+def _copy_of(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of dynamo's graph to compile later: each input keeps the source AOTAutograd asks
+    of a dynamo graph's inputs, and none keeps its example value (dynamo drops those after
+    compiling; a kept one would hold a reference to the model's parameters)."""
     graph = copy.deepcopy(gm.graph)
     for original, copied in zip(gm.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder")):
         if hasattr(original, "_dynamo_source"):
             copied._dynamo_source = original._dynamo_source
-    for node in graph.nodes:
-        node.meta.pop("grapharg", None)
-        if not example_values:
-            static = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
-            node.meta = {} if static is None else {"tensor_dict": {"_dynamo_static_input_type": static}}
+        copied.meta.pop("grapharg", None)
     copied_gm = fx.GraphModule(gm, graph)
     copied_gm.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):
         copied_gm._param_name_to_source = dict(gm._param_name_to_source)
     return copied_gm
-
-
-def _drop_example_values(gm: fx.GraphModule) -> None:
-    """Drop the nodes' example values, as dynamo drops those of its own graph once compiled:
-    they hold the fake-tensor mode, which weakly references each parameter, and a weakly
-    referenced parameter cannot be swapped (``model.to()`` swaps a subclass parameter)."""
-    for node in gm.graph.nodes:
-        node.meta.pop("example_value", None)
-
-
-def _erase(graph: fx.Graph, node: fx.Node) -> None:
-    """Erase ``node`` and its record of values (the graph keeps erased nodes by name)."""
-    node.meta.clear()
-    graph.erase_node(node)
 
 
 def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list) -> list[MergedGroup]:
@@ -278,45 +226,6 @@ def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list) -> list[Merg
         gm.graph.lint()
         gm.recompile()
     return merged
-
-
-def hold_weights_as_constants(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, Any]]:
-    """Take each NVFP4 weight subclass out of ``gm``'s inputs: a used one becomes its inner
-    tensors, held as buffers of the graph (the same memory), rebuilt by a node of the graph;
-    an unused one (a merged member's) is dropped. Returns the inputs taken, as (position,
-    object). A compiled region unwraps each subclass input at every call (AOTAutograd reads its
-    size, stride and attributes through Python), which under CUDA graphs can be most of a decode
-    step's host time; buffers of plain tensors it passes as they are."""
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    first_computation = next((node for node in gm.graph.nodes if node.op != "placeholder"), None)
-    taken = []
-    for position, node in enumerate(placeholders):
-        value = example_inputs[position]
-        if not isinstance(value, NVFP4StaticTensor):
-            continue
-        if node.users:
-            names, metadata = value.__tensor_flatten__()
-            prefix = f"_nvfp4_weight_{len(taken)}"
-            attributes = [_add_constant(gm, f"{prefix}_{name}", getattr(value, name)) for name in names]
-            with gm.graph.inserting_before(first_computation):
-                inner = tuple(gm.graph.get_attr(attribute) for attribute in attributes)
-                rebuilt = gm.graph.call_function(_rebuilding(type(value), names, metadata), inner)
-            node.replace_all_uses_with(rebuilt)
-        _erase(gm.graph, node)
-        taken.append((position, value))
-    if taken:
-        gm.graph.lint()
-        gm.recompile()
-    return taken
-
-
-def _rebuilding(weight_class: type, names: list[str], metadata: Any) -> Callable:
-    """A function of a weight's inner tensors (``names``, in order) that rebuilds the weight."""
-
-    def rebuild(*inner: torch.Tensor) -> NVFP4StaticTensor:
-        return weight_class.__tensor_unflatten__(dict(zip(names, inner)), metadata, None, None)
-
-    return rebuild
 
 
 def _linear_operands(node: fx.Node) -> Optional[tuple]:
@@ -449,9 +358,12 @@ def _merge(
         _add_constant(gm, f"_nvfp4_sibling_gemm_{number}_{name}", getattr(gemm.weight, name)) for name in names
     ]
 
+    def group_weight(*inner: torch.Tensor) -> NVFP4StaticTensor:
+        return weight_class.__tensor_unflatten__(dict(zip(names, inner)), metadata, None, None)
+
     with graph.inserting_before(first):
-        inner = tuple(graph.get_attr(attribute) for attribute in attributes)
-        weight = graph.call_function(_rebuilding(weight_class, names, metadata), inner)
+        inner = [graph.get_attr(attribute) for attribute in attributes]
+        weight = graph.call_function(group_weight, tuple(inner))
         bias = None
         if gemm.bias is not None:
             bias = graph.get_attr(_add_constant(gm, f"_nvfp4_sibling_gemm_{number}_bias", gemm.bias))
@@ -464,9 +376,9 @@ def _merge(
     for node, part in zip(members, parts):
         weight_node = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
         node.replace_all_uses_with(part)
-        _erase(graph, node)
+        graph.erase_node(node)
         if weight_node.op == "call_function" and not weight_node.users:
-            _erase(graph, weight_node)
+            graph.erase_node(weight_node)
 
 
 def _add_constant(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> str:
