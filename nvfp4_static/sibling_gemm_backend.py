@@ -14,8 +14,10 @@ The graph reads the group's memory, which the members' weights are row slices of
 loaded into the members reaches it. Works on the subclass weights and on weights that torchao's
 ``unwrap_tensor_subclass`` holds as plain tensors. Each call checks that the members' weights
 and biases are still the objects the graph was compiled with and that the group was not
-dissolved (moved, copied apart); otherwise the group is dissolved and the call runs, from then
-on, the graph compiled without the merge.
+dissolved (moved, or a member's weight replaced); otherwise the group is dissolved and the call runs, from then
+on, the graph compiled without the merge. Move the model before compiling: afterwards
+``model.to()`` fails, as torch refuses to swap a parameter that the kept graphs' tracing state
+still weakly references (a plain ``torch.compile`` releases that state).
 """
 
 import copy
