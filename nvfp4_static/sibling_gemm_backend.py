@@ -149,12 +149,11 @@ class _CheckedMerge:
 
     def __init__(self, merged: Callable, groups: list[MergedGroup], unmerged: fx.GraphModule, compile_graph: Callable):
         self._merged = merged
-        self._groups = groups
         self._unmerged = unmerged
         self._compile_graph = compile_graph
-        positions = [position for group in groups for position, _ in group.inputs]
-        self._inputs = operator.itemgetter(*positions, positions[0])  # a tuple even for one position
-        self._compiled_from = tuple(value for group in groups for _, value in group.inputs) + (groups[0].inputs[0][1],)
+        # Each group has two or more members, so at least two positions: itemgetter gives a tuple.
+        self._inputs = operator.itemgetter(*(position for group in groups for position, _ in group.inputs))
+        self._compiled_from = tuple(value for group in groups for _, value in group.inputs)
         self._gemms = tuple(group.gemm for group in groups)
         self._weights = tuple(group.weight for group in groups)
 
@@ -164,12 +163,12 @@ class _CheckedMerge:
         )
 
     def __call__(self, *args):
-        if self._groups is not None:
+        if self._merged is not None:
             if self._holds(args):
                 return self._merged(*args)
-            for group in self._groups:
-                group.gemm.dissolve()
-            self._groups = self._merged = None
+            for gemm in self._gemms:
+                gemm.dissolve()
+            self._merged = None
             self._unmerged = self._compile_graph(self._unmerged, list(args))
         return self._unmerged(*args)
 
@@ -241,13 +240,11 @@ def _linear_operands(node: fx.Node) -> Optional[tuple]:
 
 def _members_by_weight_address() -> dict[int, tuple[SiblingGemm, int]]:
     """Each live group's members by the address of their packed weight rows."""
-    members = {}
-    for gemm in live_sibling_gemms():
-        start = 0
-        for index, size in enumerate(gemm.sizes):
-            members[gemm.weight.qdata[start : start + size].data_ptr()] = (gemm, index)
-            start += size
-    return members
+    return {
+        gemm.rows(index, gemm.weight.qdata).data_ptr(): (gemm, index)
+        for gemm in live_sibling_gemms()
+        for index in range(len(gemm.members))
+    }
 
 
 def _member_called(weight: fx.Node, bias: Optional[fx.Node], inputs: dict, member_of: dict) -> Optional[tuple]:
@@ -275,7 +272,7 @@ def _member_called(weight: fx.Node, bias: Optional[fx.Node], inputs: dict, membe
     gemm, index = found[0]
     if not _holds_its_slice(gemm, index, tensors):
         return None
-    expected_bias = None if gemm.bias is None else _rows(gemm, index, gemm.bias)
+    expected_bias = None if gemm.bias is None else gemm.rows(index, gemm.bias)
     if (bias is None) != (expected_bias is None):
         return None
     compiled_from = [inputs[node] for node in weight_inputs]
@@ -286,17 +283,12 @@ def _member_called(weight: fx.Node, bias: Optional[fx.Node], inputs: dict, membe
     return gemm, index, tuple(compiled_from)
 
 
-def _rows(gemm: SiblingGemm, index: int, tensor: torch.Tensor) -> torch.Tensor:
-    start = sum(gemm.sizes[:index])
-    return tensor[start : start + gemm.sizes[index]]
-
-
 def _holds_its_slice(gemm: SiblingGemm, index: int, tensors: list[torch.Tensor]) -> bool:
     """Whether ``tensors`` (a member weight's inner tensors, in any order) are the group's inner
     tensors, the row-indexed ones (packed weight, block scales) as the member's rows."""
     names, _ = gemm.weight.__tensor_flatten__()
     group = [getattr(gemm.weight, name) for name in names]
-    expected = [_rows(gemm, index, t) if t.dim() > 0 and t.shape[0] == gemm.weight.shape[0] else t for t in group]
+    expected = [gemm.rows(index, t) if t.dim() > 0 and t.shape[0] == gemm.weight.shape[0] else t for t in group]
     unmatched = list(tensors)
     for want in expected:
         match = next((t for t in unmatched if _same_memory(t, want)), None)

@@ -103,16 +103,23 @@ class SiblingGemm:
                 return False
         return _addresses(self._parameters) == self._addresses
 
+    def rows(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """Member ``index``'s rows of ``tensor``, one of the group's (packed weight, block scales,
+        bias)."""
+        start = sum(self.sizes[:index])
+        return tensor[start : start + self.sizes[index]]
+
     def _rows_addresses(self) -> list[tuple]:
         """Where each member's weight and bias keep their data while the group is intact: at
         their rows of the group's weight and bias (as ``_addresses`` lists them)."""
-        rows, start = [], 0
-        for size in self.sizes:
-            end = start + size
-            bias = None if self.bias is None else self.bias[start:end].data_ptr()
-            rows.append((self.weight.qdata[start:end].data_ptr(), self.weight.scale[start:end].data_ptr(), bias))
-            start = end
-        return rows
+        return [
+            (
+                self.rows(index, self.weight.qdata).data_ptr(),
+                self.rows(index, self.weight.scale).data_ptr(),
+                None if self.bias is None else self.rows(index, self.bias).data_ptr(),
+            )
+            for index in range(len(self.members))
+        ]
 
     def _unwrapped(self) -> bool:
         """Whether a member holds its weight as plain tensors (torchao's
@@ -144,8 +151,8 @@ def fuse_sibling_linears(
 
     Call it on a converted (or loaded) model whose groups were tied before convert
     (``tie_fused_layers``). Groups with a member that is not converted, or is an empty
-    placeholder, are left as they are; groups already fused are kept (a copied model's groups,
-    which no longer share the group's memory, are fused anew). The outputs equal the
+    placeholder, are left as they are; groups already fused are kept, unless a member no longer
+    holds its rows of the group's memory (then the group is fused anew). The outputs equal the
     members' own up to the order of fp32 sums.
 
     Returns:

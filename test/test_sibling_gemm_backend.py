@@ -112,15 +112,22 @@ class Reordered(torch.nn.Module):
         return q, self.k_proj(x), v, scaled
 
 
-def test_members_in_another_order_merge_and_give_their_own_outputs(reference):
-    module = Reordered(fused_copy(reference))
-    x = torch.randn(4, HIDDEN)
+def compiled_gives_the_eager_outputs(module, rows: int) -> GraphRecorder:
+    """Call ``module`` eagerly, then compiled through the backend, each on its own copy of one
+    random input (a module may write its input); check each output against the eager one, and
+    return the recorder of the compiled graph."""
+    x = torch.randn(rows, HIDDEN)
     recorder = GraphRecorder()
     with torch.no_grad():
-        out, expected = compiled(module, recorder)(x), module(x)
-    assert recorder.linears() == 1
+        expected = module(x.clone())
+        out = compiled(module, recorder)(x.clone())
     for got, want in zip(out, expected):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    return recorder
+
+
+def test_members_in_another_order_merge_and_give_their_own_outputs(reference):
+    assert compiled_gives_the_eager_outputs(Reordered(fused_copy(reference)), 4).linears() == 1
 
 
 def test_without_fused_groups_nothing_is_merged(reference):
@@ -158,15 +165,7 @@ WRITES = {
 
 @pytest.mark.parametrize("write", WRITES.values(), ids=WRITES.keys())
 def test_a_group_whose_input_may_be_written_between_its_members_is_not_merged(reference, write):
-    module = Projections(fused_copy(reference), write)
-    x = torch.randn(5, HIDDEN)
-    with torch.no_grad():
-        expected = module(x.clone())
-        recorder = GraphRecorder()
-        out = compiled(module, recorder)(x.clone())
-    assert recorder.linears() == 3
-    for got, want in zip(out, expected):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert compiled_gives_the_eager_outputs(Projections(fused_copy(reference), write), 5).linears() == 3
 
 
 def test_a_group_with_a_member_on_another_input_is_not_merged(reference):
@@ -174,14 +173,7 @@ def test_a_group_with_a_member_on_another_input_is_not_merged(reference):
         def forward(self, x):
             return self.q_proj(x), self.k_proj(x + 1.0), self.v_proj(x)
 
-    module = OtherInput(fused_copy(reference), None)
-    x = torch.randn(3, HIDDEN)
-    recorder = GraphRecorder()
-    with torch.no_grad():
-        out, expected = compiled(module, recorder)(x), module(x)
-    assert recorder.linears() == 3
-    for got, want in zip(out, expected):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert compiled_gives_the_eager_outputs(OtherInput(fused_copy(reference), None), 3).linears() == 3
 
 
 AFTER_COMPILING = {name: change for name, change in CHANGES.items() if name != "the model moved"}

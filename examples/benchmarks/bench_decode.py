@@ -183,10 +183,9 @@ def main():
         nvfp4 = converted(bf16)
         # Copies unwrapped (torchao changes the layers it unwraps), compiled beside the others.
         unwrapped = unwrap_tensor_subclass(copy.deepcopy(nvfp4))
-        siblings, siblings_unwrapped = copy.deepcopy(nvfp4), copy.deepcopy(nvfp4)
-        fuse_sibling_linears(siblings)  # after copying: a copy's slices leave the group's memory
-        fuse_sibling_linears(siblings_unwrapped)
-        unwrap_tensor_subclass(siblings_unwrapped)
+        siblings = copy.deepcopy(nvfp4)
+        fuse_sibling_linears(siblings)
+        siblings_unwrapped = unwrap_tensor_subclass(copy.deepcopy(siblings))
         compiles = [
             (bf16, dict(mode="reduce-overhead")),
             (nvfp4, dict(mode="reduce-overhead")),
