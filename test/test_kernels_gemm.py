@@ -293,7 +293,31 @@ def test_split_k_keeps_the_grid_within_programs_per_sm():
             for N, K in [(4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336), (96, 16)]:
                 split = split_k_for(config, N, K, cuda)
                 programs = split * config.row_tiles_for_split * ceil_div(N, config.block_n)
-                assert split == 1 or programs <= config.programs_per_sm * 132, (max_m, config, N, K, split)
+                per_sm = max(config.programs_per_sm, config.fill_programs_per_sm)
+                assert split == 1 or programs <= per_sm * 132, (max_m, config, N, K, split)
+
+
+def test_split_k_grows_to_fill_programs_per_sm_only_where_that_fills_more_slots():
+    """On 132 SMs the M = 1 entry (128-column tiles, 2 per SM, filling up to 3): 4096 x 12288 in
+    96 tiles splits 4 ways (384 of 396 slots) rather than 2 (192 of 264), 4096 x 6144 in 48
+    tiles 8 ways rather than 4; 8192 x 8192 (256 of 264 at 2 per SM, 384 of 396 at 3) and
+    4096 x 14336 (224 of 264, 336 of 396: equal fills) keep the planned split, as does an entry
+    without fill_programs_per_sm."""
+    cuda = torch.device("cuda", 0)
+    entry = gemm_config(1)
+    assert (entry.programs_per_sm, entry.fill_programs_per_sm, entry.block_n) == (2, 3, 128)
+    with mock.patch.object(gemm, "_multiprocessor_count", return_value=132):
+        assert split_k_for(entry, 12288, 4096, cuda) == 4
+        assert split_k_for(entry, 6144, 4096, cuda) == 8
+        assert split_k_for(entry, 8192, 8192, cuda) == 4
+        assert split_k_for(entry, 14336, 4096, cuda) == 2
+        assert split_k_for(replace(entry, fill_programs_per_sm=0), 12288, 4096, cuda) == 2
+
+
+@pytest.mark.parametrize("programs_per_sm,fill", [(2, 2), (2, 1), (0, 3), (2, -1)])
+def test_gemm_config_refuses_a_fill_that_does_not_exceed_programs_per_sm(programs_per_sm, fill):
+    with pytest.raises(ValueError, match="fill_programs_per_sm"):
+        GemmConfig(16, 64, 256, 4, 4, programs_per_sm=programs_per_sm, fill_programs_per_sm=fill)
 
 
 def test_no_k_split_is_left_without_a_k_tile():
@@ -418,7 +442,7 @@ def test_gpu_gemm_matches_fp64_reference(dtype, with_bias, M, N, K):
 
 
 @requires_cuda
-@pytest.mark.parametrize("N,K", [(4096, 14336), (14336, 4096), (8192, 8192)], ids=str)
+@pytest.mark.parametrize("N,K", [(4096, 14336), (14336, 4096), (8192, 8192), (12288, 4096)], ids=str)
 @pytest.mark.parametrize(
     "M,config", TRITON_ENTRIES, ids=str
 )
@@ -427,7 +451,7 @@ def test_gpu_table_gemm_gives_the_same_output_every_launch(M, config, N, K):
     the next operand tiles load (test_gemm_hopper_code.py): 30 launches on a real shape, each
     bit for bit the first, which matches the fp64 reference. A buffer overwritten while an MMA
     still reads it would show as launches that differ (tune_gemm.WIDE_TILES names a tile that
-    did)."""
+    did). 12288 x 4096 runs the split grown to three programs per SM (``fill_programs_per_sm``)."""
     raw = bool(config.activation_rows)
     operands = list(gemm_operands(M, N, K, seed=M, device="cuda", config=config))
     if raw:

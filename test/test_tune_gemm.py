@@ -61,7 +61,8 @@ def test_per_bucket_weighs_every_m_and_shape_of_the_bucket(capsys):
 @pytest.mark.parametrize("M", [1, 16, 100, 200, 300, 4096])
 def test_programs_candidates_vary_only_the_split_of_the_entry_serving_m(M):
     """``--candidates programs``: the table's entry for M, its programs per SM 1 to 8 (the K
-    split), plus unsplit where the entry plans one row tile; none for an unsplit entry."""
+    split, without growing it to fill the SMs), plus unsplit where the entry plans one row tile;
+    none for an unsplit entry."""
     entry = tune_gemm.gemm.gemm_config(M)
     configs = tune_gemm.programs_candidates(M)
     if not getattr(entry, "programs_per_sm", 0):
@@ -70,4 +71,6 @@ def test_programs_candidates_vary_only_the_split_of_the_entry_serving_m(M):
     expected = set(range(1, 9)) | ({0} if entry.row_tiles_for_split == 1 else set())
     assert {config.programs_per_sm for config in configs} == expected
     assert len(configs) == len(expected)
-    assert all(tune_gemm.replace(config, programs_per_sm=entry.programs_per_sm) == entry for config in configs)
+    assert all(config.fill_programs_per_sm == 0 for config in configs)
+    same = dict(programs_per_sm=entry.programs_per_sm, fill_programs_per_sm=entry.fill_programs_per_sm)
+    assert all(tune_gemm.replace(config, **same) == entry for config in configs)

@@ -156,13 +156,14 @@ def decode_wide_candidates(M: int) -> list:
 
 
 def programs_candidates(M: int) -> list:
-    """The table's entry for M with its K split for 1 to 8 programs per SM, and unsplit where it
-    plans one row tile (``gemm.split_k_for``): the split that entry should take."""
+    """The table's entry for M with its K split for 1 to 8 programs per SM (without
+    ``fill_programs_per_sm``), and unsplit where it plans one row tile (``gemm.split_k_for``):
+    the split that entry should take."""
     entry = gemm.gemm_config(M)
     if not isinstance(entry, GemmConfig) or not entry.programs_per_sm:
         return []
-    unsplit = [replace(entry, programs_per_sm=0)] if entry.row_tiles_for_split == 1 else []
-    return unsplit + [replace(entry, programs_per_sm=p) for p in range(1, 9)]
+    unsplit = [replace(entry, programs_per_sm=0, fill_programs_per_sm=0)] if entry.row_tiles_for_split == 1 else []
+    return unsplit + [replace(entry, programs_per_sm=p, fill_programs_per_sm=0) for p in range(1, 9)]
 
 
 def candidates(M: int, which: str) -> list:

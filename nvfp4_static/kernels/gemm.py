@@ -396,6 +396,9 @@ class GemmConfig:
     ``activation_rows > 0`` hands the GEMM the raw activation: each program quantizes that many
     rows of it (its tile) in its K loop, so a decode linear needs no activation kernel (one
     launch fewer, and no operand round trip); ``block_m`` is then the MMA's row count.
+    ``fill_programs_per_sm`` (above ``programs_per_sm``, no more than an SM holds at once) lets
+    the split grow to that many programs per SM where its grid fills more of those slots than
+    the planned one fills of its own (``split_k_for``).
     ``mma_order`` permutes K within each 32-element group into the order in which the wgmma's
     register operand takes the dequantized weight (``dequantize_weight_tile_in_mma_order``), the
     activation operand stored in the same order (``ops.gemm_activation_operand(...,
@@ -417,6 +420,7 @@ class GemmConfig:
     activation_rows: int = 0
     mma_order: bool = False
     row_tiles_for_split: int = 1
+    fill_programs_per_sm: int = 0
 
     def __post_init__(self):
         if self.row_tiles_for_split < 1 or (self.row_tiles_for_split > 1 and not self.programs_per_sm):
@@ -424,6 +428,11 @@ class GemmConfig:
                 f"nvfp4_static: GemmConfig.row_tiles_for_split sizes the K split: at least 1, and above 1 only "
                 f"with programs_per_sm > 0; got {self.row_tiles_for_split} with programs_per_sm = "
                 f"{self.programs_per_sm}"
+            )
+        if self.fill_programs_per_sm and not 0 < self.programs_per_sm < self.fill_programs_per_sm:
+            raise ValueError(
+                f"nvfp4_static: GemmConfig.fill_programs_per_sm lets a K split grow past programs_per_sm: "
+                f"0, or above programs_per_sm = {self.programs_per_sm} > 0; got {self.fill_programs_per_sm}"
             )
         rows = self.activation_rows
         if rows < 0 or (rows and (rows & (rows - 1) or self.block_m % rows)):
@@ -480,14 +489,18 @@ class CublasAfterDequantize:
 # 1.00-1.30x (8-warp 128 x 128 x 128 tiles 0.77-0.96x, 64 x 128 x 128 ones 0.84-1.04x), at
 # M = 256 0.81-0.90x (0.76-0.83x), at M = 512 0.67-0.71x (0.64-0.65x). The split entries split
 # K into as many parts as keep the grid within two programs per SM (``split_k_for``) over one row
-# tile, the 129-256 one over two; from 257 rows unsplit. From 513 rows cuBLAS after dequantizing.
+# tile, the 129-256 one over two; from 257 rows unsplit. Up to 32 rows, where three programs fit
+# on an SM, a weight whose split grid would leave many of the two-per-SM slots empty splits for
+# three per SM instead (``fill_programs_per_sm``): 1.01-1.23x faster on the weights it changes at
+# M = 1-32 (4096 x 6144, 4096 x 12288, 8192 x 10240), the others unchanged. From 513 rows cuBLAS
+# after dequantizing.
 # Few buckets on purpose: a graph compiled for a dynamic M holds every bucket's kernels behind a
 # cond (backends.triton_route), so each bucket adds compile time and host work per call.
 GEMM_CONFIGS = (
-    (1, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2, activation_rows=1)),
-    (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=2)),
-    (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=2, weight_as_mma_a=True, mma_order=True)),
-    (32, GemmConfig(32, 64, 256, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True)),
+    (1, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2, activation_rows=1, fill_programs_per_sm=3)),
+    (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=2, fill_programs_per_sm=3)),
+    (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=2, weight_as_mma_a=True, mma_order=True, fill_programs_per_sm=3)),
+    (32, GemmConfig(32, 64, 256, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True, fill_programs_per_sm=3)),
     (64, GemmConfig(64, 64, 128, 4, 4, programs_per_sm=2, weight_as_mma_a=True, mma_order=True)),
     (128, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True)),
     (256, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True,
@@ -588,21 +601,40 @@ def _multiprocessor_count(device: torch.device) -> int:
 def split_k_for(config: GemmConfig, N: int, K: int, device: torch.device) -> int:
     """How many programs share each output tile's K range: the most splits whose programs over
     ``row_tiles_for_split`` row tiles stay within ``programs_per_sm`` per SM (``GemmConfig``),
-    with at least 2 K tiles each and none without a K tile (the kernel relies on it). Not a
-    function of M, which a traced graph may hold only symbolically.
+    with at least 2 K tiles each and none without a K tile (the kernel relies on it); or, for an
+    entry with ``fill_programs_per_sm``, the same rule's split for that many programs per SM
+    where its grid fills more of its SM slots. Not a function of M, which a traced graph may
+    hold only symbolically.
 
     At most, not at least: an SM given one program more than most of the others finishes last,
     and more programs than fit at once run in a second wave. On an H100 (132 SMs, 2 per SM) the
     14336 x 4096 weight in 64 column tiles runs 4 splits, 256 programs, where the fewest splits
     reaching 132 programs gave 3 (192 programs, 9-13% slower at M = 16-128;
-    examples/benchmarks/RESULTS.md, "GEMM tile table")."""
+    examples/benchmarks/RESULTS.md, "GEMM tile table"). Some weights fill two per SM poorly and
+    three nearly fully: 4096 x 12288 at M = 1 in 96 column tiles, 2 splits (192 programs of 264
+    slots) or 4 (384 of 396), 0.0264 against 0.0246 ms (H100)."""
     if config.programs_per_sm == 0:
         return 1
+    sms = _multiprocessor_count(device)
     output_tiles = config.row_tiles_for_split * ceil_div(N, config.block_n)
-    most = config.programs_per_sm * _multiprocessor_count(device) // output_tiles
     tiles_k = ceil_div(K, config.block_k)
-    tiles_per_split = ceil_div(tiles_k, max(1, min(most, tiles_k // 2)))
-    return ceil_div(tiles_k, tiles_per_split)
+
+    def split_within(per_sm: int) -> int:
+        most = per_sm * sms // output_tiles
+        tiles_per_split = ceil_div(tiles_k, max(1, min(most, tiles_k // 2)))
+        return ceil_div(tiles_k, tiles_per_split)
+
+    def slots_filled(split: int, per_sm: int) -> float:
+        programs, slots = output_tiles * split, per_sm * sms
+        return programs / (ceil_div(programs, slots) * slots)
+
+    planned = split_within(config.programs_per_sm)
+    if not config.fill_programs_per_sm:
+        return planned
+    fuller = split_within(config.fill_programs_per_sm)
+    if slots_filled(fuller, config.fill_programs_per_sm) > slots_filled(planned, config.programs_per_sm):
+        return fuller
+    return planned
 
 
 @lru_cache(maxsize=None)  # asked at every launch; the device's capability does not change
