@@ -74,3 +74,16 @@ def test_programs_candidates_vary_only_the_split_of_the_entry_serving_m(M):
     assert all(config.fill_programs_per_sm == 0 for config in configs)
     same = dict(programs_per_sm=entry.programs_per_sm, fill_programs_per_sm=entry.fill_programs_per_sm)
     assert all(tune_gemm.replace(config, **same) == entry for config in configs)
+
+
+@pytest.mark.parametrize("M", [1, 16, 32, 64, 4096])
+def test_unfilled_candidates_are_the_filling_entry_without_its_fill(M):
+    """``--candidates unfilled``: the entry for M without ``fill_programs_per_sm`` where it has
+    one, else nothing to compare."""
+    entry = tune_gemm.gemm.gemm_config(M)
+    configs = tune_gemm.unfilled_candidates(M)
+    if not getattr(entry, "fill_programs_per_sm", 0):
+        assert configs == []
+        return
+    assert configs == [tune_gemm.replace(entry, fill_programs_per_sm=0)]
+    assert configs[0] != entry

@@ -12,16 +12,17 @@ table and the best candidate; per M, and per bucket of the shipped table where s
 ran, the one candidate whose slowest case against bf16 is fastest: the entry to put in the
 table for that bucket. Run on one GPU:
 
-    python examples/benchmarks/tune_gemm.py [--m 1 16 64 512 4096] [--candidates full|wide|decode-wide|programs]
+    python examples/benchmarks/tune_gemm.py [--m 1 16 64 512 4096] [--candidates full|wide|decode-wide|programs|unfilled]
         [--shapes 4096x4096 8192x8192]
 
 ``--candidates wide`` times only the table and the wide MMA-order tiles (``WIDE_TILES``) from
 M = 17 up, ``--candidates decode-wide`` the table and the decode tiles in the wide form
 (``DECODE_WIDE_TILES``, after the activation kernel and quantizing their rows) up to M = 16,
 ``--candidates programs`` the table's split entries with their K split sized for 1 to 8
-programs per SM (and unsplit); ``--shapes`` replaces the three weight shapes; ``--budget-s``
-starts no further M after that many seconds (each M runs on every shape, so put the Ms that
-matter most first).
+programs per SM (and unsplit), ``--candidates unfilled`` the table's entries that grow their
+split to fill the SMs (``fill_programs_per_sm``) against the same entries without;
+``--shapes`` replaces the three weight shapes; ``--budget-s`` starts no further M after that
+many seconds (each M runs on every shape, so put the Ms that matter most first).
 """
 
 import argparse
@@ -166,9 +167,20 @@ def programs_candidates(M: int) -> list:
     return unsplit + [replace(entry, programs_per_sm=p, fill_programs_per_sm=0) for p in range(1, 9)]
 
 
+def unfilled_candidates(M: int) -> list:
+    """The table's entry for M without ``fill_programs_per_sm`` (its split always sized for
+    ``programs_per_sm``), where it has one: the baseline of the split grown to fill the SMs."""
+    entry = gemm.gemm_config(M)
+    if not isinstance(entry, GemmConfig) or not entry.fill_programs_per_sm:
+        return []
+    return [replace(entry, fill_programs_per_sm=0)]
+
+
 def candidates(M: int, which: str) -> list:
     if which == "programs":
         return programs_candidates(M)
+    if which == "unfilled":
+        return unfilled_candidates(M)
     if which == "decode-wide":
         return decode_wide_candidates(M)
     if which == "wide":
@@ -265,7 +277,7 @@ def tune(weight: Weight, M: int, configs: list) -> tuple[float, Optional[float],
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
-    parser.add_argument("--candidates", choices=["full", "wide", "decode-wide", "programs"], default="full")
+    parser.add_argument("--candidates", choices=["full", "wide", "decode-wide", "programs", "unfilled"], default="full")
     parser.add_argument("--shapes", nargs="+", default=[f"{K}x{N}" for K, N in SHAPES],
                         help="weight shapes as KxN (in_features x out_features)")
     parser.add_argument("--budget-s", type=float, default=None, help="start no M after this many seconds")
