@@ -150,16 +150,6 @@ def table_cases():
     return cases
 
 
-@pytest.mark.parametrize(
-    "M,config", [(max_m, config) for max_m, config in TABLE_GEMMS if config.fill_programs_per_sm], ids=lambda v: str(v)
-)
-def test_a_split_grown_to_fill_the_sms_runs_in_one_wave_on_hopper(M, config, tmp_path):
-    """``fill_programs_per_sm`` programs of the entry fit on one H100 SM at once (by registers
-    and shared memory): a split grown to that many must not start a second wave."""
-    build = ptxas_report_for_sm90(recorded_gemm_launch(M, config, True), tmp_path)
-    assert programs_per_h100_sm(build) >= config.fill_programs_per_sm, (M, config, build.report)
-
-
 def assert_safe_on_hopper(build: HopperBuild, entry: str) -> None:
     """No serialized wgmmas; where the kernel has wgmmas, no spilled registers and, with 8 warps,
     one program per SM."""
@@ -175,10 +165,13 @@ def assert_safe_on_hopper(build: HopperBuild, entry: str) -> None:
 
 @pytest.mark.parametrize("M,config,sum_splits_in_gemm", table_cases())
 def test_table_gemm_wgmmas_are_not_serialized_on_hopper(M, config, sum_splits_in_gemm, tmp_path):
+    """Also: where the entry's K split may grow to ``fill_programs_per_sm`` programs per SM, that
+    many fit on one H100 SM at once, so the grown grid runs in one wave."""
     build = ptxas_report_for_sm90(recorded_gemm_launch(M, config, sum_splits_in_gemm), tmp_path)
     uses_wgmma = "wgmma.mma_async" in build.ptx
     assert uses_wgmma == (config.weight_as_mma_a or config.block_m >= 64), (M, config)
     assert_safe_on_hopper(build, f"the M <= {M} entry {config}")
+    assert programs_per_h100_sm(build) >= config.fill_programs_per_sm, (M, config, build.report)
 
 
 @pytest.mark.parametrize("config", [config for _, config in GROUPED_GEMM_CONFIGS], ids=str)
