@@ -163,8 +163,9 @@ def programs_candidates(M: int) -> list:
     entry = gemm.gemm_config(M)
     if not isinstance(entry, GemmConfig) or not entry.programs_per_sm:
         return []
-    unsplit = [replace(entry, programs_per_sm=0, fill_programs_per_sm=0)] if entry.row_tiles_for_split == 1 else []
-    return unsplit + [replace(entry, programs_per_sm=p, fill_programs_per_sm=0) for p in range(1, 9)]
+    plain = replace(entry, fill_programs_per_sm=0)
+    unsplit = [replace(plain, programs_per_sm=0)] if entry.row_tiles_for_split == 1 else []
+    return unsplit + [replace(plain, programs_per_sm=p) for p in range(1, 9)]
 
 
 def unfilled_candidates(M: int) -> list:
