@@ -7,6 +7,7 @@ child process, see triton_interpreter); on a CUDA machine the checks run compile
 """
 
 from dataclasses import replace
+from typing import NamedTuple
 from unittest import mock
 
 import pytest
@@ -104,12 +105,14 @@ def test_interleave_undoes_deinterleave():
 
 
 # Small tiles so that the interpreter sees several K tiles, a ragged last tile (K=48 with 32-wide
-# tiles), M and N edges, and a split K (programs_per_sm large against the CPU's one "SM"). The
-# split-K configs split K = 224 three ways, unevenly (3 + 3 + 1 tiles). The
-# quantizing configs take the raw activation: one row per tile (M = 3: three tiles), two rows
-# spread over the 16 MMA rows with a split K, one transposed, and one transposed in the MMA order
-# with a split K. The MMA-order configs take the operand in that order, or quantize into it, where
-# K is a multiple of 32 (224) and run without it elsewhere (48, 16): one transposed with a split K,
+# tiles), M and N edges, and a split K (programs_per_sm large against the CPU's one "SM"). Each
+# but row-tiles-split-k runs on three shapes (``interpreter_shapes``): K = 48, K = 16 (shorter
+# than one tile), and K = 224 over two row tiles, the second holding one row (M = rows_per_tile
+# + 1), where the split-K configs split K three ways, unevenly (3 + 3 + 1 tiles). The quantizing
+# configs take the raw activation: one row per tile (M = 3: three tiles), two rows spread over
+# the 16 MMA rows with a split K, one transposed, and one transposed in the MMA order with a
+# split K. The MMA-order configs take the operand in that order, or quantize into it, where K is
+# a multiple of 32 (224) and run without it elsewhere (48, 16): one transposed with a split K,
 # one not.
 INTERPRETER_CONFIGS = {
     "one-pass": GemmConfig(16, 16, 32, num_warps=4, num_stages=1),
@@ -129,48 +132,105 @@ INTERPRETER_CONFIGS = {
     "row-tiles-split-k": GemmConfig(
         16, 32, 64, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True, mma_order=True, row_tiles_for_split=2
     ),
+    # The table's own Triton tiles, named for the largest M each serves (TALL_TILE once, though
+    # it serves two buckets).
+    **{("tall-tile" if config == TALL_TILE else f"table-{max_m}"): config for max_m, config in TRITON_ENTRIES},
 }
-INTERPRETER_SHAPES = [(3, 40, 48), (17, 70, 224), (2, 24, 16)]
 # A split K over several row tiles, as a mid-size bucket's wide tiles run it, on its own shapes:
 # 3 row tiles with an 8-row edge, K = 224 in MMA order (3.5 tiles of 64, split 2 + 2: a ragged
 # last tile); 3 row tiles with a 1-row edge, K = 336 (not a multiple of 32, so without the MMA
 # order; 5.25 tiles, split 2 + 2 + 2). Both with a column edge.
 ROW_TILE_SPLIT_SHAPES = [(40, 70, 224), (33, 24, 336)]
+# The table's tiles: two K tiles, the second ragged (K = 288: 1.125 tiles of 256, 2.25 of 128),
+# in the MMA order where the entry takes it; and K shorter than one tile.
+TABLE_SHAPES = [(3, 70, 288), (2, 24, 16)]
 
 
 def interpreter_shapes(config_name: str) -> list:
-    return ROW_TILE_SPLIT_SHAPES if config_name == "row-tiles-split-k" else INTERPRETER_SHAPES
+    if config_name == "row-tiles-split-k":
+        return ROW_TILE_SPLIT_SHAPES
+    if config_name.startswith(("table-", "tall-tile")):
+        return TABLE_SHAPES
+    return [(3, 40, 48), (INTERPRETER_CONFIGS[config_name].rows_per_tile + 1, 70, 224), (2, 24, 16)]
 
 
-OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3)}
+# The output dtype, which is the activation's: a quantizing config reads the raw activation in it.
+# fp32: the only error is fp32 summation order at K <= 336, far below 1e-5; bf16 and fp16: one
+# rounding to 8 or 11 significant bits, relative error about 2^-9 or 2^-12 on average.
+OUT_DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 8e-3), "fp16": (torch.float16, 1e-3)}
+
+
+class InterpretedCase(NamedTuple):
+    name: str
+    config_name: str
+    shape: tuple
+    seed: int
+    dtype_name: str
+    with_bias: bool
+
+    @property
+    def config(self) -> GemmConfig:
+        return INTERPRETER_CONFIGS[self.config_name]
+
+    @property
+    def splits_k(self) -> bool:
+        _, N, K = self.shape
+        return split_k_for(self.config, N, K, torch.device("cpu")) > 1
+
+
+def interpreted_cases() -> list:
+    """Each config once on each of its shapes, in one output dtype, with or without a bias:
+    along a config's shapes the dtype steps through OUT_DTYPES and the bias alternates, each
+    config starting one step further on than the one before, so that each config runs with and
+    without a bias and in two or three dtypes (what else the rotation must keep:
+    test_interpreted_cases_take_every_dtype_and_bias_where_each_matters)."""
+    dtype_names = list(OUT_DTYPES)
+    cases = []
+    for config_index, config_name in enumerate(INTERPRETER_CONFIGS):
+        for shape_index, (M, N, K) in enumerate(interpreter_shapes(config_name)):
+            step = config_index + shape_index
+            dtype_name, with_bias = dtype_names[step % len(dtype_names)], step % 2 == 0
+            name = f"{config_name}-{M}x{N}x{K}-{dtype_name}-{'bias' if with_bias else 'nobias'}"
+            cases.append(InterpretedCase(name, config_name, (M, N, K), shape_index, dtype_name, with_bias))
+    return cases
+
+
+INTERPRETER_CASES = interpreted_cases()
+SPLIT_K_CASES = [case for case in INTERPRETER_CASES if case.splits_k]
+# Traced, the split sum compares with the epilogue kernel's in fp32 only (see the test).
+EPILOGUE_OPS_CASES = [case for case in SPLIT_K_CASES if case.dtype_name == "fp32"]
+
+
+def interpreted_launch(case: InterpretedCase):
+    """The reference's operands (the operand in K order) and the launch: the raw activation in
+    the case's dtype where the config quantizes it, else the operand in the order the config
+    takes."""
+    M, N, K = case.shape
+    x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias = raw_gemm_operands(M, N, K, seed=case.seed)
+    x, bias = x.to(OUT_DTYPES[case.dtype_name][0]), bias if case.with_bias else None
+    weights = (weight_qdata, weight_block_scales, act_scale, weight_scale)
+    operands = (gemm_activation_operand(x, act_scale), *weights, bias)
+    if case.config.activation_rows:
+        a = x
+    else:
+        a = gemm_activation_operand(x, act_scale, mma_order=operand_in_mma_order(config_for_width(case.config, K)))
+    out = torch.full((M, N), float("nan"), dtype=x.dtype)
+    return operands, (a, *weights, bias, out, case.config, bool(case.config.activation_rows))
 
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    cases, launches = [], {}
-    for config_name, config in INTERPRETER_CONFIGS.items():
-        for shape_index, (M, N, K) in enumerate(interpreter_shapes(config_name)):
-            for dtype_name, (dtype, _) in OUT_DTYPES.items():
-                for with_bias in (True, False):
-                    operands = list(gemm_operands(M, N, K, seed=shape_index))
-                    operands[-1] = operands[-1] if with_bias else None
-                    out = torch.full((M, N), float("nan"), dtype=dtype)
-                    name = f"{config_name}-{M}x{N}x{K}-{dtype_name}-{'bias' if with_bias else 'nobias'}"
-                    cases.append((name, dtype_name, operands))
-                    if config.activation_rows:  # the raw activation the operand was made from
-                        x = raw_gemm_operands(M, N, K, seed=shape_index)[0]
-                        launches[name] = (LAUNCHER, (x, *operands[1:], out, config, True))
-                    else:  # the operand in the order the config takes (the reference reads operands)
-                        operand = gemm_operands(M, N, K, seed=shape_index, config=config)[0]
-                        launches[name] = (LAUNCHER, (operand, *operands[1:], out, config))
-                    if config.programs_per_sm:  # the split K summed by the epilogue kernel instead
-                        summed_apart = torch.full((M, N), float("nan"), dtype=dtype)
-                        target, args = launches[name]
-                        args = (*args[:6], summed_apart, config, bool(config.activation_rows), False)
-                        launches[f"{name}-epilogue-kernel"] = (target, args)
-                        # and as a traced graph sums it: the epilogue as torch ops
-                        summed_by_ops = torch.full((M, N), float("nan"), dtype=dtype)
-                        launches[f"{name}-epilogue-ops"] = (TRACED_LAUNCHER, (*args[:6], summed_by_ops, *args[7:]))
+    references, launches = {}, {}
+    for case in INTERPRETER_CASES:
+        references[case.name], args = interpreted_launch(case)
+        launches[case.name] = (LAUNCHER, args)
+    for case in SPLIT_K_CASES:  # the split K summed by the epilogue kernel instead
+        args = launches[case.name][1]
+        args = (*args[:6], torch.full_like(args[6], float("nan")), case.config, bool(case.config.activation_rows), False)
+        launches[f"{case.name}-epilogue-kernel"] = (LAUNCHER, args)
+        if case in EPILOGUE_OPS_CASES:  # and as a traced graph sums it: the epilogue as torch ops
+            summed_by_ops = torch.full_like(args[6], float("nan"))
+            launches[f"{case.name}-epilogue-ops"] = (TRACED_LAUNCHER, (*args[:6], summed_by_ops, *args[7:]))
     weight_qdata, weight_block_scales = gemm_operands(*DEQUANTIZE_SHAPE, seed=5)[1:3]
     for dtype in DEQUANTIZE_DTYPES:
         dequantized = torch.full(DEQUANTIZE_SHAPE[1:], float("nan"), dtype=dtype)
@@ -179,10 +239,11 @@ def interpreted_results():
             (weight_qdata, weight_block_scales, dequantized, CublasAfterDequantize(16, 32)),
         )
     results = run_interpreted(launches)
-    outputs = {name: (dtype_name, operands, results[name].args[6]) for name, dtype_name, operands in cases}
-    for name in SPLIT_K_CASES:
-        outputs[f"{name}-epilogue-kernel"] = results[f"{name}-epilogue-kernel"].args[6]
-        outputs[f"{name}-epilogue-ops"] = results[f"{name}-epilogue-ops"].args[6]
+    outputs = {name: (references[name], results[name].args[6]) for name in references}
+    for case in SPLIT_K_CASES:
+        outputs[f"{case.name}-epilogue-kernel"] = results[f"{case.name}-epilogue-kernel"].args[6]
+    for case in EPILOGUE_OPS_CASES:
+        outputs[f"{case.name}-epilogue-ops"] = results[f"{case.name}-epilogue-ops"].args[6]
     for dtype in DEQUANTIZE_DTYPES:
         outputs[f"dequantize-{dtype}"] = results[f"dequantize-{dtype}"].args[:3]
     return outputs
@@ -202,52 +263,44 @@ def test_interpreted_weight_dequantize_matches_reference_bit_for_bit(interpreted
     assert_dequantized_like_reference(*interpreted_results[f"dequantize-{dtype}"])
 
 
-INTERPRETER_CASES = [
-    f"{config_name}-{M}x{N}x{K}-{dtype_name}-{bias}"
-    for config_name in INTERPRETER_CONFIGS
-    for M, N, K in interpreter_shapes(config_name)
-    for dtype_name in OUT_DTYPES
-    for bias in ("bias", "nobias")
-]
+def test_interpreted_cases_take_every_dtype_and_bias_where_each_matters():
+    """What the rotation in interpreted_cases must keep: each config with and without a bias
+    and in two or more dtypes; the cases that split K in every dtype, with a bias in both tile
+    orientations and without one; those the traced epilogue compares with and without a bias."""
+    for config_name in INTERPRETER_CONFIGS:
+        cases = [case for case in INTERPRETER_CASES if case.config_name == config_name]
+        assert {case.with_bias for case in cases} == {True, False}, config_name
+        assert len({case.dtype_name for case in cases}) >= 2, config_name
+    assert {case.dtype_name for case in SPLIT_K_CASES} == set(OUT_DTYPES)
+    assert {case.config.weight_as_mma_a for case in SPLIT_K_CASES if case.with_bias} == {True, False}
+    assert {case.with_bias for case in SPLIT_K_CASES} == {case.with_bias for case in EPILOGUE_OPS_CASES} == {True, False}
 
 
-SPLIT_K_CASES = [
-    f"{config_name}-{M}x{N}x{K}-{dtype_name}-{bias}"
-    for config_name, config in INTERPRETER_CONFIGS.items()
-    if config.programs_per_sm
-    for M, N, K in interpreter_shapes(config_name)
-    for dtype_name in OUT_DTYPES
-    for bias in ("bias", "nobias")
-]
-
-
-@pytest.mark.parametrize("case", SPLIT_K_CASES)
+@pytest.mark.parametrize("case", SPLIT_K_CASES, ids=lambda case: case.name)
 def test_interpreted_split_k_summed_in_the_gemm_equals_the_epilogue_kernels_sum(interpreted_results, case):
     """The last program of each tile sums the splits in the epilogue kernel's order: the same
     output bit for bit."""
-    in_gemm, apart = interpreted_results[case][2], interpreted_results[f"{case}-epilogue-kernel"]
+    in_gemm, apart = interpreted_results[case.name][1], interpreted_results[f"{case.name}-epilogue-kernel"]
     assert not apart.isnan().any()
     assert torch.equal(in_gemm, apart)
 
 
-@pytest.mark.parametrize("case", [case for case in SPLIT_K_CASES if "-fp32-" in case])
+@pytest.mark.parametrize("case", EPILOGUE_OPS_CASES, ids=lambda case: case.name)
 def test_interpreted_epilogue_as_ops_equals_the_epilogue_kernel(interpreted_results, case):
     """Traced, the split sum and the scales are torch ops (for Inductor to fuse into the
     output's reader); they sum and scale in the kernel's order: the same output bit for bit.
     fp32 outputs only: Triton's interpreter truncates fp32 to bf16 where a GPU (and torch)
     rounds to nearest even; test_gpu_compiled_fullgraph_one_graph_for_every_m compares bf16
     outputs on a GPU."""
-    kernel, ops = interpreted_results[f"{case}-epilogue-kernel"], interpreted_results[f"{case}-epilogue-ops"]
+    kernel, ops = interpreted_results[f"{case.name}-epilogue-kernel"], interpreted_results[f"{case.name}-epilogue-ops"]
     assert not ops.isnan().any()
     assert torch.equal(ops, kernel)
 
 
-@pytest.mark.parametrize("case", INTERPRETER_CASES)
+@pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda case: case.name)
 def test_interpreted_gemm_matches_fp64_reference(interpreted_results, case):
-    # fp32 output: the only error is fp32 summation order at K <= 224, far below 1e-5;
-    # bf16 output: one rounding to 8 significant bits, relative error about 2^-9 on average.
-    dtype_name, operands, out = interpreted_results[case]
-    assert relative_error(out, reference_gemm(*operands)) <= OUT_DTYPES[dtype_name][1]
+    operands, out = interpreted_results[case.name]
+    assert relative_error(out, reference_gemm(*operands)) <= OUT_DTYPES[case.dtype_name][1]
 
 
 def test_op_rejects_cpu_tensors_with_a_pointer_to_the_cpu_backend():
