@@ -1,9 +1,11 @@
 """The converted linear: an ``nn.Linear`` whose weight is an ``NVFP4StaticTensor``."""
 
+import weakref
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale
@@ -150,7 +152,26 @@ class NVFP4StaticLinear(torch.nn.Linear):
         # which would stay behind: the siblings run alone from now on.
         if self.sibling_gemm is not None:
             self.sibling_gemm.dissolve()
-        return super()._apply(fn, recurse)
+        # torch converts a tensor-subclass parameter in place (swap_tensors), which it refuses
+        # while the parameter is weakly referenced, as the tracing state of a graph compiled
+        # through sibling_gemm_backend keeps it: such a parameter gets a new Parameter instead.
+        held = {
+            key: param
+            for key, param in self._parameters.items()
+            if param is not None and is_traceable_wrapper_subclass(param) and weakref.getweakrefcount(param)
+        }
+        if not held:
+            return super()._apply(fn, recurse)
+        with torch.no_grad():
+            converted = {key: torch.nn.Parameter(fn(param), param.requires_grad) for key, param in held.items()}
+        self._parameters.update(dict.fromkeys(held))
+        try:
+            result = super()._apply(fn, recurse)
+        except BaseException:
+            self._parameters.update(held)
+            raise
+        self._parameters.update(converted)
+        return result
 
     def start_clip_monitor(self) -> None:
         """Count, from now on, the inputs above ``act_global_amax`` (see ``clip_monitor``)."""

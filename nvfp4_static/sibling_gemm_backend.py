@@ -15,9 +15,10 @@ loaded into the members reaches it. Works on the subclass weights and on weights
 ``unwrap_tensor_subclass`` holds as plain tensors. Each call checks that the members' weights
 and biases are still the objects the graph was compiled with and that the group was not
 dissolved (moved, or a member's weight replaced); otherwise the group is dissolved and the call runs, from then
-on, the graph compiled without the merge. Move the model before compiling: afterwards
-``model.to()`` fails, as torch refuses to swap a parameter that the kept graphs' tracing state
-still weakly references (a plain ``torch.compile`` releases that state).
+on, the graph compiled without the merge. Dissolving a group (moving the model does) also drops
+the merged graph and what it holds of the model's weights, so a model moved after compiling
+leaves no copy behind; the compiled model then recompiles for the moved weights, unmerged
+(``fuse_sibling_linears`` again and a new compile merge them again).
 """
 
 import copy
@@ -143,34 +144,55 @@ class MergedGroup(NamedTuple):
 class _CheckedMerge:
     """The compiled merged graph, called while every merged group holds (not dissolved, each
     member's weight and bias the object compiled with); from the first call where one does not,
-    the groups are dissolved and the graph compiled without the merge runs. The check reads all
-    groups' inputs at once (C-level ``itemgetter`` and ``map``) rather than looping over them in
-    Python: a 32-layer model has 64 groups, checked at every call."""
+    or once a group is dissolved (moving the model does), the groups are dissolved, the merged
+    graph and what it holds of the model are dropped, and the graph compiled without the merge
+    runs. The check reads all groups' inputs at once (C-level ``itemgetter`` and ``map``) rather
+    than looping over them in Python: a 32-layer model has 64 groups, checked at every call."""
+
+    # No instance dict: dynamo wraps the compiled callable with functools.wraps, which copies an
+    # instance dict into the wrapper, where release() could not drop what it holds.
+    __slots__ = (
+        "_merged", "_unmerged", "_compile_graph", "_unmerged_compiled", "_inputs", "_compiled_from", "_gemms",
+        "_weights", "__weakref__",
+    )
 
     def __init__(self, merged: Callable, groups: list[MergedGroup], unmerged: fx.GraphModule, compile_graph: Callable):
         self._merged = merged
         self._unmerged = unmerged
         self._compile_graph = compile_graph
+        self._unmerged_compiled: Optional[Callable] = None
         # Each group has two or more members, so at least two positions: itemgetter gives a tuple.
         self._inputs = operator.itemgetter(*(position for group in groups for position, _ in group.inputs))
         self._compiled_from = tuple(value for group in groups for _, value in group.inputs)
         self._gemms = tuple(group.gemm for group in groups)
         self._weights = tuple(group.weight for group in groups)
+        for gemm in self._gemms:
+            gemm.merged_into(self)
 
     def _holds(self, args: tuple) -> bool:
         return all(map(operator.is_, self._inputs(args), self._compiled_from)) and all(
             map(operator.is_, map(_weight_of, self._gemms), self._weights)
         )
 
+    def release(self) -> None:
+        """Drop the merged graph, which holds the groups' weights, and the references kept to
+        check its inputs; dissolve its other groups. Calls from now on run without the merge."""
+        if self._merged is None:
+            return
+        self._merged = None
+        gemms = self._gemms
+        self._compiled_from, self._gemms, self._weights = (), (), ()
+        for gemm in gemms:
+            gemm.dissolve()
+
     def __call__(self, *args):
         if self._merged is not None:
             if self._holds(args):
                 return self._merged(*args)
-            for gemm in self._gemms:
-                gemm.dissolve()
-            self._merged = None
-            self._unmerged = self._compile_graph(self._unmerged, list(args))
-        return self._unmerged(*args)
+            self.release()
+        if self._unmerged_compiled is None:
+            self._unmerged_compiled = self._compile_graph(self._unmerged, list(args))
+        return self._unmerged_compiled(*args)
 
 
 _weight_of = operator.attrgetter("weight")

@@ -52,15 +52,27 @@ class SiblingGemm:
         self._addresses = self._rows_addresses()
         self._launches = EagerTritonLaunches()
         self._pending = None  # (input, its version, {member index: output part})
+        self._merged_graphs = weakref.WeakSet()  # compiled graphs holding the group's weight
         _GEMMS.add(self)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_merged_graphs"]  # a copy is merged in no graph
+        return state
 
     def __setstate__(self, state: dict) -> None:
         """A copied or unpickled group is live too (``live_sibling_gemms``), and intact where the
         copy kept its members' weights as rows of its weight (``copy.deepcopy`` of a model does)."""
         self.__dict__.update(state)
+        self._merged_graphs = weakref.WeakSet()
         if self.weight is not None:
             self._addresses = self._rows_addresses()
         _GEMMS.add(self)
+
+    def merged_into(self, graph) -> None:
+        """Note a compiled graph that runs this group as one GEMM (``sibling_gemm_backend``):
+        dissolving the group calls its ``release()``, which drops what it holds of the group."""
+        self._merged_graphs.add(graph)
 
     def output(self, index: int, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Member ``index``'s output for ``x``: kept from the group's last GEMM on this ``x``, or
@@ -88,11 +100,15 @@ class SiblingGemm:
         return own
 
     def dissolve(self) -> None:
-        """Let every member run alone from now on, and drop the group's own references."""
+        """Let every member run alone from now on, and drop the group's own references and those
+        of the compiled graphs that merged it."""
         for member in self.members:
             if member.sibling_gemm is self:
                 member.sibling_gemm = None
         self.weight = self.bias = self._pending = None
+        for graph in list(self._merged_graphs):
+            graph.release()
+        self._merged_graphs.clear()
 
     def _intact(self) -> bool:
         """Whether each member still holds the row slices it was given (the same parameters),

@@ -1,14 +1,16 @@
 """sibling_gemm_backend: a compiled fused model runs each group as one linear, where that is safe."""
 
 import copy
+import gc
 import importlib
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import requires_cuda
 from torch._inductor.compile_fx import compile_fx
-from tiny_llama import converted_llama, logits
+from tiny_llama import converted_llama, logits, token_ids
 from torchao.utils import unwrap_tensor_subclass
 
 import nvfp4_static.tensor
@@ -176,8 +178,7 @@ def test_a_group_with_a_member_on_another_input_is_not_merged(reference):
     assert compiled_gives_the_eager_outputs(OtherInput(fused_copy(reference), None), 3).linears() == 3
 
 
-AFTER_COMPILING = {name: change for name, change in CHANGES.items() if name != "the model moved"}
-AFTER_COMPILING["the model copied"] = copy.deepcopy
+AFTER_COMPILING = {**CHANGES, "the model copied": copy.deepcopy}
 
 
 @pytest.mark.parametrize("change", AFTER_COMPILING.values(), ids=AFTER_COMPILING.keys())
@@ -190,6 +191,31 @@ def test_a_change_after_compiling_gives_the_changed_models_outputs(reference, ch
     if isinstance(changed, torch.nn.Module) and changed is not fused:
         model, fused = compiled(changed), changed
     torch.testing.assert_close(logits(model), logits(unfused(fused)), rtol=1e-5, atol=1e-5)
+
+
+MOVES = {
+    "to('cpu')": lambda model: model.to("cpu"),
+    "cpu()": lambda model: model.cpu(),
+    "to(torch.bfloat16)": lambda model: model.to(torch.bfloat16),
+    "half()": lambda model: model.half(),
+}
+
+
+@pytest.mark.parametrize("move", MOVES.values(), ids=MOVES.keys())
+def test_moving_after_compiling_releases_the_merged_graph_and_gives_the_moved_models_outputs(reference, move):
+    """(torch refuses to convert a subclass parameter in place while the compiled graph's tracing
+    state references it weakly; the layer then takes a new parameter.) The compiled model then
+    gives what the moved model compiled afresh gives."""
+    fused = fused_copy(reference)
+    model = compiled(fused)
+    logits(model)
+    group_weights = [weakref.ref(m.sibling_gemm.weight) for m in fused.modules() if getattr(m, "sibling_gemm", None)]
+    assert len(group_weights) == 2 * 5  # two layers of q/k/v and gate/up members
+    move(fused)
+    gc.collect()
+    assert [ref() for ref in group_weights] == [None] * len(group_weights)
+    moved = logits(model)
+    torch.testing.assert_close(moved, logits(torch.compile(unfused(fused), fullgraph=True)), rtol=1e-5, atol=1e-5)
 
 
 def replaced_k_weight(module, inputs: list) -> list:
@@ -347,3 +373,32 @@ def test_gpu_generate_compiles_its_decoding_step_through_the_backend(monkeypatch
     assert torch.equal(out.sequences, expected.sequences)
     for got, want in zip(out.logits, expected.logits):
         torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+
+
+def cuda_bytes_of(model) -> int:
+    """Bytes of the CUDA storages holding ``model``'s parameters (a subclass's inner tensors)."""
+    storages = {}
+    for parameter in model.parameters():
+        names = parameter.__tensor_flatten__()[0] if hasattr(parameter, "__tensor_flatten__") else []
+        for tensor in [getattr(parameter, name) for name in names] or [parameter]:
+            if tensor.is_cuda:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_gpu_a_compiled_fused_model_moved_to_the_cpu_leaves_none_of_its_weights_on_the_gpu(mode):
+    fused = fused_copy(converted_llama(torch.bfloat16).cuda())
+    model = compiled(fused, mode=mode)
+    with torch.no_grad():
+        for _ in range(3):  # CUDA graphs record from the second call on
+            model(token_ids(5).cuda())
+    weight_bytes = cuda_bytes_of(fused)
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    fused.to("cpu")
+    gc.collect()
+    assert before - torch.cuda.memory_allocated() >= weight_bytes > 0
+    moved = logits(model)
+    torch.testing.assert_close(moved, logits(torch.compile(unfused(fused), fullgraph=True)), rtol=1e-2, atol=1e-2)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -522,3 +523,58 @@ def test_the_eager_layer_call_equals_f_linear_through_the_weight_subclass(dtype)
             layer_input = x if layer is model.up else torch.nn.functional.gelu(model.up(x))
             through_dispatch = torch.nn.functional.linear(layer_input, layer.weight, layer.bias)
             assert torch.equal(layer(layer_input), through_dispatch)
+
+
+CONVERSIONS = {
+    "to(torch.bfloat16)": (lambda layer: layer.to(torch.bfloat16), torch.bfloat16),
+    "half()": (lambda layer: layer.half(), torch.float16),
+    "cpu()": (lambda layer: layer.cpu(), torch.float32),
+    "to('cpu', torch.bfloat16)": (lambda layer: layer.to("cpu", torch.bfloat16), torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("conversion, dtype", CONVERSIONS.values(), ids=CONVERSIONS.keys())
+def test_a_weakly_referenced_weight_is_converted_as_a_new_parameter(conversion, dtype):
+    """torch converts a subclass parameter in place, which it refuses while something holds a
+    weak reference to it (a compiled graph's tracing state can); the layer takes a new one."""
+    model = quantized(make(MLP))
+    plain = copy.deepcopy(model)
+    weight, bias = model.up.weight, model.up.bias
+    held = weakref.ref(weight)
+    conversion(model.up)
+    conversion(plain.up)
+    assert model.up.weight is not weight and held() is weight
+    assert model.up.weight.dtype == dtype and model.up.bias.dtype == dtype and model.up.bias is bias
+    assert isinstance(model.up.weight, torch.nn.Parameter) and not model.up.weight.requires_grad
+    assert list(dict(model.up.named_parameters())) == ["weight", "bias"]
+    x = calibration_batches(1, seed=5, dtype=dtype)[0]
+    with torch.no_grad():
+        assert torch.equal(model.up(x), plain.up(x))
+
+
+def bfloat16_weight_failing_bias(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, NVFP4StaticTensor):
+        return t.to(torch.bfloat16)
+    raise RuntimeError("this conversion fails on plain tensors")
+
+
+REFUSED_CONVERSIONS = {
+    "to(torch.float64)": (lambda layer: layer.to(torch.float64), "can present as fp32/bf16/fp16, not torch.float64"),
+    "double()": (lambda layer: layer.double(), "can present as fp32/bf16/fp16, not torch.float64"),
+    "to('cpu', torch.float64)": (lambda layer: layer.to("cpu", torch.float64), "not torch.float64"),
+    "the weight converts, the bias fails": (
+        lambda layer: layer._apply(bfloat16_weight_failing_bias), "fails on plain tensors"
+    ),
+}
+
+
+@pytest.mark.parametrize("conversion, message", REFUSED_CONVERSIONS.values(), ids=REFUSED_CONVERSIONS.keys())
+def test_a_refused_conversion_of_a_weakly_referenced_weight_leaves_the_layer_as_it_was(conversion, message):
+    model = quantized(make(MLP))
+    weight, bias = model.up.weight, model.up.bias
+    held = weakref.ref(weight)
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        conversion(model.up)
+    assert model.up.weight is weight and model.up.bias is bias and held() is weight
+    assert weight.dtype == bias.dtype == torch.float32
+    assert list(dict(model.up.named_parameters())) == ["weight", "bias"]
