@@ -13,10 +13,10 @@ its output per member. Then Inductor compiles the graph, with the ``mode`` and `
 The graph reads the group's memory, which the members' weights are row slices of: a checkpoint
 loaded into the members reaches it. Works on the subclass weights and on weights that torchao's
 ``unwrap_tensor_subclass`` holds as plain tensors. Each call checks that the members' weights
-and biases are still the objects the graph was compiled with and that the group was not
-dissolved (moved, or a member's weight replaced); otherwise the group is dissolved and the call runs, from then
-on, the graph compiled without the merge. Dissolving a group (moving the model does) also drops
-the merged graph and what it holds of the model's weights, so a model moved after compiling
+and biases are still the objects the graph was compiled with (a member's weight replaced
+fails it); otherwise the group is dissolved and the call runs, from then on, the graph compiled
+without the merge. Dissolving a group (moving the model does) also drops the merged graph and
+what it holds of the model's weights, and the calls after it run unmerged, so a model moved after compiling
 leaves no copy behind; the compiled model then recompiles for the moved weights, unmerged
 (``fuse_sibling_linears`` again and a new compile merge them again).
 """
@@ -133,27 +133,26 @@ def _graph_compiler(backend: Union[str, Callable], mode: Optional[str], options:
 
 
 class MergedGroup(NamedTuple):
-    """A group merged in a graph: its ``SiblingGemm``, the group weight the graph reads, and the
-    inputs (position, object) the members' weights and biases were compiled from."""
+    """A group merged in a graph: its ``SiblingGemm`` and the inputs (position, object) the
+    members' weights and biases were compiled from."""
 
     gemm: SiblingGemm
-    weight: NVFP4StaticTensor
     inputs: tuple[tuple[int, Any], ...]
 
 
 class _CheckedMerge:
-    """The compiled merged graph, called while every merged group holds (not dissolved, each
-    member's weight and bias the object compiled with); from the first call where one does not,
-    or once a group is dissolved (moving the model does), the groups are dissolved, the merged
-    graph and what it holds of the model are dropped, and the graph compiled without the merge
-    runs. The check reads all groups' inputs at once (C-level ``itemgetter`` and ``map``) rather
-    than looping over them in Python: a 32-layer model has 64 groups, checked at every call."""
+    """The compiled merged graph, called while each member's weight and bias are the objects
+    compiled with; from the first call where one is not, or once a group is dissolved (moving the
+    model does: the group calls ``release``), the groups are dissolved, the merged graph and what
+    it holds of the model are dropped, and the graph compiled without the merge runs. The check
+    reads all groups' inputs at once (C-level ``itemgetter`` and ``map``) rather than looping over
+    them in Python: a 32-layer model has 64 groups, checked at every call."""
 
     # No instance dict: dynamo wraps the compiled callable with functools.wraps, which copies an
     # instance dict into the wrapper, where release() could not drop what it holds.
     __slots__ = (
         "_merged", "_unmerged", "_compile_graph", "_unmerged_compiled", "_inputs", "_compiled_from", "_gemms",
-        "_weights", "__weakref__",
+        "__weakref__",
     )
 
     def __init__(self, merged: Callable, groups: list[MergedGroup], unmerged: fx.GraphModule, compile_graph: Callable):
@@ -165,14 +164,11 @@ class _CheckedMerge:
         self._inputs = operator.itemgetter(*(position for group in groups for position, _ in group.inputs))
         self._compiled_from = tuple(value for group in groups for _, value in group.inputs)
         self._gemms = tuple(group.gemm for group in groups)
-        self._weights = tuple(group.weight for group in groups)
         for gemm in self._gemms:
             gemm.merged_into(self)
 
     def _holds(self, args: tuple) -> bool:
-        return all(map(operator.is_, self._inputs(args), self._compiled_from)) and all(
-            map(operator.is_, map(_weight_of, self._gemms), self._weights)
-        )
+        return all(map(operator.is_, self._inputs(args), self._compiled_from))
 
     def release(self) -> None:
         """Drop the merged graph, which holds the groups' weights, and the references kept to
@@ -181,7 +177,7 @@ class _CheckedMerge:
             return
         self._merged = None
         gemms = self._gemms
-        self._compiled_from, self._gemms, self._weights = (), (), ()
+        self._compiled_from, self._gemms = (), ()
         for gemm in gemms:
             gemm.dissolve()
 
@@ -194,8 +190,6 @@ class _CheckedMerge:
             self._unmerged_compiled = self._compile_graph(self._unmerged, list(args))
         return self._unmerged_compiled(*args)
 
-
-_weight_of = operator.attrgetter("weight")
 
 
 def _copy_of(gm: fx.GraphModule) -> fx.GraphModule:
@@ -244,7 +238,7 @@ def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list) -> list[Merg
         nodes = [node for node, _ in members]
         _merge(gm, x, gemm, nodes, min(nodes, key=order.__getitem__), len(merged))
         inputs_checked = tuple(entry for _, compiled_from in members for entry in compiled_from)
-        merged.append(MergedGroup(gemm, gemm.weight, inputs_checked))
+        merged.append(MergedGroup(gemm, inputs_checked))
     if merged:
         gm.graph.lint()
         gm.recompile()
