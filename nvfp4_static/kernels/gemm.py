@@ -40,31 +40,12 @@ import triton
 import triton.language as tl
 
 from nvfp4_static.kernels.act_quantize import MMA_GROUP, quantize_to_operand_halves
+from nvfp4_static.kernels import gemm_warp_specialized
+from nvfp4_static.kernels.e2m1_ptx import E2M1_BYTES_TO_FP16_PTX
 from nvfp4_static.kernels.launch import KernelCall, ceil_div, runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
-# E2M1 code (sign, e1, e0, m) -> FP8 E4M3 byte (sign, 0, 0, e1, e0, m, 0, 0) is the same number
-# times 2^-6, subnormals included, and the hardware FP8 -> fp16 convert does the rest. The input
-# register holds four packed bytes b0..b3; output registers 0-1 hold the low-nibble values of
-# b0..b3, registers 2-3 the high-nibble ones. Within each byte, the low nibble's bits 0-2 move up
-# to bits 2-4 and its sign (bit 3) to bit 7; the high nibble's bits 4-6 move down to bits 2-4,
-# its sign already at bit 7 (the masks drop what a shift carries in from the next byte).
-# One line: torch.compile copies the kernel's globals into generated source, where a literal
-# newline inside the string would not survive.
-_E2M1_BYTES_TO_FP16_PTX = tl.constexpr(
-    " ".join(
-        [
-            "{ .reg .b32 r_lo, r_hi, r_sign; .reg .b16 l0, l1, h0, h1;",
-            "shl.b32 r_lo, $4, 2; and.b32 r_lo, r_lo, 0x1C1C1C1C;",
-            "shl.b32 r_sign, $4, 4; and.b32 r_sign, r_sign, 0x80808080; or.b32 r_lo, r_lo, r_sign;",
-            "shr.u32 r_hi, $4, 2; and.b32 r_hi, r_hi, 0x1C1C1C1C;",
-            "and.b32 r_sign, $4, 0x80808080; or.b32 r_hi, r_hi, r_sign;",
-            "mov.b32 {l0, l1}, r_lo; mov.b32 {h0, h1}, r_hi;",
-            "cvt.rn.f16x2.e4m3x2 $0, l0; cvt.rn.f16x2.e4m3x2 $1, l1;",
-            "cvt.rn.f16x2.e4m3x2 $2, h0; cvt.rn.f16x2.e4m3x2 $3, h1; }",
-        ]
-    )
-)
+_E2M1_BYTES_TO_FP16_PTX = tl.constexpr(E2M1_BYTES_TO_FP16_PTX)
 
 
 @triton.jit
@@ -407,6 +388,10 @@ class GemmConfig:
     tile takes one dot rather than one per even/odd half (whose MMAs run as two groups, the first
     waited on before the second starts). It needs K to be a multiple of 32; on other K the same
     tiles run without it (``config_for_width``).
+    ``warp_specialized`` runs the tile, where the GPU and the call's tensors allow, as
+    ``gemm_warp_specialized``'s kernel (Hopper, Gluon): the same product bit for bit, with the
+    loads and each multiplying warpgroup's dequantization overlapped; only the tile that kernel
+    implements may ask for it.
     """
 
     block_m: int
@@ -421,6 +406,7 @@ class GemmConfig:
     mma_order: bool = False
     row_tiles_for_split: int = 1
     fill_programs_per_sm: int = 0
+    warp_specialized: bool = False
 
     def __post_init__(self):
         if self.row_tiles_for_split < 1 or (self.row_tiles_for_split > 1 and not self.programs_per_sm):
@@ -440,6 +426,11 @@ class GemmConfig:
                 f"nvfp4_static: GemmConfig.activation_rows must be 0 or a power of 2 dividing "
                 f"block_m = {self.block_m}, got {rows}"
             )
+        if self.warp_specialized and replace(self, warp_specialized=False) != WARP_SPECIALIZED_TILE:
+            raise ValueError(
+                f"nvfp4_static: GemmConfig.warp_specialized runs gemm_warp_specialized's kernel, whose tile is "
+                f"{WARP_SPECIALIZED_TILE}; got {replace(self, warp_specialized=False)}"
+            )
         if self.mma_order and self.block_k % MMA_GROUP:
             raise ValueError(
                 f"nvfp4_static: GemmConfig.mma_order permutes K within whole 32-element groups, so "
@@ -450,6 +441,18 @@ class GemmConfig:
     def rows_per_tile(self) -> int:
         """Activation rows one program covers: its quantized rows, else the MMA's."""
         return self.activation_rows or self.block_m
+
+
+# The tile gemm_warp_specialized's kernel computes, in the Triton kernel's terms.
+WARP_SPECIALIZED_TILE = GemmConfig(
+    gemm_warp_specialized.TOKENS_PER_TILE,
+    gemm_warp_specialized.WEIGHT_ROWS_PER_TILE,
+    gemm_warp_specialized.BLOCK_K,
+    8,
+    3,
+    weight_as_mma_a=True,
+    mma_order=True,
+)
 
 
 @dataclass(frozen=True)
@@ -517,6 +520,11 @@ GEMM_CONFIGS = (
 # layer, so the choice needs no guard in a compiled graph; it takes the same operand as the entry
 # it replaces (``operand_config``).
 TALL_TILE = GemmConfig(256, 128, 128, 8, 3, weight_as_mma_a=True, mma_order=True)
+# The tall tile run by gemm_warp_specialized's kernel on Hopper. Not in the table yet: its GPU
+# time beats the Triton tile's (H200, graph replay, M = 512: 8192 x 8192 0.1145 -> 0.0993 ms,
+# bf16 0.0926; examples/benchmarks/bench_warp_specialized.py), but each launch through Gluon's
+# launcher costs about 0.3 ms of host time, more than the product's GPU time.
+TALL_TILE_WARP_SPECIALIZED = replace(TALL_TILE, warp_specialized=True)
 TALL_TILE_BUCKETS = (256, 512)  # the largest M of the entries it may replace
 TALL_TILE_SM_FILL = 0.75
 EPILOGUE_BLOCK = 1024
@@ -576,7 +584,7 @@ def config_for_width(
     """``config`` at reduction width ``K``: without ``mma_order`` where ``K`` is not a multiple of
     32 (the MMA order permutes whole 32-element groups)."""
     if isinstance(config, GemmConfig) and config.mma_order and K % MMA_GROUP:
-        return replace(config, mma_order=False)
+        return replace(config, mma_order=False, warp_specialized=False)
     return config
 
 
@@ -792,6 +800,19 @@ def launch_nvfp4_gemm(
     bias_or_unused = bias if bias is not None else act_scale
     ptx = use_ptx_dequant(a.device)
     eager = runs_eagerly(a)
+    if isinstance(config, GemmConfig) and config.warp_specialized and gemm_warp_specialized.available(a.device):
+        if not eager:
+            # Inductor cannot trace a Gluon kernel: the graph calls an op that launches it.
+            product = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm(
+                a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out.dtype
+            )
+            out.copy_(product)
+            return
+        if gemm_warp_specialized.takes(a, weight_qdata, out):
+            gemm_warp_specialized.launch_warp_specialized_gemm(
+                a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out
+            )
+            return
     if isinstance(config, CublasAfterDequantize):
         split_k = 1
         weight = torch.empty((N, K), dtype=torch.float16, device=a.device)

@@ -75,7 +75,9 @@ def _without_triton(what: str):
 if HAS_TRITON:
     from nvfp4_static.kernels.act_quantize import launch_activation_quantize
     from nvfp4_static.kernels.block_hessian import launch_block_hessian
+    from nvfp4_static.kernels import gemm_warp_specialized
     from nvfp4_static.kernels.gemm import (
+        WARP_SPECIALIZED_TILE,
         check_operands,
         cublas_with_fused_epilogue,
         fuses_epilogue_into_cublas,
@@ -97,6 +99,7 @@ else:
     launch_nvfp4_gemm = _without_triton("the NVFP4 GEMM on a CUDA tensor")
     check_operands = cublas_with_fused_epilogue = fuses_epilogue_into_cublas = launch_nvfp4_gemm
     table_config = taking_operand = launch_nvfp4_gemm
+    gemm_warp_specialized = WARP_SPECIALIZED_TILE = None
     launch_grouped_nvfp4_gemm = _without_triton("the grouped NVFP4 GEMM of experts on a CUDA tensor")
 
 
@@ -422,6 +425,49 @@ def quantizing_nvfp4_gemm(
         raw_activation=True,
     )
     return out
+
+
+@torch.library.custom_op("nvfp4_static::warp_specialized_nvfp4_gemm", mutates_args=())
+def warp_specialized_nvfp4_gemm(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``nvfp4_gemm`` with ``gemm.WARP_SPECIALIZED_TILE`` (``a`` its fp16 operand in the MMA
+    order) as an op Inductor does not look into: a traced graph reaches the warp-specialized Gluon
+    kernel (``gemm_warp_specialized``, which tracing cannot see) through it. At run time it
+    launches that kernel where the GPU and the tensors suit it and the same tile in Triton
+    otherwise; the two give the same output."""
+    _require_cuda(a, "warp_specialized_nvfp4_gemm")
+    out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
+    if gemm_warp_specialized.available(a.device) and gemm_warp_specialized.takes(a, weight_qdata, out):
+        check_operands(a, weight_qdata, weight_block_scales, torch.float16)
+        gemm_warp_specialized.launch_warp_specialized_gemm(
+            a,
+            weight_qdata,
+            weight_block_scales.contiguous().view(torch.uint8),
+            act_per_tensor_scale.to(torch.float32).reshape(1),
+            weight_per_tensor_scale.to(torch.float32).reshape(1),
+            bias,
+            out,
+        )
+    else:
+        launch_nvfp4_gemm(
+            a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out,
+            WARP_SPECIALIZED_TILE,
+        )
+    return out
+
+
+@warp_specialized_nvfp4_gemm.register_fake
+def _warp_specialized_nvfp4_gemm_fake(
+    a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out_dtype
+):
+    return a.new_empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype)
 
 
 def _grouped_static_nvfp4_linear_torch(

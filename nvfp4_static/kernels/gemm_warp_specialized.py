@@ -1,0 +1,263 @@
+"""The NVFP4 GEMM's 256 x 128 tile on Hopper, warp-specialized, in Gluon.
+
+``gemm.TALL_TILE``'s product (256 activation rows by 128 weight rows, 128-wide K tiles in the MMA
+order, ``W @ A^T`` with the dequantized weight as the wgmma's register operand) by three
+warpgroups with separate jobs: one loads each K tile's activation operand and packed weight by
+TMA into a ring of shared-memory stages; each of the other two dequantizes its own 64 weight rows
+into its wgmma operand, multiplies, and hands the stage back through an mbarrier. The Triton
+kernel runs both multiplying warpgroups in step, meeting at barriers in every K tile, so each
+waits while the other dequantizes; here neither waits for the other, and one dequantizes while
+the other's wgmmas run (on an H100 at M = 512 the Triton tile kept the tensor pipe 74% busy; on
+an H200 it took 1.13x this kernel's time on 8192 x 8192; ``examples/benchmarks/RESULTS.md``).
+
+The arithmetic is the Triton tile's: the same dequantization (``e2m1_ptx``),
+the same wgmma instructions in the same K order, so both give the same output bit for bit. Gluon
+kernels do not run in Triton's interpreter and Inductor cannot trace them: ``gemm`` runs this one
+for ``gemm.TALL_TILE_WARP_SPECIALIZED`` on sm_90 (eager, or at run time inside
+``warp_specialized_nvfp4_gemm``, the opaque op a traced graph calls) and the Triton tile
+everywhere else.
+"""
+
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from nvfp4_static.kernels.launch import ceil_div, interpreting
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON_HOPPER = hasattr(gl, "warp_specialize")
+except ImportError:
+    HAS_GLUON_HOPPER = False
+
+TOKENS_PER_TILE = 256
+WEIGHT_ROWS_PER_TILE = 128
+BLOCK_K = 128
+STAGES = 3  # 3 x 72 KiB of operands: as many as an H100 SM's shared memory holds
+CONSUMER_REGISTERS = 232  # of the 256 a thread may have: the accumulator alone takes 128
+ROWS_PER_CONSUMER = 64  # the wgmma's M
+
+
+def available(device: torch.device) -> bool:
+    """Whether this kernel can run on ``device``: a Hopper GPU (wgmma) with Gluon's Hopper API,
+    outside Triton's interpreter."""
+    return HAS_GLUON_HOPPER and device.type == "cuda" and not interpreting() and _is_hopper(device)
+
+
+@lru_cache(maxsize=None)
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def takes(a: torch.Tensor, weight_qdata: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether this call's tensors suit the kernel: TMA reads the operand and the packed weight
+    from 16-byte aligned rows, and the output is written row by row."""
+    return (
+        a.dtype == torch.float16
+        and a.is_contiguous()
+        and weight_qdata.is_contiguous()
+        and a.data_ptr() % 16 == 0
+        and weight_qdata.data_ptr() % 16 == 0
+        and a.shape[1] % 32 == 0
+        and out.stride(1) == 1
+    )
+
+
+if HAS_GLUON_HOPPER:
+    from nvfp4_static.kernels.e2m1_ptx import E2M1_BYTES_TO_FP16_PTX
+
+    # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load.
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    ROWS = gl.constexpr(ROWS_PER_CONSUMER)
+    PTX = gl.constexpr(E2M1_BYTES_TO_FP16_PTX)
+
+    @gluon.constexpr_function
+    def packed_layout(block_k):
+        """A consumer's ``[64, block_k / 2]`` packed bytes. In each row, byte ``16g + 4t + 2c + i``
+        sits with lane ``t`` (with the rows, as the wgmma's register operand places them), in
+        register ``i + 2c``: each thread's four bytes are one 32-bit word, which the PTX turns
+        into its operand values for both of the row's 16-wide K steps of the group."""
+        registers = [[0, 1], [0, 2], [8, 0]]
+        group = 16
+        while group < block_k // 2:
+            registers.append([0, group])
+            group *= 2
+        return gl.DistributedLinearLayout(
+            reg_bases=registers,
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]],
+            block_bases=[],
+            shape=[ROWS_PER_CONSUMER, block_k // 2],
+        )
+
+    @gluon.constexpr_function
+    def packed_by_block_layout(block_k):
+        """``packed_layout`` seen as ``[64, block_k / 16, 8]``: (row, 16-element block, byte)."""
+        registers = [[0, 0, 1], [0, 0, 2], [8, 0, 0]]
+        block = 2
+        while block < block_k // 16:
+            registers.append([0, block, 0])
+            block *= 2
+        return gl.DistributedLinearLayout(
+            reg_bases=registers,
+            lane_bases=[[0, 0, 4], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]],
+            block_bases=[],
+            shape=[ROWS_PER_CONSUMER, block_k // 16, 8],
+        )
+
+    @gluon.jit
+    def _dequantize_in_mma_order(packed, scale_codes, BK: gl.constexpr, BY_BLOCK: gl.constexpr, OPERAND: gl.constexpr):
+        """Packed codes and their FP8 block scales -> fp16 ``q * s_b`` in the MMA order
+        (``gemm.dequantize_weight_tile_in_mma_order``), laid out as the wgmma's register operand
+        without moving a value between threads (each conversion below is checked trivial)."""
+        low, high = gl.inline_asm_elementwise(
+            PTX, "=r,=r,=r,=r,r", [packed], dtype=(gl.float16, gl.float16), is_pure=True, pack=4
+        )
+        # Undo the 2^-6 of the FP8 trick on the scale: s_b * 64 <= 28672 stays exact in fp16.
+        scales = gl.expand_dims(scale_codes.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0, 2)
+        by_block: gl.constexpr = [ROWS, BK // 16, 8]
+        even = gl.convert_layout(gl.reshape(low, by_block), BY_BLOCK, assert_trivial=True) * scales
+        odd = gl.convert_layout(gl.reshape(high, by_block), BY_BLOCK, assert_trivial=True) * scales
+        groups: gl.constexpr = [ROWS, BK // 32, 4, 2, 2]  # (row, group, t, c, i)
+        tile = gl.join(gl.reshape(even, groups), gl.reshape(odd, groups))  # (row, group, t, c, i, h)
+        tile = gl.reshape(gl.permute(tile, (0, 1, 3, 5, 2, 4)), [ROWS, BK])  # K at 32g + 16c + 8h + 2t + i
+        return gl.convert_layout(tile, OPERAND, assert_trivial=True)
+
+    @gluon.jit
+    def _load_partition(a_desc, w_desc, a_smem, w_smem, ready, empty, off_m, off_n, k_tiles,
+                        BK: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Fill stage ``k % NUM_STAGES`` with K tile ``k`` once both consumers handed it back."""
+        for k_tile in range(k_tiles):
+            stage = k_tile % NUM_STAGES
+            # A fresh barrier counts as having completed the phase before its first, so the
+            # first pass over the stages does not wait.
+            mbarrier.wait(empty.index(stage), ((k_tile // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+            tma_load(a_desc, [off_m, k_tile * BK], bar, a_smem.index(stage))
+            tma_load(w_desc, [off_n, k_tile * (BK // 2)], bar, w_smem.index(2 * stage))
+            tma_load(w_desc, [off_n + ROWS, k_tile * (BK // 2)], bar, w_smem.index(2 * stage + 1))
+
+    @gluon.jit
+    def _multiply_partition(a_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr, weight_scale_ptr, bias_ptr,
+                            out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
+                            HALF: gl.constexpr, BLOCK_M: gl.constexpr, BK: gl.constexpr,
+                            NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """One consumer warpgroup: weight rows ``off_n + 64 * HALF`` onwards, all BLOCK_M tokens;
+        the epilogue (both global scales, the bias) on its part of the output tile."""
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+        OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        PACKED: gl.constexpr = packed_layout(BK)
+        BY_BLOCK: gl.constexpr = packed_by_block_layout(BK)
+        SCALES: gl.constexpr = gl.SliceLayout(2, BY_BLOCK)
+        first_row = off_n + HALF * ROWS
+        rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCALES))
+        blocks = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SCALES))
+        scale_ptrs = scales_ptr + rows.to(gl.int64)[:, None] * (K // 16) + blocks[None, :]
+        in_rows = rows[:, None] < N
+        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC)
+        # The block scales come from global memory a K tile ahead of their use.
+        codes = gl.load(scale_ptrs, mask=in_rows & (blocks[None, :] < K // 16), other=0)
+        for k_tile in range(k_tiles):
+            stage = k_tile % NUM_STAGES
+            next_blocks = (k_tile + 1) * (BK // 16) + blocks[None, :]
+            next_codes = gl.load(scale_ptrs + (k_tile + 1) * (BK // 16), mask=in_rows & (next_blocks < K // 16), other=0)
+            mbarrier.wait(ready.index(stage), (k_tile // NUM_STAGES) & 1)
+            packed = w_smem.index(2 * stage + HALF).load(PACKED)
+            w = _dequantize_in_mma_order(packed, codes, BK, BY_BLOCK, OPERAND)
+            acc = warpgroup_mma(w, a_smem.index(stage).permute((1, 0)), acc, is_async=True)
+            # Waiting here lets the other consumer's dequantization run beside these wgmmas.
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(stage), count=1)
+            codes = next_codes
+        out_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ACC))
+        tokens = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+        acc = acc * (gl.load(act_scale_ptr) * gl.load(weight_scale_ptr))
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + out_rows, mask=out_rows < N, other=0.0).to(gl.float32)[:, None]
+        mask = (out_rows[:, None] < N) & (tokens[None, :] < M)
+        gl.store(
+            out_ptr + tokens.to(gl.int64)[None, :] * stride_om + out_rows[:, None],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+    @gluon.jit
+    def _warp_specialized_gemm_kernel(a_desc, w_desc, scales_ptr, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr,
+                                      M, N, K, stride_om,
+                                      BLOCK_M: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                                      HAS_BIAS: gl.constexpr, REGISTERS: gl.constexpr):
+        # Consecutive programs take the same weight rows, so each weight tile is read from L2 by
+        # the programs after the first.
+        pid = gl.program_id(0)
+        tiles_m = gl.cdiv(M, BLOCK_M)
+        off_m = (pid % tiles_m) * BLOCK_M
+        off_n = (pid // tiles_m) * (2 * ROWS)
+        k_tiles = gl.cdiv(K, BK)
+        a_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, BLOCK_M, BK], a_desc.layout)
+        w_smem = gl.allocate_shared_memory(gl.uint8, [2 * NUM_STAGES, ROWS, BK // 2], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(stage), count=1)
+            mbarrier.init(empty.index(stage), count=2)  # both consumers hand each stage back
+        gl.warp_specialize(
+            [
+                (_load_partition, (a_desc, w_desc, a_smem, w_smem, ready, empty, off_m, off_n, k_tiles, BK, NUM_STAGES)),
+                (_multiply_partition, (a_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr, weight_scale_ptr,
+                                       bias_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
+                                       0, BLOCK_M, BK, NUM_STAGES, HAS_BIAS)),
+                (_multiply_partition, (a_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr, weight_scale_ptr,
+                                       bias_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
+                                       1, BLOCK_M, BK, NUM_STAGES, HAS_BIAS)),
+            ],
+            [4, 4],
+            [REGISTERS, REGISTERS],
+        )
+
+
+def kernel_arguments(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    scale_codes: torch.Tensor,
+    act_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, meta)`` of the kernel's launch (the TMA descriptors built for these tensors)."""
+    M, K = a.shape
+    N = weight_qdata.shape[0]
+    a_desc = TensorDescriptor.from_tensor(
+        a, [TOKENS_PER_TILE, BLOCK_K], gl.NVMMASharedLayout.get_default_for([TOKENS_PER_TILE, BLOCK_K], gl.float16)
+    )
+    w_block = [ROWS_PER_CONSUMER, BLOCK_K // 2]
+    w_desc = TensorDescriptor.from_tensor(weight_qdata, w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl.uint8))
+    grid = (ceil_div(M, TOKENS_PER_TILE) * ceil_div(N, WEIGHT_ROWS_PER_TILE),)
+    args = (a_desc, w_desc, scale_codes, act_scale, weight_scale, bias if bias is not None else act_scale, out,
+            M, N, K, out.stride(0))
+    meta = dict(BLOCK_M=TOKENS_PER_TILE, BK=BLOCK_K, NUM_STAGES=STAGES, HAS_BIAS=bias is not None,
+                REGISTERS=CONSUMER_REGISTERS, num_warps=4)
+    return grid, args, meta
+
+
+def launch_warp_specialized_gemm(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    scale_codes: torch.Tensor,
+    act_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+) -> None:
+    """``out [M, N] = (a @ dequant(W)^T) * act_scale * weight_scale + bias``: ``a`` the fp16
+    operand in the MMA order, ``scale_codes`` the block scales as bytes, both global scales fp32
+    ``[1]``; the caller has checked ``available`` and ``takes``."""
+    grid, args, meta = kernel_arguments(a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out)
+    _warp_specialized_gemm_kernel[grid](*args, **meta)

@@ -1,0 +1,197 @@
+"""The warp-specialized Hopper tile (``kernels.gemm_warp_specialized``, Gluon).
+
+Gluon kernels do not run in Triton's interpreter: on any machine the kernel is built for sm_90a
+and its build checked; on a Hopper GPU its output is compared with the Triton kernel's for the
+same tile (``gemm.WARP_SPECIALIZED_TILE``, itself tested against the torch reference on the CPU
+through the interpreter), bit for bit, and with a float64 reference.
+"""
+
+import re
+import subprocess
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import gpu_tolerance, relative_error, requires_cuda
+from test_kernels_gemm import gemm_operands, reference_gemm
+
+from nvfp4_static.kernels import gemm, gemm_warp_specialized, nvfp4_gemm
+from nvfp4_static.kernels.gemm import (
+    TALL_TILE,
+    TALL_TILE_WARP_SPECIALIZED,
+    WARP_SPECIALIZED_TILE,
+    config_for_width,
+    launch_nvfp4_gemm,
+)
+
+H100_SHARED_BYTES_PER_BLOCK = 232448  # 227 KiB
+
+
+def test_only_the_kernels_own_tile_may_ask_for_it():
+    tile = WARP_SPECIALIZED_TILE
+    for other in (
+        replace(tile, block_m=128),
+        replace(tile, block_n=64),
+        replace(tile, block_k=64),
+        replace(tile, mma_order=False),
+        replace(tile, weight_as_mma_a=False),
+        replace(tile, programs_per_sm=1),
+        replace(tile, activation_rows=16),
+    ):
+        with pytest.raises(ValueError, match="warp_specialized runs gemm_warp_specialized's kernel"):
+            replace(other, warp_specialized=True)
+    assert tile == TALL_TILE
+    assert replace(tile, warp_specialized=True) == TALL_TILE_WARP_SPECIALIZED
+
+
+def test_a_width_without_the_mma_order_runs_the_triton_tile():
+    assert config_for_width(TALL_TILE_WARP_SPECIALIZED, 4096).warp_specialized
+    assert config_for_width(TALL_TILE_WARP_SPECIALIZED, 4112) == replace(TALL_TILE, mma_order=False)
+
+
+def test_not_available_off_hopper_gpus():
+    assert not gemm_warp_specialized.available(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not gemm_warp_specialized.HAS_GLUON_HOPPER, reason="this Triton has no Gluon Hopper API")
+def test_sm90a_build_keeps_three_warpgroups_without_spills(tmp_path):
+    """What the GPU tests cannot show on a machine without one: ptxas builds the kernel for
+    sm_90a with a producer and two consumer warpgroups (setmaxnreg to the consumers' registers),
+    the weight as the wgmma's register operand (m64n256k16), nothing spilled to local memory, and
+    its stages within one SM's shared memory."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.backends.nvidia import compiler as nvidia_compiler
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    M, N, K = 512, 4096, 4096
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    scale = torch.ones(1)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    bias = torch.zeros(N, dtype=torch.bfloat16)
+    _, args, meta = gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, bias, out)
+    kernel = gemm_warp_specialized._warp_specialized_gemm_kernel
+    values = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(index,)] = value
+        else:
+            signature[param.name] = native_specialize_impl(BaseBackend, value, False, True, True)[0]
+            if isinstance(value, torch.Tensor):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=meta["num_warps"]))
+    ptx = compiled.asm["ptx"]
+    (tmp_path / "ws.ptx").write_text(ptx)
+    report = subprocess.run(
+        [nvidia_compiler.get_ptxas(90).path, "-arch=sm_90a", "-v", str(tmp_path / "ws.ptx"), "-o", str(tmp_path / "ws.cubin")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = report.stdout + report.stderr
+    assert compiled.metadata.num_warps == 12
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{gemm_warp_specialized.CONSUMER_REGISTERS};" in ptx
+    # Register A operand: a brace list of registers before the descriptor of B.
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.f16\.f16 \{[^}]*\}, \{%r", ptx)
+    assert "C7515" not in report, report
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "spill" not in report or re.search(r" 0 bytes spill stores", report), report
+    assert compiled.metadata.shared <= H100_SHARED_BYTES_PER_BLOCK
+
+
+def hopper_with_gluon() -> bool:
+    return torch.cuda.is_available() and gemm_warp_specialized.available(torch.device("cuda"))
+
+
+requires_hopper = pytest.mark.skipif(not hopper_with_gluon(), reason="needs a Hopper GPU and Gluon")
+
+
+class CountingLaunches:
+    """Counts the warp-specialized kernel's launches (patched in for a test)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        launch = gemm_warp_specialized.launch_warp_specialized_gemm
+
+        def counted(*args):
+            self.count += 1
+            launch(*args)
+
+        monkeypatch.setattr(gemm_warp_specialized, "launch_warp_specialized_gemm", counted)
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(
+    "M,N,K",
+    [(512, 8192, 8192), (300, 14336, 4096), (257, 4160, 4128), (1, 96, 32), (700, 200, 14336)],
+    ids=str,
+)
+def test_gpu_warp_specialized_equals_the_triton_tile_bit_for_bit(dtype, with_bias, M, N, K, monkeypatch):
+    """Row, column and K edges (M, N and K not multiples of the tile; one row; fewer weight rows
+    than one consumer's): the same output as the Triton kernel of the same tile, bit for bit,
+    within the fp64 reference's bound."""
+    operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=TALL_TILE_WARP_SPECIALIZED)
+    weight[-1] = weight[-1] if with_bias else None
+    launches = CountingLaunches(monkeypatch)
+    ours = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+    launch_nvfp4_gemm(operand, *weight, ours, TALL_TILE_WARP_SPECIALIZED)
+    assert launches.count == 1
+    triton_tile = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+    launch_nvfp4_gemm(operand, *weight, triton_tile, WARP_SPECIALIZED_TILE)
+    assert launches.count == 1
+    assert torch.equal(ours, triton_tile)
+    plain = gemm_operands(M, N, K, seed=M, device="cuda")[0]
+    assert relative_error(ours, reference_gemm(plain, *weight)) <= gpu_tolerance(K, dtype)
+
+
+@requires_cuda
+@requires_hopper
+def test_gpu_unaligned_operand_runs_the_triton_tile(monkeypatch):
+    """TMA needs 16-byte aligned rows: an operand starting 8 bytes into its buffer takes the
+    Triton kernel, with the same output."""
+    M, N, K = 300, 8192, 4096
+    operand, *weight = gemm_operands(M, N, K, seed=3, device="cuda", config=TALL_TILE_WARP_SPECIALIZED)
+    buffer = torch.empty(M * K + 4, dtype=torch.float16, device="cuda")
+    unaligned = buffer[4:].view(M, K)
+    unaligned.copy_(operand)
+    launches = CountingLaunches(monkeypatch)
+    out = torch.empty((M, N), dtype=torch.bfloat16, device="cuda")
+    launch_nvfp4_gemm(unaligned, *weight, out, TALL_TILE_WARP_SPECIALIZED)
+    assert launches.count == 0
+    expected = torch.empty_like(out)
+    launch_nvfp4_gemm(operand, *weight, expected, TALL_TILE_WARP_SPECIALIZED)
+    assert launches.count == 1
+    assert torch.equal(out, expected)
+
+
+@requires_cuda
+@requires_hopper
+def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(monkeypatch):
+    """Traced, the tile is an opaque op (Inductor cannot trace a Gluon kernel): with the table's
+    tall tile run warp-specialized, a fullgraph compile of the GEMM op launches the kernel and
+    gives eager's output."""
+    monkeypatch.setattr(gemm, "TALL_TILE", TALL_TILE_WARP_SPECIALIZED)
+    M, N, K = 512, 8192, 8192
+    assert gemm.table_config(M, None, N, K, torch.device("cuda")) == TALL_TILE_WARP_SPECIALIZED
+    operand, qdata, scales, act_scale, weight_scale, bias = gemm_operands(
+        M, N, K, seed=5, device="cuda", config=TALL_TILE_WARP_SPECIALIZED
+    )
+    launches = CountingLaunches(monkeypatch)
+
+    def linear(a):
+        return nvfp4_gemm(a, qdata, scales, act_scale, weight_scale, bias, torch.bfloat16)
+
+    eager = linear(operand)
+    assert launches.count == 1
+    compiled = torch.compile(linear, fullgraph=True)(operand)
+    assert launches.count == 2
+    assert torch.equal(compiled, eager)
