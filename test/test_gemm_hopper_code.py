@@ -32,7 +32,8 @@ from nvfp4_static.kernels.launch import KernelCall, ceil_div
 
 triton = pytest.importorskip("triton")
 nvidia_compiler = pytest.importorskip("triton.backends.nvidia.compiler")
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 H100_SMS = 132
@@ -105,6 +106,14 @@ def ptxas_report_for_sm90(call: KernelCall, tmp_path) -> HopperBuild:
     values = dict(zip(kernel.arg_names, call.args))
     values.update((name, value) for name, value in call.meta.items() if name in kernel.arg_names)
     values["PTX"] = True  # the launch on CPU tensors asked for the interpreter's plain-Triton twin
+    options = {name: value for name, value in call.meta.items() if name not in kernel.arg_names}
+    return build_for_sm90(kernel, values, options, tmp_path)
+
+
+def build_for_sm90(kernel, values: dict, options: dict, tmp_path, source_class=ASTSource) -> HopperBuild:
+    """``kernel`` with its parameters' ``values`` compiled for sm_90a (tensors 16-byte aligned,
+    integers plain ``i32``, other arguments as Triton specialises them) and handed to ptxas;
+    ``source_class`` is Gluon's for a Gluon kernel."""
     signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
         value = values[param.name]
@@ -114,11 +123,12 @@ def ptxas_report_for_sm90(call: KernelCall, tmp_path) -> HopperBuild:
         elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + TRITON_TYPES[value.dtype]
             attrs[(index,)] = [["tt.divisibility", 16]]
-        else:
+        elif isinstance(value, int):
             signature[param.name] = "i32"
-    options = {name: value for name, value in call.meta.items() if name not in kernel.arg_names}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
+        else:
+            signature[param.name] = native_specialize_impl(BaseBackend, value, False, True, True)[0]
+    source = source_class(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = compiled.asm["ptx"]
     ptx_path = tmp_path / "gemm.ptx"
     ptx_path.write_text(ptx)

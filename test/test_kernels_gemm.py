@@ -432,7 +432,7 @@ def test_tall_tile_serves_wide_weights_at_mid_size_m_where_its_programs_fill_the
         assert table_config(128, None, 14336, 4096, cuda) == gemm_config(128)
         assert table_config(513, None, 14336, 4096, cuda) == gemm_config(513)
         assert table_config(100, gemm_bucket(300), 14336, 4096, cuda) == TALL_TILE  # the bucket decides
-        assert table_config(300, None, 14336, 4112, cuda) == replace(TALL_TILE, mma_order=False)
+        assert table_config(300, None, 14336, 4112, cuda) == replace(TALL_TILE, mma_order=False, warp_specialized=False)
     with mock.patch.object(gemm, "_multiprocessor_count", return_value=64):
         assert table_config(256, None, 8192, 8192, cuda) == TALL_TILE  # 64 programs fill 64 SMs
     assert table_config(300, None, 14336, 4096, torch.device("cpu")) == gemm_config(300)

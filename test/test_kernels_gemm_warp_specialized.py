@@ -2,12 +2,13 @@
 
 Gluon kernels do not run in Triton's interpreter: on any machine the kernel is built for sm_90a
 and its build checked; on a Hopper GPU its output is compared with the Triton kernel's for the
-same tile (``gemm.WARP_SPECIALIZED_TILE``, itself tested against the torch reference on the CPU
+same tile (``gemm.TALL_TILE_IN_TRITON``, itself tested against the torch reference on the CPU
 through the interpreter), bit for bit, and with a float64 reference.
 """
 
+import gc
 import re
-import subprocess
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -18,8 +19,7 @@ from test_kernels_gemm import gemm_operands, reference_gemm
 from nvfp4_static.kernels import gemm, gemm_warp_specialized, nvfp4_gemm
 from nvfp4_static.kernels.gemm import (
     TALL_TILE,
-    TALL_TILE_WARP_SPECIALIZED,
-    WARP_SPECIALIZED_TILE,
+    TALL_TILE_IN_TRITON,
     config_for_width,
     launch_nvfp4_gemm,
 )
@@ -28,7 +28,7 @@ H100_SHARED_BYTES_PER_BLOCK = 232448  # 227 KiB
 
 
 def test_only_the_kernels_own_tile_may_ask_for_it():
-    tile = WARP_SPECIALIZED_TILE
+    tile = TALL_TILE_IN_TRITON
     for other in (
         replace(tile, block_m=128),
         replace(tile, block_n=64),
@@ -40,13 +40,12 @@ def test_only_the_kernels_own_tile_may_ask_for_it():
     ):
         with pytest.raises(ValueError, match="warp_specialized runs gemm_warp_specialized's kernel"):
             replace(other, warp_specialized=True)
-    assert tile == TALL_TILE
-    assert replace(tile, warp_specialized=True) == TALL_TILE_WARP_SPECIALIZED
+    assert replace(tile, warp_specialized=True) == TALL_TILE
 
 
 def test_a_width_without_the_mma_order_runs_the_triton_tile():
-    assert config_for_width(TALL_TILE_WARP_SPECIALIZED, 4096).warp_specialized
-    assert config_for_width(TALL_TILE_WARP_SPECIALIZED, 4112) == replace(TALL_TILE, mma_order=False)
+    assert config_for_width(TALL_TILE, 4096).warp_specialized
+    assert config_for_width(TALL_TILE, 4112) == replace(TALL_TILE_IN_TRITON, mma_order=False)
 
 
 def test_not_available_off_hopper_gpus():
@@ -59,10 +58,7 @@ def test_sm90a_build_keeps_three_warpgroups_without_spills(tmp_path):
     sm_90a with a producer and two consumer warpgroups (setmaxnreg to the consumers' registers),
     the weight as the wgmma's register operand (m64n256k16), nothing spilled to local memory, and
     its stages within one SM's shared memory."""
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.backends.nvidia import compiler as nvidia_compiler
+    from test_gemm_hopper_code import build_for_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
     M, N, K = 512, 4096, 4096
@@ -74,35 +70,17 @@ def test_sm90a_build_keeps_three_warpgroups_without_spills(tmp_path):
     _, args, meta = gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, bias, out)
     kernel = gemm_warp_specialized._warp_specialized_gemm_kernel
     values = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
-    signature, constexprs, attrs = {}, {}, {}
-    for index, param in enumerate(kernel.params):
-        value = values[param.name]
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[(index,)] = value
-        else:
-            signature[param.name] = native_specialize_impl(BaseBackend, value, False, True, True)[0]
-            if isinstance(value, torch.Tensor):
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=meta["num_warps"]))
-    ptx = compiled.asm["ptx"]
-    (tmp_path / "ws.ptx").write_text(ptx)
-    report = subprocess.run(
-        [nvidia_compiler.get_ptxas(90).path, "-arch=sm_90a", "-v", str(tmp_path / "ws.ptx"), "-o", str(tmp_path / "ws.cubin")],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    report = report.stdout + report.stderr
-    assert compiled.metadata.num_warps == 12
+    options = {k: v for k, v in meta.items() if k not in kernel.arg_names}
+    build = build_for_sm90(kernel, values, options, tmp_path, GluonASTSource)
+    ptx, report = build.ptx, build.report
+    assert build.num_warps == 12
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{gemm_warp_specialized.CONSUMER_REGISTERS};" in ptx
     # Register A operand: a brace list of registers before the descriptor of B.
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.f16\.f16 \{[^}]*\}, \{%r", ptx)
     assert "C7515" not in report, report
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "spill" not in report or re.search(r" 0 bytes spill stores", report), report
-    assert compiled.metadata.shared <= H100_SHARED_BYTES_PER_BLOCK
+    assert build.shared_bytes <= H100_SHARED_BYTES_PER_BLOCK
 
 
 def hopper_with_gluon() -> bool:
@@ -139,14 +117,14 @@ def test_gpu_warp_specialized_equals_the_triton_tile_bit_for_bit(dtype, with_bia
     """Row, column and K edges (M, N and K not multiples of the tile; one row; fewer weight rows
     than one consumer's): the same output as the Triton kernel of the same tile, bit for bit,
     within the fp64 reference's bound."""
-    operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=TALL_TILE_WARP_SPECIALIZED)
+    operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=TALL_TILE)
     weight[-1] = weight[-1] if with_bias else None
     launches = CountingLaunches(monkeypatch)
     ours = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
-    launch_nvfp4_gemm(operand, *weight, ours, TALL_TILE_WARP_SPECIALIZED)
+    launch_nvfp4_gemm(operand, *weight, ours, TALL_TILE)
     assert launches.count == 1
     triton_tile = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
-    launch_nvfp4_gemm(operand, *weight, triton_tile, WARP_SPECIALIZED_TILE)
+    launch_nvfp4_gemm(operand, *weight, triton_tile, TALL_TILE_IN_TRITON)
     assert launches.count == 1
     assert torch.equal(ours, triton_tile)
     plain = gemm_operands(M, N, K, seed=M, device="cuda")[0]
@@ -159,31 +137,50 @@ def test_gpu_unaligned_operand_runs_the_triton_tile(monkeypatch):
     """TMA needs 16-byte aligned rows: an operand starting 8 bytes into its buffer takes the
     Triton kernel, with the same output."""
     M, N, K = 300, 8192, 4096
-    operand, *weight = gemm_operands(M, N, K, seed=3, device="cuda", config=TALL_TILE_WARP_SPECIALIZED)
+    operand, *weight = gemm_operands(M, N, K, seed=3, device="cuda", config=TALL_TILE)
     buffer = torch.empty(M * K + 4, dtype=torch.float16, device="cuda")
     unaligned = buffer[4:].view(M, K)
     unaligned.copy_(operand)
     launches = CountingLaunches(monkeypatch)
     out = torch.empty((M, N), dtype=torch.bfloat16, device="cuda")
-    launch_nvfp4_gemm(unaligned, *weight, out, TALL_TILE_WARP_SPECIALIZED)
+    launch_nvfp4_gemm(unaligned, *weight, out, TALL_TILE)
     assert launches.count == 0
     expected = torch.empty_like(out)
-    launch_nvfp4_gemm(operand, *weight, expected, TALL_TILE_WARP_SPECIALIZED)
+    launch_nvfp4_gemm(operand, *weight, expected, TALL_TILE)
     assert launches.count == 1
     assert torch.equal(out, expected)
 
 
 @requires_cuda
 @requires_hopper
+def test_gpu_prepared_launches_keep_no_tensor_alive(monkeypatch):
+    """The kernel's launches are prepared once per specialisation and kept; what is kept holds
+    none of the first call's tensors (its TMA descriptors would): a weight launched with is
+    freed once the caller drops it."""
+    monkeypatch.setattr(gemm_warp_specialized, "_PREPARED", {})
+    M, N, K = 300, 4096, 4096
+    operand, qdata, *rest = gemm_operands(M, N, K, seed=7, device="cuda", config=TALL_TILE)
+    launches = CountingLaunches(monkeypatch)
+    out = torch.empty((M, N), dtype=torch.bfloat16, device="cuda")
+    launch_nvfp4_gemm(operand, qdata, *rest, out, TALL_TILE)
+    assert launches.count == 1 and len(gemm_warp_specialized._PREPARED) == 1
+    weight_alive = weakref.ref(qdata)
+    operand_alive = weakref.ref(operand)
+    del qdata, operand
+    gc.collect()
+    assert weight_alive() is None and operand_alive() is None
+
+
+@requires_cuda
+@requires_hopper
 def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(monkeypatch):
-    """Traced, the tile is an opaque op (Inductor cannot trace a Gluon kernel): with the table's
-    tall tile run warp-specialized, a fullgraph compile of the GEMM op launches the kernel and
-    gives eager's output."""
-    monkeypatch.setattr(gemm, "TALL_TILE", TALL_TILE_WARP_SPECIALIZED)
+    """Traced, the tile is an opaque op (Inductor cannot trace a Gluon kernel): a fullgraph
+    compile of the GEMM op where the table takes the tall tile launches the kernel and gives
+    eager's output."""
     M, N, K = 512, 8192, 8192
-    assert gemm.table_config(M, None, N, K, torch.device("cuda")) == TALL_TILE_WARP_SPECIALIZED
+    assert gemm.table_config(M, None, N, K, torch.device("cuda")) == TALL_TILE
     operand, qdata, scales, act_scale, weight_scale, bias = gemm_operands(
-        M, N, K, seed=5, device="cuda", config=TALL_TILE_WARP_SPECIALIZED
+        M, N, K, seed=5, device="cuda", config=TALL_TILE
     )
     launches = CountingLaunches(monkeypatch)
 

@@ -2,8 +2,8 @@
 
 For each weight shape and M: bf16 ``F.linear``, the table's route for M (``static_nvfp4_linear``:
 the activation operand kernel, then the table's GEMM), and the same operand kernel followed by
-the tall tile in Triton (``gemm.TALL_TILE``) and warp-specialized
-(``gemm.TALL_TILE_WARP_SPECIALIZED``), each replayed from a CUDA graph (GPU time, ms); then the
+the tall tile in Triton (``gemm.TALL_TILE_IN_TRITON``) and warp-specialized
+(``gemm.TALL_TILE``, what the table runs on Hopper), each replayed from a CUDA graph (GPU time, ms); then the
 warp-specialized route timed from Python (host work included). The warp-specialized output is
 checked equal to the Triton tile's, bit for bit, before it is timed.
 
@@ -20,7 +20,7 @@ from tune_gemm import make_weight
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm, gemm_activation_operand
-from nvfp4_static.kernels.gemm import TALL_TILE, TALL_TILE_WARP_SPECIALIZED
+from nvfp4_static.kernels.gemm import TALL_TILE, TALL_TILE_IN_TRITON
 
 
 def tall_tile_route(x, weight, act_scale, config):
@@ -50,8 +50,8 @@ def main():
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             act_scale = x.abs().max().float() / 2688
             output_scale = float(act_scale * weight.scale)
-            triton_tile = tall_tile_route(x, weight, act_scale, TALL_TILE)
-            warp_specialized = tall_tile_route(x, weight, act_scale, TALL_TILE_WARP_SPECIALIZED)
+            triton_tile = tall_tile_route(x, weight, act_scale, TALL_TILE_IN_TRITON)
+            warp_specialized = tall_tile_route(x, weight, act_scale, TALL_TILE)
             if not torch.equal(triton_tile(), warp_specialized()):
                 raise SystemExit(f"bench_warp_specialized: outputs differ at {K} x {N}, M = {M}")
             bf16 = graph_ms(lambda: F.linear(x, weight.bf16, weight.bias))

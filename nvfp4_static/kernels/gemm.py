@@ -27,6 +27,9 @@ its one rounding, so no fp32 product travels through memory. At M = 1 the kernel
 activation instead and quantizes it in its K loop (``GemmConfig.activation_rows``) with
 ``act_quantize``'s arithmetic, so no operand kernel runs before it.
 
+On Hopper the tall tile (``TALL_TILE``) runs as ``gemm_warp_specialized``'s Gluon kernel: the
+same product, with the loads and each multiplying warpgroup's dequantization overlapped.
+
 This file holds the kernels, their launchers and the tile table; the ops that call them
 (``nvfp4_gemm``, ``quantizing_nvfp4_gemm``) are registered in ``kernels.ops``.
 """
@@ -426,10 +429,10 @@ class GemmConfig:
                 f"nvfp4_static: GemmConfig.activation_rows must be 0 or a power of 2 dividing "
                 f"block_m = {self.block_m}, got {rows}"
             )
-        if self.warp_specialized and replace(self, warp_specialized=False) != WARP_SPECIALIZED_TILE:
+        if self.warp_specialized and replace(self, warp_specialized=False) != TALL_TILE_IN_TRITON:
             raise ValueError(
                 f"nvfp4_static: GemmConfig.warp_specialized runs gemm_warp_specialized's kernel, whose tile is "
-                f"{WARP_SPECIALIZED_TILE}; got {replace(self, warp_specialized=False)}"
+                f"{TALL_TILE_IN_TRITON}; got {replace(self, warp_specialized=False)}"
             )
         if self.mma_order and self.block_k % MMA_GROUP:
             raise ValueError(
@@ -443,8 +446,8 @@ class GemmConfig:
         return self.activation_rows or self.block_m
 
 
-# The tile gemm_warp_specialized's kernel computes, in the Triton kernel's terms.
-WARP_SPECIALIZED_TILE = GemmConfig(
+# The tall tile as the Triton kernel runs it: the tile gemm_warp_specialized's kernel computes.
+TALL_TILE_IN_TRITON = GemmConfig(
     gemm_warp_specialized.TOKENS_PER_TILE,
     gemm_warp_specialized.WEIGHT_ROWS_PER_TILE,
     gemm_warp_specialized.BLOCK_K,
@@ -519,12 +522,10 @@ GEMM_CONFIGS = (
 # Where they fill fewer (14336 x 4096, 32-64 programs) the bucket's entry runs. N is fixed per
 # layer, so the choice needs no guard in a compiled graph; it takes the same operand as the entry
 # it replaces (``operand_config``).
-TALL_TILE = GemmConfig(256, 128, 128, 8, 3, weight_as_mma_a=True, mma_order=True)
-# The tall tile run by gemm_warp_specialized's kernel on Hopper. Not in the table yet: its GPU
-# time beats the Triton tile's (H200, graph replay, M = 512: 8192 x 8192 0.1145 -> 0.0993 ms,
-# bf16 0.0926; examples/benchmarks/bench_warp_specialized.py), but each launch through Gluon's
-# launcher costs about 0.3 ms of host time, more than the product's GPU time.
-TALL_TILE_WARP_SPECIALIZED = replace(TALL_TILE, warp_specialized=True)
+# On Hopper the tall tile runs warp-specialized (gemm_warp_specialized; the same output): GPU
+# time at M = 512 on an H200, 8192 x 8192 0.1146 -> 0.1015 ms (bf16 0.0938), 4096 x 14336
+# 0.1142 -> 0.1045 (bf16 0.0917); examples/benchmarks/bench_warp_specialized.py.
+TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
 TALL_TILE_BUCKETS = (256, 512)  # the largest M of the entries it may replace
 TALL_TILE_SM_FILL = 0.75
 EPILOGUE_BLOCK = 1024

@@ -13,7 +13,7 @@ an H200 it took 1.13x this kernel's time on 8192 x 8192; ``examples/benchmarks/R
 The arithmetic is the Triton tile's: the same dequantization (``e2m1_ptx``),
 the same wgmma instructions in the same K order, so both give the same output bit for bit. Gluon
 kernels do not run in Triton's interpreter and Inductor cannot trace them: ``gemm`` runs this one
-for ``gemm.TALL_TILE_WARP_SPECIALIZED`` on sm_90 (eager, or at run time inside
+for ``gemm.TALL_TILE`` on sm_90 (eager, or at run time inside
 ``warp_specialized_nvfp4_gemm``, the opaque op a traced graph calls) and the Triton tile
 everywhere else.
 """
@@ -23,9 +23,11 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static.kernels.launch import ceil_div, interpreting
+from nvfp4_static.kernels.launch import KernelCall, PreparedLaunch, ceil_div, interpreting
 
 try:
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -222,6 +224,15 @@ if HAS_GLUON_HOPPER:
         )
 
 
+@lru_cache(maxsize=None)
+def _shared_layouts():
+    """The TMA tiles' shared-memory layouts (the operand's, the packed weight's): constant."""
+    return (
+        gl.NVMMASharedLayout.get_default_for([TOKENS_PER_TILE, BLOCK_K], gl.float16),
+        gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, BLOCK_K // 2], gl.uint8),
+    )
+
+
 def kernel_arguments(
     a: torch.Tensor,
     weight_qdata: torch.Tensor,
@@ -234,17 +245,22 @@ def kernel_arguments(
     """``(grid, args, meta)`` of the kernel's launch (the TMA descriptors built for these tensors)."""
     M, K = a.shape
     N = weight_qdata.shape[0]
-    a_desc = TensorDescriptor.from_tensor(
-        a, [TOKENS_PER_TILE, BLOCK_K], gl.NVMMASharedLayout.get_default_for([TOKENS_PER_TILE, BLOCK_K], gl.float16)
-    )
-    w_block = [ROWS_PER_CONSUMER, BLOCK_K // 2]
-    w_desc = TensorDescriptor.from_tensor(weight_qdata, w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl.uint8))
-    grid = (ceil_div(M, TOKENS_PER_TILE) * ceil_div(N, WEIGHT_ROWS_PER_TILE),)
+    a_layout, w_layout = _shared_layouts()
+    a_desc = TensorDescriptor(a, [M, K], [K, 1], [TOKENS_PER_TILE, BLOCK_K], a_layout)
+    w_desc = TensorDescriptor(weight_qdata, [N, K // 2], [K // 2, 1], [ROWS_PER_CONSUMER, BLOCK_K // 2], w_layout)
+    grid = (ceil_div(M, TOKENS_PER_TILE) * ceil_div(N, WEIGHT_ROWS_PER_TILE), 1, 1)
     args = (a_desc, w_desc, scale_codes, act_scale, weight_scale, bias if bias is not None else act_scale, out,
             M, N, K, out.stride(0))
     meta = dict(BLOCK_M=TOKENS_PER_TILE, BK=BLOCK_K, NUM_STAGES=STAGES, HAS_BIAS=bias is not None,
                 REGISTERS=CONSUMER_REGISTERS, num_warps=4)
     return grid, args, meta
+
+
+# Compiled launches by the specialisation of their arguments (Triton's, which decides the
+# compiled kernel) and device: a launch through the kernel's own ``[grid](...)`` binds its
+# arguments and looks the kernel up again each time, about 0.1 ms of host work per call on an
+# H200's host, as much as the product's GPU time at a few hundred rows.
+_PREPARED: dict[tuple, PreparedLaunch] = {}
 
 
 def launch_warp_specialized_gemm(
@@ -260,4 +276,12 @@ def launch_warp_specialized_gemm(
     operand in the MMA order, ``scale_codes`` the block scales as bytes, both global scales fp32
     ``[1]``; the caller has checked ``available`` and ``takes``."""
     grid, args, meta = kernel_arguments(a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out)
-    _warp_specialized_gemm_kernel[grid](*args, **meta)
+    device = a.device.index
+    # The descriptors' specialisation (dtype, tile, layout) is the same for every call.
+    key = (device, meta["HAS_BIAS"], *(native_specialize_impl(BaseBackend, value, False, True, True) for value in args[2:]))
+    prepared = _PREPARED.get(key)
+    if prepared is None:
+        call = KernelCall(_warp_specialized_gemm_kernel, grid, args, meta)
+        prepared = _PREPARED[key] = PreparedLaunch(call, {}, keep_arguments=False)
+    values = [*args, *(meta[name] for name in _warp_specialized_gemm_kernel.arg_names[len(args):])]
+    prepared.launch_with(grid, torch._C._cuda_getCurrentRawStream(device), values)

@@ -93,7 +93,7 @@ class PreparedLaunch:
     ``kernel[grid]`` with the tensors themselves.
     """
 
-    def __init__(self, call: KernelCall, per_call: dict[int, int]):
+    def __init__(self, call: KernelCall, per_call: dict[int, int], keep_arguments: bool = True):
         names = call.kernel.arg_names
         parameters = dict(zip(names, call.args))
         parameters.update((name, value) for name, value in call.meta.items() if name in names)
@@ -120,8 +120,9 @@ class PreparedLaunch:
         self._function = compiled.function
         self._packed_metadata = compiled.packed_metadata
         # Addresses rather than tensors: Triton's launcher then neither calls data_ptr() nor
-        # asks the driver about each pointer.
-        self._values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+        # asks the driver about each pointer. Without ``keep_arguments`` (a caller that passes
+        # every argument to ``launch_with``) none is kept: an argument object may hold tensors.
+        self._values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values] if keep_arguments else None
 
     def __call__(self, stream: Optional[int], tensors: tuple) -> None:
         """Launch on the raw CUDA ``stream`` (None under the interpreter) with ``tensors``."""
@@ -133,12 +134,19 @@ class PreparedLaunch:
             return
         for argument, tensor in self._slots:
             values[argument] = tensors[tensor].data_ptr()
+        self.launch_with(self._grid, stream, values)
+
+    def launch_with(self, grid: tuple, stream: int, values: list) -> None:
+        """Launch the compiled kernel on ``grid`` (three dimensions) and the raw CUDA ``stream``
+        with ``values``: every parameter of the kernel in order (constexprs included), each
+        specialised as the first call's (a caller with its own arguments keys its launches on
+        their specialisation)."""
         enter_hook = _calls_something(self._runtime_knobs.launch_enter_hook)
         exit_hook = _calls_something(self._runtime_knobs.launch_exit_hook)
         metadata = None
         if enter_hook is not None or exit_hook is not None:  # a profiler's hooks, as Triton calls them
-            metadata = self._compiled.launch_metadata(self._grid, stream, *values)
-        self._run(*self._grid, stream, self._function, self._packed_metadata, metadata, enter_hook, exit_hook, *values)
+            metadata = self._compiled.launch_metadata(grid, stream, *values)
+        self._run(*grid, stream, self._function, self._packed_metadata, metadata, enter_hook, exit_hook, *values)
 
 
 def _calls_something(hook):

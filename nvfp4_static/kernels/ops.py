@@ -77,7 +77,7 @@ if HAS_TRITON:
     from nvfp4_static.kernels.block_hessian import launch_block_hessian
     from nvfp4_static.kernels import gemm_warp_specialized
     from nvfp4_static.kernels.gemm import (
-        WARP_SPECIALIZED_TILE,
+        TALL_TILE_IN_TRITON,
         check_operands,
         cublas_with_fused_epilogue,
         fuses_epilogue_into_cublas,
@@ -99,7 +99,7 @@ else:
     launch_nvfp4_gemm = _without_triton("the NVFP4 GEMM on a CUDA tensor")
     check_operands = cublas_with_fused_epilogue = fuses_epilogue_into_cublas = launch_nvfp4_gemm
     table_config = taking_operand = launch_nvfp4_gemm
-    gemm_warp_specialized = WARP_SPECIALIZED_TILE = None
+    gemm_warp_specialized = TALL_TILE_IN_TRITON = None
     launch_grouped_nvfp4_gemm = _without_triton("the grouped NVFP4 GEMM of experts on a CUDA tensor")
 
 
@@ -437,7 +437,7 @@ def warp_specialized_nvfp4_gemm(
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``nvfp4_gemm`` with ``gemm.WARP_SPECIALIZED_TILE`` (``a`` its fp16 operand in the MMA
+    """``nvfp4_gemm`` with ``gemm.TALL_TILE_IN_TRITON`` (``a`` its fp16 operand in the MMA
     order) as an op Inductor does not look into: a traced graph reaches the warp-specialized Gluon
     kernel (``gemm_warp_specialized``, which tracing cannot see) through it. At run time it
     launches that kernel where the GPU and the tensors suit it and the same tile in Triton
@@ -458,7 +458,7 @@ def warp_specialized_nvfp4_gemm(
     else:
         launch_nvfp4_gemm(
             a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out,
-            WARP_SPECIALIZED_TILE,
+            TALL_TILE_IN_TRITON,
         )
     return out
 
