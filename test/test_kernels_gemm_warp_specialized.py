@@ -192,3 +192,28 @@ def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(monkeypatch):
     compiled = torch.compile(linear, fullgraph=True)(operand)
     assert launches.count == 2
     assert torch.equal(compiled, eager)
+
+
+@requires_cuda
+@requires_hopper
+def test_gpu_dynamic_shape_graph_branches_into_the_warp_specialized_kernel(monkeypatch):
+    """A graph compiled for a dynamic token count holds every bucket's GEMM behind a cond; the
+    tall tile's is the opaque op. At 300 rows on a wide weight it launches the kernel; at every
+    token count tried the compiled linear gives the eager one's output."""
+    from nvfp4_static.backends.triton_route import static_nvfp4_linear
+
+    N, K = 14336, 4096
+    _, qdata, scales, act_scale, weight_scale, bias = gemm_operands(1, N, K, seed=11, device="cuda")
+    launches = CountingLaunches(monkeypatch)
+
+    def linear(x):
+        return static_nvfp4_linear(x, qdata, scales, weight_scale, act_scale, bias)
+
+    compiled = torch.compile(linear, dynamic=True, fullgraph=True)
+    for M in (300, 17, 700):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        before = launches.count
+        eager = linear(x)
+        assert launches.count == before + (M == 300)
+        assert torch.equal(compiled(x), eager)
+        assert launches.count == before + 2 * (M == 300)
