@@ -217,3 +217,19 @@ def test_gpu_dynamic_shape_graph_branches_into_the_warp_specialized_kernel(monke
         assert launches.count == before + (M == 300)
         assert torch.equal(compiled(x), eager)
         assert launches.count == before + 2 * (M == 300)
+
+
+def test_the_op_refuses_cpu_tensors():
+    """The op's fake (meta tensors, tracing) gives the output's shape; real tensors off CUDA are
+    refused, naming the op and the device."""
+    device = "cpu"
+    M, N, K = 4, 64, 32
+    a = torch.zeros(M, K, dtype=torch.float16, device=device)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8, device=device)
+    scales = torch.zeros(N, K // 16, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.ones(1, device=device)
+    op = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm.default
+    with pytest.raises(ValueError, match="warp_specialized_nvfp4_gemm runs on CUDA tensors, got cpu"):
+        op(a, qdata, scales, scale, scale, None, torch.bfloat16)
+    fake = op(*(t.to("meta") for t in (a, qdata, scales, scale, scale)), None, torch.bfloat16)
+    assert fake.shape == (M, N) and fake.dtype == torch.bfloat16

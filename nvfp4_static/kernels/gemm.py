@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static.kernels.act_quantize import MMA_GROUP, quantize_to_operand_halves
 from nvfp4_static.kernels import gemm_warp_specialized
+from nvfp4_static.kernels.act_quantize import MMA_GROUP, quantize_to_operand_halves
 from nvfp4_static.kernels.e2m1_ptx import E2M1_BYTES_TO_FP16_PTX
 from nvfp4_static.kernels.launch import KernelCall, ceil_div, runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype

@@ -73,9 +73,9 @@ def _without_triton(what: str):
 
 
 if HAS_TRITON:
+    from nvfp4_static.kernels import gemm_warp_specialized
     from nvfp4_static.kernels.act_quantize import launch_activation_quantize
     from nvfp4_static.kernels.block_hessian import launch_block_hessian
-    from nvfp4_static.kernels import gemm_warp_specialized
     from nvfp4_static.kernels.gemm import (
         TALL_TILE_IN_TRITON,
         check_operands,
@@ -443,6 +443,7 @@ def warp_specialized_nvfp4_gemm(
     launches that kernel where the GPU and the tensors suit it and the same tile in Triton
     otherwise; the two give the same output."""
     _require_cuda(a, "warp_specialized_nvfp4_gemm")
+    require_triton("the NVFP4 GEMM on a CUDA tensor")
     out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
     if gemm_warp_specialized.available(a.device) and gemm_warp_specialized.takes(a, weight_qdata, out):
         check_operands(a, weight_qdata, weight_block_scales, torch.float16)
