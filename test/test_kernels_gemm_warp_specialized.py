@@ -48,8 +48,35 @@ def test_a_width_without_the_mma_order_runs_the_triton_tile():
     assert config_for_width(TALL_TILE, 4112) == replace(TALL_TILE_IN_TRITON, mma_order=False)
 
 
-def test_not_available_off_hopper_gpus():
+def test_not_available_off_hopper_gpus(monkeypatch):
     assert not gemm_warp_specialized.available(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter cannot run a Gluon kernel
+    assert not gemm_warp_specialized.available(torch.device("cuda"))
+
+
+def test_takes_only_what_tma_can_read():
+    """The operand fp16, contiguous, 16-byte aligned, K a multiple of 32 (the packed weight's rows
+    16-byte aligned), the weight contiguous and aligned, the output's rows contiguous."""
+    M, N, K = 8, 64, 64
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    assert gemm_warp_specialized.takes(a, qdata, out)
+    unaligned = torch.zeros(M * K + 4, dtype=torch.float16)[4:].view(M, K)
+    unaligned_weight = torch.zeros(N * K // 2 + 8, dtype=torch.uint8)[8:].view(N, K // 2)
+    narrow = torch.zeros(M, K + 16, dtype=torch.float16)
+    for refused in (
+        (a.bfloat16(), qdata, out),
+        (a.float(), qdata, out),
+        (torch.zeros(K, M, dtype=torch.float16).t(), qdata, out),
+        (unaligned, qdata, out),
+        (narrow[:, 16:], qdata, out),
+        (torch.zeros(M, 48, dtype=torch.float16), torch.zeros(N, 24, dtype=torch.uint8), out),
+        (a, torch.zeros(K // 2, N, dtype=torch.uint8).t(), out),
+        (a, unaligned_weight, out),
+        (a, qdata, torch.empty(N, M, dtype=torch.bfloat16).t()),
+    ):
+        assert not gemm_warp_specialized.takes(*refused)
 
 
 @pytest.mark.skipif(not gemm_warp_specialized.HAS_GLUON_HOPPER, reason="this Triton has no Gluon Hopper API")
