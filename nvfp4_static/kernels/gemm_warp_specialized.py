@@ -5,13 +5,13 @@ order, ``W @ A^T`` with the dequantized weight as the wgmma's register operand) 
 warpgroups with separate jobs: one loads each K tile's activation operand and packed weight by
 TMA into a ring of shared-memory stages; each of the other two dequantizes its own 64 weight rows
 into its wgmma operand, multiplies, and hands the stage back through an mbarrier. The Triton
-kernel runs both multiplying warpgroups in step, meeting at barriers in every K tile, so each
-waits while the other dequantizes; here neither waits for the other, and one dequantizes while
-the other's wgmmas run (on an H100 at M = 512 the Triton tile kept the tensor pipe 74% busy; on
-an H200 it took 1.13x this kernel's time on 8192 x 8192; ``examples/benchmarks/RESULTS.md``).
+kernel's two warpgroups meet at barriers in every K tile and dequantize at the same time, while
+the tensor cores wait; here neither waits for the other, and one dequantizes while the other's
+wgmmas run (M = 512 on 8192 x 8192: the tensor pipe active 74% of the Triton tile's cycles on an
+H100, 89% of this kernel's on an H200; ``examples/benchmarks/RESULTS.md``).
 
-The arithmetic is the Triton tile's: the same dequantization (``e2m1_ptx``),
-the same wgmma instructions in the same K order, so both give the same output bit for bit. Gluon
+The arithmetic is the Triton tile's: the same dequantization (``e2m1_ptx``), the same wgmma
+instructions in the same K order, so both give the same output bit for bit. Gluon
 kernels do not run in Triton's interpreter and Inductor cannot trace them: ``gemm`` runs this one
 for ``gemm.TALL_TILE`` on sm_90 (eager, or at run time inside
 ``warp_specialized_nvfp4_gemm``, the opaque op a traced graph calls) and the Triton tile
