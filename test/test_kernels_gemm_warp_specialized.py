@@ -142,7 +142,7 @@ class CountingLaunches:
 )
 def test_gpu_warp_specialized_equals_the_triton_tile_bit_for_bit(dtype, with_bias, M, N, K, monkeypatch):
     """Row, column and K edges (M, N and K not multiples of the tile; one row; fewer weight rows
-    than one consumer's): the same output as the Triton kernel of the same tile, bit for bit,
+    than one tile's, so one consumer's rows are partly outside the weight): the same output as the Triton kernel of the same tile, bit for bit,
     within the fp64 reference's bound."""
     operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=TALL_TILE)
     weight[-1] = weight[-1] if with_bias else None
