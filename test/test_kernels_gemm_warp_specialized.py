@@ -6,6 +6,7 @@ same tile (``gemm.TALL_TILE_IN_TRITON``, itself tested against the torch referen
 through the interpreter), bit for bit, and with a float64 reference.
 """
 
+import contextlib
 import gc
 import re
 import weakref
@@ -14,9 +15,10 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import gpu_tolerance, relative_error, requires_cuda
+from torch.utils._python_dispatch import TorchDispatchMode
 from test_kernels_gemm import gemm_operands, reference_gemm
 
-from nvfp4_static.kernels import gemm, gemm_warp_specialized, nvfp4_gemm
+from nvfp4_static.kernels import gemm, gemm_warp_specialized, nvfp4_gemm, ops
 from nvfp4_static.kernels.gemm import (
     TALL_TILE,
     TALL_TILE_IN_TRITON,
@@ -260,3 +262,32 @@ def test_the_op_refuses_cpu_tensors():
         op(a, qdata, scales, scale, scale, None, torch.bfloat16)
     fake = op(*(t.to("meta") for t in (a, qdata, scales, scale, scale)), None, torch.bfloat16)
     assert fake.shape == (M, N) and fake.dtype == torch.bfloat16
+
+
+class PassThrough(TorchDispatchMode):
+    """A dispatch mode that runs every op as it is: under it, launches are not eager."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])
+def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, monkeypatch):
+    """The tile's launch, eager or not (under dispatch modes, as in tracing), reaches the kernel's
+    launcher exactly once: not eager, it calls the op, whose body launches again, each mode
+    handing the body one mode fewer. Stood in on the CPU: the kernel's launcher, availability
+    and the op's device check are patched."""
+    calls = []
+    monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
+    monkeypatch.setattr(gemm_warp_specialized, "takes", lambda a, weight_qdata, out: True)
+    monkeypatch.setattr(gemm_warp_specialized, "launch_warp_specialized_gemm", lambda *args: calls.append(args[-1].fill_(1.0)))
+    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+    M, N, K = 4, 64, 32
+    operand, *weight = gemm_operands(M, N, K, seed=1, config=TALL_TILE)
+    out = torch.zeros(M, N, dtype=torch.bfloat16)
+    with contextlib.ExitStack() as stack:
+        for _ in range(modes):
+            stack.enter_context(PassThrough())
+        launch_nvfp4_gemm(operand, *weight, out, TALL_TILE)
+    assert len(calls) == 1
+    assert torch.equal(out, torch.ones_like(out))

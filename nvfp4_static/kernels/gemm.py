@@ -514,17 +514,18 @@ GEMM_CONFIGS = (
     (512, GemmConfig(128, 64, 128, 4, 3, weight_as_mma_a=True, mma_order=True)),
     (None, CublasAfterDequantize()),
 )
-# Wide weights at 129-512 rows: one 8-warp program per SM of 256 activation rows by 128 weight
-# rows dequantizes each weight tile once per 256 rows, half as often as the entries above, and
-# where its programs at the bucket's largest M fill most SMs that is faster (H100, bf16 / ours):
+# Wide weights at 129-512 rows: one program per SM of 256 activation rows by 128 weight rows
+# dequantizes each weight tile once per 256 rows, half as often as the entries above, and where
+# its programs at the bucket's largest M fill most SMs that is faster (the Triton tile, 8 warps;
+# H100, bf16 / ours):
 # 8192 x 8192 at M = 384 0.55 -> 0.63x, 512 0.69 -> 0.83x; 4096 x 14336 at M = 200 0.75 -> 0.91x,
 # 256 0.81 -> 0.98x, 512 0.69 -> 0.83x, M = 384 0.68 -> 0.61x (1.7 waves of half-empty row tiles).
 # Where they fill fewer (14336 x 4096, 32-64 programs) the bucket's entry runs. N is fixed per
 # layer, so the choice needs no guard in a compiled graph; it takes the same operand as the entry
 # it replaces (``operand_config``).
 # On Hopper the tall tile runs warp-specialized (gemm_warp_specialized; the same output): GPU
-# time at M = 512 on an H200, 8192 x 8192 0.1146 -> 0.1015 ms (bf16 0.0938), 4096 x 14336
-# 0.1142 -> 0.1045 (bf16 0.0917); examples/benchmarks/bench_warp_specialized.py.
+# time at M = 512 on an H200, 8192 x 8192 0.1141 -> 0.1012 ms (bf16 0.0957), 4096 x 14336
+# 0.1149 -> 0.1049 (bf16 0.0935); examples/benchmarks/RESULTS.md.
 TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
 TALL_TILE_BUCKETS = (256, 512)  # the largest M of the entries it may replace
 TALL_TILE_SM_FILL = 0.75
@@ -798,8 +799,6 @@ def launch_nvfp4_gemm(
     # examples/benchmarks/RESULTS.md). One compile per layer shape.
     weight_qdata = weight_qdata.contiguous()
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
-    bias_or_unused = bias if bias is not None else act_scale
-    ptx = use_ptx_dequant(a.device)
     eager = runs_eagerly(a)
     if isinstance(config, GemmConfig) and config.warp_specialized and gemm_warp_specialized.available(a.device):
         if not eager:
@@ -814,6 +813,8 @@ def launch_nvfp4_gemm(
                 a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out
             )
             return
+    bias_or_unused = bias if bias is not None else act_scale
+    ptx = use_ptx_dequant(a.device)
     if isinstance(config, CublasAfterDequantize):
         split_k = 1
         weight = torch.empty((N, K), dtype=torch.float16, device=a.device)

@@ -73,11 +73,10 @@ def _without_triton(what: str):
 
 
 if HAS_TRITON:
-    from nvfp4_static.kernels import gemm_warp_specialized
     from nvfp4_static.kernels.act_quantize import launch_activation_quantize
     from nvfp4_static.kernels.block_hessian import launch_block_hessian
     from nvfp4_static.kernels.gemm import (
-        TALL_TILE_IN_TRITON,
+        TALL_TILE,
         check_operands,
         cublas_with_fused_epilogue,
         fuses_epilogue_into_cublas,
@@ -99,7 +98,7 @@ else:
     launch_nvfp4_gemm = _without_triton("the NVFP4 GEMM on a CUDA tensor")
     check_operands = cublas_with_fused_epilogue = fuses_epilogue_into_cublas = launch_nvfp4_gemm
     table_config = taking_operand = launch_nvfp4_gemm
-    gemm_warp_specialized = TALL_TILE_IN_TRITON = None
+    TALL_TILE = None
     launch_grouped_nvfp4_gemm = _without_triton("the grouped NVFP4 GEMM of experts on a CUDA tensor")
 
 
@@ -437,30 +436,17 @@ def warp_specialized_nvfp4_gemm(
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``nvfp4_gemm`` with ``gemm.TALL_TILE_IN_TRITON`` (``a`` its fp16 operand in the MMA
-    order) as an op Inductor does not look into: a traced graph reaches the warp-specialized Gluon
-    kernel (``gemm_warp_specialized``, which tracing cannot see) through it. At run time it
-    launches that kernel where the GPU and the tensors suit it and the same tile in Triton
-    otherwise; the two give the same output."""
+    """``nvfp4_gemm`` with ``gemm.TALL_TILE`` (``a`` its fp16 operand in the MMA order) as an op
+    Inductor does not look into: a traced graph reaches the warp-specialized Gluon kernel
+    (``gemm_warp_specialized``, which tracing cannot see) through it. At run time the launcher
+    runs that kernel where the GPU and the tensors suit it and the same tile in Triton otherwise;
+    the two give the same output."""
     _require_cuda(a, "warp_specialized_nvfp4_gemm")
     require_triton("the NVFP4 GEMM on a CUDA tensor")
     out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
-    if gemm_warp_specialized.available(a.device) and gemm_warp_specialized.takes(a, weight_qdata, out):
-        check_operands(a, weight_qdata, weight_block_scales, torch.float16)
-        gemm_warp_specialized.launch_warp_specialized_gemm(
-            a,
-            weight_qdata,
-            weight_block_scales.contiguous().view(torch.uint8),
-            act_per_tensor_scale.to(torch.float32).reshape(1),
-            weight_per_tensor_scale.to(torch.float32).reshape(1),
-            bias,
-            out,
-        )
-    else:
-        launch_nvfp4_gemm(
-            a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out,
-            TALL_TILE_IN_TRITON,
-        )
+    launch_nvfp4_gemm(
+        a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out, TALL_TILE
+    )
     return out
 
 
