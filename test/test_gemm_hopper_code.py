@@ -155,8 +155,8 @@ def table_cases():
     cases = []
     for max_m, config in TABLE_GEMMS:
         for in_gemm in (True, False) if config.programs_per_sm else (True,):
-            tall = "-tall" if config is gemm.TALL_TILE else ""
-            cases.append(pytest.param(max_m, config, in_gemm, id=f"m{max_m}{tall}-{'in-gemm' if in_gemm else 'epilogue'}"))
+            wide = {gemm.TALL_TILE: "-tall", gemm.SQUARE_TILE: "-square"}.get(config, "")
+            cases.append(pytest.param(max_m, config, in_gemm, id=f"m{max_m}{wide}-{'in-gemm' if in_gemm else 'epilogue'}"))
     return cases
 
 

@@ -19,8 +19,9 @@ from triton_interpreter import run_interpreted
 from nvfp4_static.kernels import gemm
 from nvfp4_static.kernels.gemm import (
     GEMM_CONFIGS,
+    SQUARE_TILE,
     TALL_TILE,
-    TALL_TILE_BUCKETS,
+    WIDE_TILE_BUCKETS,
     CublasAfterDequantize,
     GemmConfig,
     activation_operand_dtype,
@@ -45,6 +46,7 @@ from nvfp4_static.numerics import dequantize_nvfp4
 # Every Triton tile the table runs, and the smallest token count the table hands to cuBLAS
 # (after dequantizing the weight).
 TRITON_ENTRIES = triton_entries()
+WIDE_TILE_NAMES = {TALL_TILE: "tall-tile", SQUARE_TILE: "square-tile"}
 FIRST_CUBLAS_ROWS = 1 + max(max_m for max_m, _ in TRITON_ENTRIES)
 
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
@@ -132,9 +134,9 @@ INTERPRETER_CONFIGS = {
     "row-tiles-split-k": GemmConfig(
         16, 32, 64, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True, mma_order=True, row_tiles_for_split=2
     ),
-    # The table's own Triton tiles, named for the largest M each serves (TALL_TILE once, though
-    # it serves two buckets).
-    **{("tall-tile" if config == TALL_TILE else f"table-{max_m}"): config for max_m, config in TRITON_ENTRIES},
+    # The table's own Triton tiles, named for the largest M each serves (the wide tiles once,
+    # though each serves two buckets).
+    **{WIDE_TILE_NAMES.get(config, f"table-{max_m}"): config for max_m, config in TRITON_ENTRIES},
 }
 # A split K over several row tiles, as a mid-size bucket's wide tiles run it, on its own shapes:
 # 3 row tiles with an 8-row edge, K = 224 in MMA order (3.5 tiles of 64, split 2 + 2: a ragged
@@ -418,38 +420,54 @@ def test_the_mma_order_runs_only_on_whole_32_element_groups():
     assert config_for_width(config, 4112) == GemmConfig(64, 128, 128, 4, 3)
 
 
-def test_tall_tile_serves_wide_weights_at_mid_size_m_where_its_programs_fill_the_sms():
-    """At 132 SMs the tall tile needs 99 programs at its bucket's largest M: 14336 columns (112
-    tiles of 128) from 129 rows, 8192 (64 tiles) from 257 rows (two row tiles at M = 512),
-    4096 never; not below 129 rows, not at prefill sizes, not on the interpreter's CPU tensors."""
+def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypatch):
+    """At 132 SMs a wide tile needs 99 programs at its bucket's largest M. The tall tile (256
+    rows): 14336 columns (112 tiles of 128) from 129 rows, 8192 (64 tiles) from 257 rows (two
+    row tiles at M = 512), 4096 never. Where it does not fill them, the square tile (128 rows):
+    8192 columns at 129-256 rows (2 x 64 programs), 4096 at 257-512 (4 x 32), not 4096 at
+    129-256 (64), and only where it runs warp-specialized. Not below 129 rows, not at prefill
+    sizes, not on the interpreter's CPU tensors."""
     cuda = torch.device("cuda", 0)
-    with mock.patch.object(gemm, "_multiprocessor_count", return_value=132):
-        assert table_config(129, None, 14336, 4096, cuda) == TALL_TILE
-        assert table_config(512, None, 14336, 4096, cuda) == TALL_TILE
-        assert table_config(257, None, 8192, 8192, cuda) == TALL_TILE
-        assert table_config(256, None, 8192, 8192, cuda) == gemm_config(256)
-        assert table_config(512, None, 4096, 14336, cuda) == gemm_config(512)
-        assert table_config(128, None, 14336, 4096, cuda) == gemm_config(128)
-        assert table_config(513, None, 14336, 4096, cuda) == gemm_config(513)
-        assert table_config(100, gemm_bucket(300), 14336, 4096, cuda) == TALL_TILE  # the bucket decides
-        assert table_config(300, None, 14336, 4112, cuda) == replace(TALL_TILE, mma_order=False, warp_specialized=False)
-    with mock.patch.object(gemm, "_multiprocessor_count", return_value=64):
-        assert table_config(256, None, 8192, 8192, cuda) == TALL_TILE  # 64 programs fill 64 SMs
+    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: True)
+    assert table_config(129, None, 14336, 4096, cuda) == TALL_TILE
+    assert table_config(512, None, 14336, 4096, cuda) == TALL_TILE
+    assert table_config(257, None, 8192, 8192, cuda) == TALL_TILE
+    assert table_config(256, None, 8192, 8192, cuda) == SQUARE_TILE
+    assert table_config(129, None, 8192, 8192, cuda) == SQUARE_TILE
+    assert table_config(512, None, 4096, 14336, cuda) == SQUARE_TILE
+    assert table_config(257, None, 4096, 14336, cuda) == SQUARE_TILE
+    assert table_config(256, None, 4096, 14336, cuda) == gemm_config(256)
+    assert table_config(512, None, 2048, 8192, cuda) == gemm_config(512)  # 4 x 16 programs
+    assert table_config(128, None, 14336, 4096, cuda) == gemm_config(128)
+    assert table_config(513, None, 14336, 4096, cuda) == gemm_config(513)
+    assert table_config(100, gemm_bucket(300), 14336, 4096, cuda) == TALL_TILE  # the bucket decides
+    assert table_config(100, gemm_bucket(200), 8192, 8192, cuda) == SQUARE_TILE
+    assert table_config(300, None, 14336, 4112, cuda) == replace(TALL_TILE, mma_order=False, warp_specialized=False)
+    assert table_config(200, None, 8192, 4112, cuda) == replace(SQUARE_TILE, mma_order=False, warp_specialized=False)
     assert table_config(300, None, 14336, 4096, torch.device("cpu")) == gemm_config(300)
+    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 64)
+    assert table_config(256, None, 8192, 8192, cuda) == TALL_TILE  # 64 programs fill 64 SMs
+    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: False)
+    assert table_config(512, None, 14336, 4096, cuda) == TALL_TILE  # the Triton tall tile
+    assert table_config(256, None, 8192, 8192, cuda) == gemm_config(256)
+    assert table_config(512, None, 4096, 14336, cuda) == gemm_config(512)
 
 
 @pytest.mark.parametrize("K", [4096, 4112], ids=str)
-@pytest.mark.parametrize("max_m", TALL_TILE_BUCKETS, ids=str)
-def test_tall_tile_takes_the_operand_of_the_entry_it_replaces(max_m, K):
+@pytest.mark.parametrize("tile", [TALL_TILE, SQUARE_TILE], ids=["tall", "square"])
+@pytest.mark.parametrize("max_m", WIDE_TILE_BUCKETS, ids=str)
+def test_wide_tiles_take_the_operand_of_the_entry_they_replace(max_m, tile, K):
     """The traced route prepares the operand from ``operand_config`` without asking the device;
     the tile the op then runs must read that operand: same kind (quantized by the operand kernel,
     not by the GEMM), same dtype, same order."""
     entry = operand_config(gemm_bucket(max_m), K)
-    tall = config_for_width(TALL_TILE, K)
-    assert quantizes_activation_in_gemm(tall) == quantizes_activation_in_gemm(entry) is False
-    assert operand_in_mma_order(tall) == operand_in_mma_order(entry) == (K % 32 == 0)
+    wide = config_for_width(tile, K)
+    assert quantizes_activation_in_gemm(wide) == quantizes_activation_in_gemm(entry) is False
+    assert operand_in_mma_order(wide) == operand_in_mma_order(entry) == (K % 32 == 0)
     for scale in (None, 1e-3):
-        assert activation_operand_dtype(tall, torch.bfloat16, scale, None) == activation_operand_dtype(
+        assert activation_operand_dtype(wide, torch.bfloat16, scale, None) == activation_operand_dtype(
             entry, torch.bfloat16, scale, None
         )
 

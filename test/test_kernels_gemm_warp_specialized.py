@@ -20,6 +20,8 @@ from test_kernels_gemm import gemm_operands, reference_gemm
 
 from nvfp4_static.kernels import gemm, gemm_warp_specialized, nvfp4_gemm, ops
 from nvfp4_static.kernels.gemm import (
+    SQUARE_TILE,
+    SQUARE_TILE_IN_TRITON,
     TALL_TILE,
     TALL_TILE_IN_TRITON,
     config_for_width,
@@ -29,25 +31,30 @@ from nvfp4_static.kernels.gemm import (
 H100_SHARED_BYTES_PER_BLOCK = 232448  # 227 KiB
 
 
-def test_only_the_kernels_own_tile_may_ask_for_it():
-    tile = TALL_TILE_IN_TRITON
-    for other in (
-        replace(tile, block_m=128),
-        replace(tile, block_n=64),
-        replace(tile, block_k=64),
-        replace(tile, mma_order=False),
-        replace(tile, weight_as_mma_a=False),
-        replace(tile, programs_per_sm=1),
-        replace(tile, activation_rows=16),
-    ):
-        with pytest.raises(ValueError, match="warp_specialized runs gemm_warp_specialized's kernel"):
-            replace(other, warp_specialized=True)
-    assert replace(tile, warp_specialized=True) == TALL_TILE
+def test_only_the_kernels_own_tiles_may_ask_for_it():
+    for tile in (TALL_TILE_IN_TRITON, SQUARE_TILE_IN_TRITON):
+        for other in (
+            replace(tile, block_m=64),
+            replace(tile, block_m=512),
+            replace(tile, block_n=64),
+            replace(tile, block_k=64),
+            replace(tile, num_warps=4),
+            replace(tile, mma_order=False),
+            replace(tile, weight_as_mma_a=False),
+            replace(tile, programs_per_sm=1),
+            replace(tile, activation_rows=16),
+        ):
+            with pytest.raises(ValueError, match="warp_specialized runs gemm_warp_specialized's kernel"):
+                replace(other, warp_specialized=True)
+    assert replace(TALL_TILE_IN_TRITON, warp_specialized=True) == TALL_TILE
+    assert replace(SQUARE_TILE_IN_TRITON, warp_specialized=True) == SQUARE_TILE
+    assert (TALL_TILE.block_m, SQUARE_TILE.block_m) == gemm_warp_specialized.TOKENS_PER_TILE
 
 
-def test_a_width_without_the_mma_order_runs_the_triton_tile():
-    assert config_for_width(TALL_TILE, 4096).warp_specialized
-    assert config_for_width(TALL_TILE, 4112) == replace(TALL_TILE_IN_TRITON, mma_order=False)
+@pytest.mark.parametrize("tile", [TALL_TILE, SQUARE_TILE], ids=["tall", "square"])
+def test_a_width_without_the_mma_order_runs_the_triton_tile(tile):
+    assert config_for_width(tile, 4096).warp_specialized
+    assert config_for_width(tile, 4112) == replace(tile, mma_order=False, warp_specialized=False)
 
 
 def test_not_available_off_hopper_gpus(monkeypatch):
@@ -81,12 +88,18 @@ def test_takes_only_what_tma_can_read():
         assert not gemm_warp_specialized.takes(*refused)
 
 
-@pytest.mark.skipif(not gemm_warp_specialized.HAS_GLUON_HOPPER, reason="this Triton has no Gluon Hopper API")
-def test_sm90a_build_keeps_three_warpgroups_without_spills(tmp_path):
+needs_gluon_hopper = pytest.mark.skipif(
+    not gemm_warp_specialized.HAS_GLUON_HOPPER, reason="this Triton has no Gluon Hopper API"
+)
+
+
+@needs_gluon_hopper
+@pytest.mark.parametrize("tokens", gemm_warp_specialized.TOKENS_PER_TILE, ids=str)
+def test_sm90a_build_keeps_three_warpgroups_without_spills(tokens, tmp_path):
     """What the GPU tests cannot show on a machine without one: ptxas builds the kernel for
     sm_90a with a producer and two consumer warpgroups (setmaxnreg to the consumers' registers),
-    the weight as the wgmma's register operand (m64n256k16), nothing spilled to local memory, and
-    its stages within one SM's shared memory."""
+    the weight as the wgmma's register operand (m64 by the tile's activation rows), nothing
+    spilled to local memory, and its stages within one SM's shared memory."""
     from test_gemm_hopper_code import build_for_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -96,7 +109,7 @@ def test_sm90a_build_keeps_three_warpgroups_without_spills(tmp_path):
     scale = torch.ones(1)
     out = torch.empty(M, N, dtype=torch.bfloat16)
     bias = torch.zeros(N, dtype=torch.bfloat16)
-    _, args, meta = gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, bias, out)
+    _, args, meta = gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, bias, out, tokens)
     kernel = gemm_warp_specialized._warp_specialized_gemm_kernel
     values = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
     options = {k: v for k, v in meta.items() if k not in kernel.arg_names}
@@ -105,11 +118,24 @@ def test_sm90a_build_keeps_three_warpgroups_without_spills(tmp_path):
     assert build.num_warps == 12
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{gemm_warp_specialized.CONSUMER_REGISTERS};" in ptx
     # Register A operand: a brace list of registers before the descriptor of B.
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.f16\.f16 \{[^}]*\}, \{%r", ptx)
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.f16\.f16 \{{[^}}]*\}}, \{{%r", ptx)
     assert "C7515" not in report, report
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "spill" not in report or re.search(r" 0 bytes spill stores", report), report
-    assert build.shared_bytes <= H100_SHARED_BYTES_PER_BLOCK
+    stage_bytes = tokens * gemm_warp_specialized.BLOCK_K * 2 + gemm_warp_specialized.WEIGHT_ROWS_PER_TILE * gemm_warp_specialized.BLOCK_K // 2
+    assert gemm_warp_specialized.STAGES[tokens] * stage_bytes <= build.shared_bytes <= H100_SHARED_BYTES_PER_BLOCK
+
+
+@needs_gluon_hopper
+@pytest.mark.parametrize("tokens", [0, 64, 192, 512])
+def test_kernel_arguments_refuse_tiles_the_kernel_lacks(tokens):
+    M, N, K = 8, 64, 64
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    scale = torch.ones(1)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"tiles of \(256, 128\) activation rows, got {tokens}"):
+        gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, None, out, tokens)
 
 
 def hopper_with_gluon() -> bool:
@@ -142,18 +168,19 @@ class CountingLaunches:
     [(512, 8192, 8192), (300, 14336, 4096), (257, 4160, 4128), (1, 96, 32), (700, 200, 14336)],
     ids=str,
 )
-def test_gpu_warp_specialized_equals_the_triton_tile_bit_for_bit(dtype, with_bias, M, N, K, monkeypatch):
+@pytest.mark.parametrize("tile", [TALL_TILE, SQUARE_TILE], ids=["tall", "square"])
+def test_gpu_warp_specialized_equals_the_triton_tile_bit_for_bit(tile, dtype, with_bias, M, N, K, monkeypatch):
     """Row, column and K edges (M, N and K not multiples of the tile; one row; fewer weight rows
     than one tile's, so one consumer's rows are partly outside the weight): the same output as the Triton kernel of the same tile, bit for bit,
     within the fp64 reference's bound."""
-    operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=TALL_TILE)
+    operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=tile)
     weight[-1] = weight[-1] if with_bias else None
     launches = CountingLaunches(monkeypatch)
     ours = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
-    launch_nvfp4_gemm(operand, *weight, ours, TALL_TILE)
+    launch_nvfp4_gemm(operand, *weight, ours, tile)
     assert launches.count == 1
     triton_tile = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
-    launch_nvfp4_gemm(operand, *weight, triton_tile, TALL_TILE_IN_TRITON)
+    launch_nvfp4_gemm(operand, *weight, triton_tile, replace(tile, warp_specialized=False))
     assert launches.count == 1
     assert torch.equal(ours, triton_tile)
     plain = gemm_operands(M, N, K, seed=M, device="cuda")[0]
@@ -258,10 +285,21 @@ def test_the_op_refuses_cpu_tensors():
     scales = torch.zeros(N, K // 16, dtype=torch.float8_e4m3fn, device=device)
     scale = torch.ones(1, device=device)
     op = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm.default
-    with pytest.raises(ValueError, match="warp_specialized_nvfp4_gemm runs on CUDA tensors, got cpu"):
-        op(a, qdata, scales, scale, scale, None, torch.bfloat16)
-    fake = op(*(t.to("meta") for t in (a, qdata, scales, scale, scale)), None, torch.bfloat16)
-    assert fake.shape == (M, N) and fake.dtype == torch.bfloat16
+    for tokens in (256, 128):
+        with pytest.raises(ValueError, match="warp_specialized_nvfp4_gemm runs on CUDA tensors, got cpu"):
+            op(a, qdata, scales, scale, scale, None, torch.bfloat16, tokens)
+        fake = op(*(t.to("meta") for t in (a, qdata, scales, scale, scale)), None, torch.bfloat16, tokens)
+        assert fake.shape == (M, N) and fake.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("tokens", [0, 64, 192, 512])
+def test_the_op_refuses_tiles_the_kernel_lacks(tokens, monkeypatch):
+    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+    M, N, K = 4, 64, 32
+    operand, *weight = gemm_operands(M, N, K, seed=1, config=TALL_TILE)
+    op = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm.default
+    with pytest.raises(ValueError, match=rf"tiles of \[128, 256\] activation rows, got tokens_per_tile = {tokens}"):
+        op(operand, *weight, torch.bfloat16, tokens)
 
 
 class PassThrough(TorchDispatchMode):
@@ -272,7 +310,8 @@ class PassThrough(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])
-def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, monkeypatch):
+@pytest.mark.parametrize("tile", [TALL_TILE, SQUARE_TILE], ids=["tall", "square"])
+def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(tile, modes, monkeypatch):
     """The tile's launch, eager or not (under dispatch modes, as in tracing), reaches the kernel's
     launcher exactly once: not eager, it calls the op, whose body launches again, each mode
     handing the body one mode fewer. Stood in on the CPU: the kernel's launcher, availability
@@ -280,14 +319,16 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, monkeyp
     calls = []
     monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
     monkeypatch.setattr(gemm_warp_specialized, "takes", lambda a, weight_qdata, out: True)
-    monkeypatch.setattr(gemm_warp_specialized, "launch_warp_specialized_gemm", lambda *args: calls.append(args[-1].fill_(1.0)))
+    monkeypatch.setattr(
+        gemm_warp_specialized, "launch_warp_specialized_gemm", lambda *args: calls.append((args[-2].fill_(1.0), args[-1]))
+    )
     monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
     M, N, K = 4, 64, 32
-    operand, *weight = gemm_operands(M, N, K, seed=1, config=TALL_TILE)
+    operand, *weight = gemm_operands(M, N, K, seed=1, config=tile)
     out = torch.zeros(M, N, dtype=torch.bfloat16)
     with contextlib.ExitStack() as stack:
         for _ in range(modes):
             stack.enter_context(PassThrough())
-        launch_nvfp4_gemm(operand, *weight, out, TALL_TILE)
-    assert len(calls) == 1
+        launch_nvfp4_gemm(operand, *weight, out, tile)
+    assert [tokens for _, tokens in calls] == [tile.block_m]
     assert torch.equal(out, torch.ones_like(out))

@@ -1,30 +1,31 @@
-"""The tall 256 x 128 tile's GEMM, Triton against the warp-specialized Gluon kernel (Hopper).
+"""The warp-specialized Gluon tiles (Hopper) against the Triton tiles they replace at 129-512 rows.
 
-For each weight shape and M: bf16 ``F.linear``, the table's route for M (``static_nvfp4_linear``:
-the activation operand kernel, then the table's GEMM), and the same operand kernel followed by
-the tall tile in Triton (``gemm.TALL_TILE_IN_TRITON``) and warp-specialized
-(``gemm.TALL_TILE``, what the table runs on Hopper), each replayed from a CUDA graph (GPU time, ms); then the
-warp-specialized route timed from Python (host work included). The warp-specialized output is
-checked equal to the Triton tile's, bit for bit, before it is timed.
+For each weight shape and M, GPU times from CUDA graphs (ms): bf16 ``F.linear``; the table's
+route for M (``static_nvfp4_linear``); and the activation operand kernel followed by one GEMM:
+the bucket's own table entry (``gemm.gemm_config(M)``), the tall 256 x 128 tile in Triton
+(``gemm.TALL_TILE_IN_TRITON``), and the tall and square (128 x 128) tiles warp-specialized
+(``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``). Each warp-specialized output is checked equal to its
+Triton twin's, bit for bit, before it is timed. The table takes a wide tile where its programs
+fill most SMs (``gemm.wide_tile``); the last column names the one it takes, if any.
 
-Usage: python bench_warp_specialized.py [--m 200 256 384 512 1024 2048]
+Usage: python bench_warp_specialized.py [--m 129 200 256 384 512 1024] [--shapes 8192x8192 ...]
 """
 
 import argparse
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from bench_linear import graph_ms
-from triton.testing import do_bench
 from tune_gemm import make_weight
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm, gemm_activation_operand
-from nvfp4_static.kernels.gemm import TALL_TILE, TALL_TILE_IN_TRITON
+from nvfp4_static.kernels.gemm import SQUARE_TILE, TALL_TILE, TALL_TILE_IN_TRITON
 
 
-def tall_tile_route(x, weight, act_scale, config):
-    """The operand kernel, then ``config``'s GEMM (what the table runs where it takes the tile)."""
+def operand_then_gemm(x, weight, act_scale, config):
+    """The operand kernel, then ``config``'s GEMM (what the table runs for a Triton entry or a wide tile)."""
 
     def run():
         operand = gemm_activation_operand(x, act_scale, mma_order=True)
@@ -37,35 +38,47 @@ def tall_tile_route(x, weight, act_scale, config):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--m", type=int, nargs="+", default=[200, 256, 384, 512, 1024, 2048])
+    parser.add_argument("--m", type=int, nargs="+", default=[129, 200, 256, 384, 512, 1024])
+    parser.add_argument("--shapes", nargs="+", default=["8192x8192", "4096x14336", "14336x4096", "4096x4096"],
+                        help="weights as KxN")
     args = parser.parse_args()
-    if not gemm.gemm_warp_specialized.available(torch.device("cuda")):
+    device = torch.device("cuda")
+    if not gemm.gemm_warp_specialized.available(device):
         raise SystemExit("bench_warp_specialized: needs a Hopper GPU and a Triton with Gluon's Hopper API")
     print(f"device: {torch.cuda.get_device_name()}")
-    header = "     K      N     M |   bf16   table  triton      ws  ws python | bf16/table bf16/triton bf16/ws"
-    print(header)
-    for K, N in [(8192, 8192), (4096, 14336), (14336, 4096)]:
+    print("     K      N     M |   bf16  table  entry tall-triton tall-ws square-ws | bf16 / table  entry tall-ws square-ws | table takes")
+    for shape in args.shapes:
+        K, N = (int(side) for side in shape.split("x"))
         weight = make_weight(K, N)
         for M in args.m:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             act_scale = x.abs().max().float() / 2688
             output_scale = float(act_scale * weight.scale)
-            triton_tile = tall_tile_route(x, weight, act_scale, TALL_TILE_IN_TRITON)
-            warp_specialized = tall_tile_route(x, weight, act_scale, TALL_TILE)
-            if not torch.equal(triton_tile(), warp_specialized()):
-                raise SystemExit(f"bench_warp_specialized: outputs differ at {K} x {N}, M = {M}")
-            bf16 = graph_ms(lambda: F.linear(x, weight.bf16, weight.bias))
-            table = graph_ms(
+            entry = gemm.gemm_config(M)
+            routes = {
+                # Above 512 rows the entry is cuBLAS's route, which the table column times.
+                "entry": operand_then_gemm(x, weight, act_scale, entry) if isinstance(entry, gemm.GemmConfig) else None,
+                "tall-triton": operand_then_gemm(x, weight, act_scale, TALL_TILE_IN_TRITON),
+                "tall-ws": operand_then_gemm(x, weight, act_scale, TALL_TILE),
+                "square-ws": operand_then_gemm(x, weight, act_scale, SQUARE_TILE),
+            }
+            for tile in (TALL_TILE, SQUARE_TILE):
+                twin = operand_then_gemm(x, weight, act_scale, replace(tile, warp_specialized=False))
+                if not torch.equal(twin(), operand_then_gemm(x, weight, act_scale, tile)()):
+                    raise SystemExit(f"bench_warp_specialized: {tile} differs from its Triton twin at {K} x {N}, M = {M}")
+            ms = {"bf16": graph_ms(lambda: F.linear(x, weight.bf16, weight.bias))}
+            ms["table"] = graph_ms(
                 lambda: static_nvfp4_linear(
                     x, weight.qdata, weight.block_scales, weight.scale, act_scale, weight.bias, output_scale
                 )
             )
-            triton_ms = graph_ms(triton_tile)
-            ws_ms = graph_ms(warp_specialized)
-            ws_python = do_bench(warp_specialized, return_mode="median")
+            ms.update({name: graph_ms(route) if route else float("nan") for name, route in routes.items()})
+            bucket = gemm.GEMM_CONFIGS[gemm.gemm_bucket(M)][0]
+            takes = {TALL_TILE: "tall", SQUARE_TILE: "square", None: "-"}[gemm.wide_tile(bucket, N, device)]
+            ratios = " ".join(f"{ms['bf16'] / ms[name]:.2f}" for name in ("table", "entry", "tall-ws", "square-ws"))
             print(
-                f"{K:6d} {N:6d} {M:5d} | {bf16:.4f} {table:.4f} {triton_ms:.4f} {ws_ms:.4f} {ws_python:9.4f} | "
-                f"{bf16 / table:10.2f} {bf16 / triton_ms:11.2f} {bf16 / ws_ms:7.2f}",
+                f"{K:6d} {N:6d} {M:5d} | {ms['bf16']:.4f} {ms['table']:.4f} {ms['entry']:.4f} {ms['tall-triton']:.4f} "
+                f"{ms['tall-ws']:.4f} {ms['square-ws']:.4f} | {ratios} | {takes}",
                 flush=True,
             )
 

@@ -27,8 +27,9 @@ its one rounding, so no fp32 product travels through memory. At M = 1 the kernel
 activation instead and quantizes it in its K loop (``GemmConfig.activation_rows``) with
 ``act_quantize``'s arithmetic, so no operand kernel runs before it.
 
-On Hopper the tall tile (``TALL_TILE``) runs as ``gemm_warp_specialized``'s Gluon kernel: the
-same product, with the loads and each multiplying warpgroup's dequantization overlapped.
+On Hopper the tall and square tiles (``TALL_TILE``, ``SQUARE_TILE``) run as
+``gemm_warp_specialized``'s Gluon kernel: the same product, with the loads and each multiplying
+warpgroup's dequantization overlapped.
 
 This file holds the kernels, their launchers and the tile table; the ops that call them
 (``nvfp4_gemm``, ``quantizing_nvfp4_gemm``) are registered in ``kernels.ops``.
@@ -393,8 +394,8 @@ class GemmConfig:
     tiles run without it (``config_for_width``).
     ``warp_specialized`` runs the tile, where the GPU and the call's tensors allow, as
     ``gemm_warp_specialized``'s kernel (Hopper, Gluon): the same product bit for bit, with the
-    loads and each multiplying warpgroup's dequantization overlapped; only the tile that kernel
-    implements may ask for it.
+    loads and each multiplying warpgroup's dequantization overlapped; only the tiles that kernel
+    implements (``WARP_SPECIALIZED_TILES_IN_TRITON``) may ask for it.
     """
 
     block_m: int
@@ -429,10 +430,10 @@ class GemmConfig:
                 f"nvfp4_static: GemmConfig.activation_rows must be 0 or a power of 2 dividing "
                 f"block_m = {self.block_m}, got {rows}"
             )
-        if self.warp_specialized and replace(self, warp_specialized=False) != TALL_TILE_IN_TRITON:
+        if self.warp_specialized and replace(self, warp_specialized=False) not in WARP_SPECIALIZED_TILES_IN_TRITON:
             raise ValueError(
-                f"nvfp4_static: GemmConfig.warp_specialized runs gemm_warp_specialized's kernel, whose tile is "
-                f"{TALL_TILE_IN_TRITON}; got {replace(self, warp_specialized=False)}"
+                f"nvfp4_static: GemmConfig.warp_specialized runs gemm_warp_specialized's kernel, whose tiles are "
+                f"{WARP_SPECIALIZED_TILES_IN_TRITON}; got {replace(self, warp_specialized=False)}"
             )
         if self.mma_order and self.block_k % MMA_GROUP:
             raise ValueError(
@@ -446,16 +447,21 @@ class GemmConfig:
         return self.activation_rows or self.block_m
 
 
-# The tall tile as the Triton kernel runs it: the tile gemm_warp_specialized's kernel computes.
-TALL_TILE_IN_TRITON = GemmConfig(
-    gemm_warp_specialized.TOKENS_PER_TILE,
-    gemm_warp_specialized.WEIGHT_ROWS_PER_TILE,
-    gemm_warp_specialized.BLOCK_K,
-    8,
-    3,
-    weight_as_mma_a=True,
-    mma_order=True,
+# The tiles gemm_warp_specialized's kernel computes, as the Triton kernel runs them (two
+# warpgroups of 64 weight rows): 256 activation rows (tall) or 128 (square).
+WARP_SPECIALIZED_TILES_IN_TRITON = tuple(
+    GemmConfig(
+        tokens,
+        gemm_warp_specialized.WEIGHT_ROWS_PER_TILE,
+        gemm_warp_specialized.BLOCK_K,
+        8,
+        3,
+        weight_as_mma_a=True,
+        mma_order=True,
+    )
+    for tokens in gemm_warp_specialized.TOKENS_PER_TILE
 )
+TALL_TILE_IN_TRITON, SQUARE_TILE_IN_TRITON = WARP_SPECIALIZED_TILES_IN_TRITON
 
 
 @dataclass(frozen=True)
@@ -520,15 +526,22 @@ GEMM_CONFIGS = (
 # H100, bf16 / ours):
 # 8192 x 8192 at M = 384 0.55 -> 0.63x, 512 0.69 -> 0.83x; 4096 x 14336 at M = 200 0.75 -> 0.91x,
 # 256 0.81 -> 0.98x, 512 0.69 -> 0.83x, M = 384 0.68 -> 0.61x (1.7 waves of half-empty row tiles).
-# Where they fill fewer (14336 x 4096, 32-64 programs) the bucket's entry runs. N is fixed per
-# layer, so the choice needs no guard in a compiled graph; it takes the same operand as the entry
-# it replaces (``operand_config``).
-# On Hopper the tall tile runs warp-specialized (gemm_warp_specialized; the same output): GPU
-# time at M = 512 on an H200, 8192 x 8192 0.1141 -> 0.1012 ms (bf16 0.0957), 4096 x 14336
-# 0.1149 -> 0.1049 (bf16 0.0935); examples/benchmarks/RESULTS.md.
+# On Hopper it runs warp-specialized (gemm_warp_specialized; the same output): GPU time at
+# M = 512 on an H200, 8192 x 8192 0.1141 -> 0.1012 ms (bf16 0.0957), 4096 x 14336 0.1149 ->
+# 0.1049 (bf16 0.0935); examples/benchmarks/RESULTS.md.
+# Where the tall programs fill fewer SMs, the square tile (128 activation rows) takes their place
+# if its programs fill them, warp-specialized only (in Triton it is slower than the entries).
+# Operand kernel and GEMM, ms on an H200 (bench_warp_specialized.py), entry -> square: 8192 x 8192
+# at M = 200 / 256 0.0772 / 0.0732 -> 0.0665 / 0.0672 (bf16 0.0498 / 0.0537), at M = 129
+# 0.0761 -> 0.0854 (its second row tile holds one row); 14336 x 4096 at M = 384 / 512 0.1212 /
+# 0.1261 -> 0.1079 / 0.1123; 4096 x 4096 at M = 384 / 512 0.0412 / 0.0421 -> 0.0392 / 0.0405.
+# N is fixed per layer, so the choice needs no guard in a compiled graph; both tiles take the same
+# operand as the entry they replace (``operand_config``).
 TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
-TALL_TILE_BUCKETS = (256, 512)  # the largest M of the entries it may replace
-TALL_TILE_SM_FILL = 0.75
+SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
+WARP_SPECIALIZED_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE)}  # by activation rows
+WIDE_TILE_BUCKETS = (256, 512)  # the largest M of the entries they may replace
+WIDE_TILE_SM_FILL = 0.75
 EPILOGUE_BLOCK = 1024
 
 
@@ -550,32 +563,37 @@ def table_config(
     M, bucket: Optional[int], N: int, K: int, device: torch.device
 ) -> Union[GemmConfig, CublasAfterDequantize]:
     """The tiles for an ``[N, K]`` weight on ``device``: the entry ``bucket`` names, else the
-    one serving ``M``, or ``TALL_TILE`` in its place (``takes_tall_tile``), as it runs at
-    reduction width ``K`` (``config_for_width``)."""
+    one serving ``M``, or a wide tile in its place (``wide_tile``), as it runs at reduction
+    width ``K`` (``config_for_width``)."""
     max_m, config = GEMM_CONFIGS[gemm_bucket(M) if bucket is None else bucket]
-    return config_for_width(TALL_TILE if takes_tall_tile(max_m, N, device) else config, K)
+    return config_for_width(wide_tile(max_m, N, device) or config, K)
 
 
 def triton_entries() -> list[tuple[int, GemmConfig]]:
     """``(largest M, tiles)`` of every Triton tile the table runs: its Triton entries, then
-    ``TALL_TILE`` at each bucket it may serve."""
+    ``TALL_TILE`` and ``SQUARE_TILE`` at each bucket they may serve."""
     entries = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
-    return entries + [(max_m, TALL_TILE) for max_m in TALL_TILE_BUCKETS]
+    return entries + [(max_m, tile) for max_m in WIDE_TILE_BUCKETS for tile in (TALL_TILE, SQUARE_TILE)]
 
 
-def takes_tall_tile(max_m: Optional[int], N: int, device: torch.device) -> bool:
-    """Whether the table entry serving up to ``max_m`` rows gives way to ``TALL_TILE`` for ``N``
-    output columns: a bucket in ``TALL_TILE_BUCKETS`` whose tall programs at ``max_m`` rows fill
-    ``TALL_TILE_SM_FILL`` of the CUDA device's SMs (the interpreter runs the table's entries)."""
-    if max_m not in TALL_TILE_BUCKETS or device.type != "cuda":
-        return False
-    programs = ceil_div(max_m, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n)
-    return programs >= TALL_TILE_SM_FILL * _multiprocessor_count(device)
+def wide_tile(max_m: Optional[int], N: int, device: torch.device) -> Optional[GemmConfig]:
+    """The tile that replaces the table entry serving up to ``max_m`` rows for ``N`` output
+    columns, if any: in a bucket of ``WIDE_TILE_BUCKETS`` on a CUDA device (the interpreter runs
+    the table's entries), ``TALL_TILE`` where its programs at ``max_m`` rows fill
+    ``WIDE_TILE_SM_FILL`` of the SMs, else ``SQUARE_TILE`` where its programs do and it runs
+    warp-specialized."""
+    if max_m not in WIDE_TILE_BUCKETS or device.type != "cuda":
+        return None
+    slots = WIDE_TILE_SM_FILL * _multiprocessor_count(device)
+    for tile in (TALL_TILE, SQUARE_TILE) if gemm_warp_specialized.available(device) else (TALL_TILE,):
+        if ceil_div(max_m, tile.block_m) * ceil_div(N, tile.block_n) >= slots:
+            return tile
+    return None
 
 
 def operand_config(bucket: int, K: int) -> Union[GemmConfig, CublasAfterDequantize]:
     """The entry ``bucket`` names at width ``K``, for what its activation operand is (raw or
-    quantized, dtype, MMA order): the same for ``TALL_TILE`` where it replaces the entry, so a
+    quantized, dtype, MMA order): the same for a wide tile where it replaces the entry, so a
     traced route decides the operand without asking the device."""
     return config_for_width(GEMM_CONFIGS[bucket][1], K)
 
@@ -804,13 +822,13 @@ def launch_nvfp4_gemm(
         if not eager:
             # Inductor cannot trace a Gluon kernel: the graph calls an op that launches it.
             product = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm(
-                a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out.dtype
+                a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out.dtype, config.block_m
             )
             out.copy_(product)
             return
         if gemm_warp_specialized.takes(a, weight_qdata, out):
             gemm_warp_specialized.launch_warp_specialized_gemm(
-                a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out
+                a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out, config.block_m
             )
             return
     bias_or_unused = bias if bias is not None else act_scale

@@ -1,7 +1,9 @@
-"""The NVFP4 GEMM's 256 x 128 tile on Hopper, warp-specialized, in Gluon.
+"""The NVFP4 GEMM's 256 x 128 and 128 x 128 tiles on Hopper, warp-specialized, in Gluon.
 
 ``gemm.TALL_TILE``'s product (256 activation rows by 128 weight rows, 128-wide K tiles in the MMA
-order, ``W @ A^T`` with the dequantized weight as the wgmma's register operand) by three
+order, ``W @ A^T`` with the dequantized weight as the wgmma's register operand), or
+``gemm.SQUARE_TILE``'s (128 activation rows, for weights whose 256-row tiles would leave SMs
+idle), by three
 warpgroups with separate jobs: one loads each K tile's activation operand and packed weight by
 TMA into a ring of shared-memory stages; each of the other two dequantizes its own 64 weight rows
 into its wgmma operand, multiplies, and hands the stage back through an mbarrier. The Triton
@@ -13,8 +15,8 @@ H100, 89% of this kernel's on an H200; ``examples/benchmarks/RESULTS.md``).
 The arithmetic is the Triton tile's: the same dequantization (``e2m1_ptx``), the same wgmma
 instructions in the same K order, so both give the same output bit for bit. Gluon
 kernels do not run in Triton's interpreter and Inductor cannot trace them: ``gemm`` runs this one
-for ``gemm.TALL_TILE`` on sm_90 (eager, or at run time inside
-``warp_specialized_nvfp4_gemm``, the opaque op a traced graph calls) and the Triton tile
+for ``gemm.TALL_TILE`` and ``gemm.SQUARE_TILE`` on sm_90 (eager, or at run time inside
+``warp_specialized_nvfp4_gemm``, the opaque op a traced graph calls) and the same tile in Triton
 everywhere else.
 """
 
@@ -37,10 +39,11 @@ try:
 except ImportError:
     HAS_GLUON_HOPPER = False
 
-TOKENS_PER_TILE = 256
+TOKENS_PER_TILE = (256, 128)  # the activation rows of the tiles the kernel is built for
 WEIGHT_ROWS_PER_TILE = 128
 BLOCK_K = 128
-STAGES = 3  # 3 x 72 KiB of operands: as many as an H100 SM's shared memory holds
+# Stages of operands by tile: as many as an H100 SM's shared memory holds (72 or 40 KiB each).
+STAGES = {256: 3, 128: 5}
 CONSUMER_REGISTERS = 232  # of the 256 a thread may have: the accumulator alone takes 128
 ROWS_PER_CONSUMER = 64  # the wgmma's M
 
@@ -225,10 +228,10 @@ if HAS_GLUON_HOPPER:
 
 
 @lru_cache(maxsize=None)
-def _shared_layouts():
-    """The TMA tiles' shared-memory layouts (the operand's, the packed weight's): constant."""
+def _shared_layouts(tokens_per_tile: int):
+    """The TMA tiles' shared-memory layouts (the operand's, the packed weight's)."""
     return (
-        gl.NVMMASharedLayout.get_default_for([TOKENS_PER_TILE, BLOCK_K], gl.float16),
+        gl.NVMMASharedLayout.get_default_for([tokens_per_tile, BLOCK_K], gl.float16),
         gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, BLOCK_K // 2], gl.uint8),
     )
 
@@ -241,17 +244,24 @@ def kernel_arguments(
     weight_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
+    tokens_per_tile: int,
 ) -> tuple[tuple, tuple, dict]:
-    """``(grid, args, meta)`` of the kernel's launch (the TMA descriptors built for these tensors)."""
+    """``(grid, args, meta)`` of the kernel's launch for tiles of ``tokens_per_tile`` activation
+    rows (the TMA descriptors built for these tensors)."""
+    if tokens_per_tile not in TOKENS_PER_TILE:
+        raise ValueError(
+            f"nvfp4_static: the warp-specialized GEMM has tiles of {TOKENS_PER_TILE} activation rows, "
+            f"got {tokens_per_tile}"
+        )
     M, K = a.shape
     N = weight_qdata.shape[0]
-    a_layout, w_layout = _shared_layouts()
-    a_desc = TensorDescriptor(a, [M, K], [K, 1], [TOKENS_PER_TILE, BLOCK_K], a_layout)
+    a_layout, w_layout = _shared_layouts(tokens_per_tile)
+    a_desc = TensorDescriptor(a, [M, K], [K, 1], [tokens_per_tile, BLOCK_K], a_layout)
     w_desc = TensorDescriptor(weight_qdata, [N, K // 2], [K // 2, 1], [ROWS_PER_CONSUMER, BLOCK_K // 2], w_layout)
-    grid = (ceil_div(M, TOKENS_PER_TILE) * ceil_div(N, WEIGHT_ROWS_PER_TILE), 1, 1)
+    grid = (ceil_div(M, tokens_per_tile) * ceil_div(N, WEIGHT_ROWS_PER_TILE), 1, 1)
     args = (a_desc, w_desc, scale_codes, act_scale, weight_scale, bias if bias is not None else act_scale, out,
             M, N, K, out.stride(0))
-    meta = dict(BLOCK_M=TOKENS_PER_TILE, BK=BLOCK_K, NUM_STAGES=STAGES, HAS_BIAS=bias is not None,
+    meta = dict(BLOCK_M=tokens_per_tile, BK=BLOCK_K, NUM_STAGES=STAGES[tokens_per_tile], HAS_BIAS=bias is not None,
                 REGISTERS=CONSUMER_REGISTERS, num_warps=4)
     return grid, args, meta
 
@@ -271,14 +281,16 @@ def launch_warp_specialized_gemm(
     weight_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
+    tokens_per_tile: int,
 ) -> None:
-    """``out [M, N] = (a @ dequant(W)^T) * act_scale * weight_scale + bias``: ``a`` the fp16
-    operand in the MMA order, ``scale_codes`` the block scales as bytes, both global scales fp32
-    ``[1]``; the caller has checked ``available`` and ``takes``."""
-    grid, args, meta = kernel_arguments(a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out)
+    """``out [M, N] = (a @ dequant(W)^T) * act_scale * weight_scale + bias`` in tiles of
+    ``tokens_per_tile`` activation rows: ``a`` the fp16 operand in the MMA order, ``scale_codes``
+    the block scales as bytes, both global scales fp32 ``[1]``; the caller has checked
+    ``available`` and ``takes``."""
+    grid, args, meta = kernel_arguments(a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, tokens_per_tile)
     device = a.device.index
-    # The descriptors' specialisation (dtype, tile, layout) is the same for every call.
-    key = (device, meta["HAS_BIAS"], *(native_specialize_impl(BaseBackend, value, False, True, True) for value in args[2:]))
+    # The descriptors' specialisation (dtype, layout) is the same for every call of a tile.
+    key = (device, tokens_per_tile, meta["HAS_BIAS"], *(native_specialize_impl(BaseBackend, value, False, True, True) for value in args[2:]))
     prepared = _PREPARED.get(key)
     if prepared is None:
         call = KernelCall(_warp_specialized_gemm_kernel, grid, args, meta)

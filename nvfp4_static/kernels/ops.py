@@ -76,7 +76,7 @@ if HAS_TRITON:
     from nvfp4_static.kernels.act_quantize import launch_activation_quantize
     from nvfp4_static.kernels.block_hessian import launch_block_hessian
     from nvfp4_static.kernels.gemm import (
-        TALL_TILE,
+        WARP_SPECIALIZED_TILES,
         check_operands,
         cublas_with_fused_epilogue,
         fuses_epilogue_into_cublas,
@@ -98,7 +98,7 @@ else:
     launch_nvfp4_gemm = _without_triton("the NVFP4 GEMM on a CUDA tensor")
     check_operands = cublas_with_fused_epilogue = fuses_epilogue_into_cublas = launch_nvfp4_gemm
     table_config = taking_operand = launch_nvfp4_gemm
-    TALL_TILE = None
+    WARP_SPECIALIZED_TILES = {}
     launch_grouped_nvfp4_gemm = _without_triton("the grouped NVFP4 GEMM of experts on a CUDA tensor")
 
 
@@ -435,24 +435,31 @@ def warp_specialized_nvfp4_gemm(
     weight_per_tensor_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
+    tokens_per_tile: int,
 ) -> torch.Tensor:
-    """``nvfp4_gemm`` with ``gemm.TALL_TILE`` (``a`` its fp16 operand in the MMA order) as an op
-    Inductor does not look into: a traced graph reaches the warp-specialized Gluon kernel
+    """``nvfp4_gemm`` with the warp-specialized tile of ``tokens_per_tile`` activation rows
+    (``gemm.TALL_TILE``: 256, ``gemm.SQUARE_TILE``: 128; ``a`` its fp16 operand in the MMA order)
+    as an op Inductor does not look into: a traced graph reaches the warp-specialized Gluon kernel
     (``gemm_warp_specialized``, which tracing cannot see) through it. At run time the launcher
     runs that kernel where the GPU and the tensors suit it and the same tile in Triton otherwise;
     the two give the same output."""
     _require_cuda(a, "warp_specialized_nvfp4_gemm")
     require_triton("the NVFP4 GEMM on a CUDA tensor")
+    if tokens_per_tile not in WARP_SPECIALIZED_TILES:
+        raise ValueError(
+            f"nvfp4_static: warp_specialized_nvfp4_gemm has tiles of {sorted(WARP_SPECIALIZED_TILES)} activation rows, "
+            f"got tokens_per_tile = {tokens_per_tile}"
+        )
+    tile = WARP_SPECIALIZED_TILES[tokens_per_tile]
     out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
-    launch_nvfp4_gemm(
-        a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out, TALL_TILE
-    )
+    scales = (act_per_tensor_scale, weight_per_tensor_scale)
+    launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, *scales, bias, out, tile)
     return out
 
 
 @warp_specialized_nvfp4_gemm.register_fake
 def _warp_specialized_nvfp4_gemm_fake(
-    a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out_dtype
+    a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out_dtype, tokens_per_tile
 ):
     return a.new_empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype)
 
