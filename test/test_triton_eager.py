@@ -7,7 +7,7 @@ the real kernels through Triton's compiled launchers, against the general route.
 
 import copy
 import io
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -17,7 +17,8 @@ from torchao.utils import unwrap_tensor_subclass
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches, ReplayedLinear
-from nvfp4_static.kernels.gemm import GEMM_CONFIGS
+from nvfp4_static.kernels import gemm_warp_specialized
+from nvfp4_static.kernels.gemm import GEMM_CONFIGS, SQUARE_TILE, TALL_TILE, table_config
 from nvfp4_static.kernels.launch import KernelCall, recording_launches
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
@@ -95,9 +96,18 @@ def _call(kernel_args):
     return KernelCall(kernel=None, grid=(1,), args=kernel_args, meta={})
 
 
+@dataclass
+class Descriptor:
+    """Stands for a TMA descriptor argument: the tensor it describes is its ``base``."""
+
+    base: torch.Tensor
+    block_shape: tuple = (16, 32)
+
+
 def test_replay_refuses_launches_it_could_not_redo():
     """Each refusal sends the layer to the general route: nothing launched, an output no launch
-    wrote, a scratch buffer that is a strided view, or one buffer used under two shapes."""
+    wrote, a scratch buffer that is a strided view, one buffer used under two shapes, or a
+    descriptor of the activation or the output (a replay would have to rebuild it each call)."""
     x, out, weight = torch.zeros(2, 32), torch.zeros(2, 8), torch.zeros(8, 16, dtype=torch.uint8)
     scratch = torch.zeros(4, 32)
     weights = (weight,)
@@ -105,6 +115,44 @@ def test_replay_refuses_launches_it_could_not_redo():
     assert ReplayedLinear.of(x, out, [_call((x, weight, scratch))], weights, None) is None
     assert ReplayedLinear.of(x, out, [_call((x, scratch.t(), out))], weights, None) is None
     assert ReplayedLinear.of(x, out, [_call((x, scratch, out)), _call((scratch.view(8, 16), out))], weights, None) is None
+    assert ReplayedLinear.of(x, out, [_call((Descriptor(x), weight, out))], weights, None) is None
+    assert ReplayedLinear.of(x, out, [_call((x, weight, Descriptor(out)))], weights, None) is None
+    assert ReplayedLinear.of(x, out, [_call((x, Descriptor(weight), Descriptor(out), out))], weights, None) is None
+    assert ReplayedLinear.of(x, out, [_call((x, Descriptor(scratch.t()), out))], weights, None) is None
+
+
+class SeenKernel:
+    """Stands for a kernel under Triton's interpreter: keeps the arguments of each launch."""
+
+    def __init__(self, *arg_names):
+        self.arg_names = list(arg_names)
+        self.seen = []
+
+    def __getitem__(self, grid):
+        return lambda *values, **options: self.seen.append(values)
+
+
+def test_replay_describes_the_arenas_buffer_where_a_descriptor_described_scratch(monkeypatch):
+    """A launch reading the operand through a TMA descriptor (the warp-specialized GEMM): the
+    replay's descriptor describes the arena buffer the replayed operand kernel writes, not the
+    recorded call's operand; a descriptor of a weight stays as it was; the activation and the
+    output are the replay's own."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the launches are kept as values, not compiled
+    x, out, weight = torch.zeros(2, 32), torch.zeros(2, 8), torch.zeros(8, 16, dtype=torch.uint8)
+    operand = torch.zeros(2, 32, dtype=torch.float16)
+    quantize = KernelCall(SeenKernel("x", "operand"), (1,), (x, operand), {})
+    multiply = KernelCall(SeenKernel("a_desc", "w_desc", "out"), (1,), (Descriptor(operand, (16, 32)), Descriptor(weight), out), {})
+    replay = ReplayedLinear.of(x, out, [quantize, multiply], (weight,), None)
+    for round in range(2):
+        new_x = torch.ones(2, 32)
+        new_out = replay(new_x, None)
+        x_seen, operand_seen = quantize.kernel.seen[round]
+        a_desc, w_desc, out_seen = multiply.kernel.seen[round]
+        assert x_seen is new_x and out_seen is new_out
+        assert a_desc.base is operand_seen and a_desc.base.data_ptr() != operand.data_ptr()
+        assert a_desc.block_shape == (16, 32) and a_desc.base.shape == operand.shape
+        assert a_desc.base.dtype == operand.dtype
+        assert w_desc.base is weight
 
 
 def _layer(N, K, dtype, device, with_bias=True, seed=0):
@@ -246,3 +294,29 @@ def test_gpu_a_layer_with_unwrapped_weights_replays_its_launches():
                 assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias)), (shape, call)
     replayed = {key[0] for key, linear in layer._eager_launches._linears.items() if isinstance(linear, ReplayedLinear)}
     assert replayed == {torch.Size(shape) for shape in shapes}
+
+
+@requires_cuda
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and gemm_warp_specialized.available(torch.device("cuda"))),
+    reason="needs a Hopper GPU and Gluon",
+)
+@pytest.mark.parametrize("M,tile", [(300, "tall"), (200, "square")])
+def test_gpu_replay_redoes_the_warp_specialized_launch(M, tile):
+    """On Hopper a wide layer at 129-512 rows runs the warp-specialized Gluon GEMM, which reads
+    the operand through a TMA descriptor: the second and third calls replay it (over the
+    arena's operand buffer), each with the route's output for its own activation."""
+    N, K = 8192, 1024
+    assert table_config(M, None, N, K, torch.device("cuda")) == {"tall": TALL_TILE, "square": SQUARE_TILE}[tile]
+    layer = _layer(N, K, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        outs = []
+        for call in range(3):
+            x = _activation((M, K), torch.bfloat16, seed=call)
+            outs.append(layer(x))
+            assert torch.equal(outs[-1], static_linear(x, layer.weight, layer.bias)), call
+    assert not torch.equal(outs[1], outs[2])
+    linear = layer._eager_launches._linears[next(iter(layer._eager_launches._linears))]
+    assert isinstance(linear, ReplayedLinear)
+    kernels = [launch._kernel for launch in linear._launches]
+    assert kernels.count(gemm_warp_specialized._warp_specialized_gemm_kernel) == 1

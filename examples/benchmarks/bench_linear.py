@@ -9,6 +9,8 @@ For each weight shape (K, N) and token count M, in one run on one GPU:
   change;
 - ``api``: the same through the public API, ``F.linear`` on an ``NVFP4StaticTensor`` weight,
   eager and compiled (fullgraph, dynamic);
+- ``layer``: the converted layer (``NVFP4StaticLinear``) called eagerly, which replays the
+  route's recorded launches (``backends.triton_eager``) from its second call of a shape;
 - ``naive``: dequantize the weight to bf16, quantize-dequantize the activation, ``F.linear``, compiled;
 - ``read``: one Triton kernel that only reads the packed weight and its scales, in a CUDA graph
   (the fastest of 15 launch shapes): the floor of any linear that streams the weight, timed
@@ -36,6 +38,7 @@ from triton.testing import do_bench
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.numerics import dequantize_nvfp4, fake_quantize_nvfp4, per_tensor_amax_to_scale, quantize_nvfp4
+from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.tensor import NVFP4StaticTensor
 
 SHAPES = [(8192, 8192), (4096, 14336), (14336, 4096)]
@@ -115,7 +118,7 @@ def main():
     api_compiled = torch.compile(F.linear, fullgraph=True, dynamic=True)
     naive_compiled = torch.compile(naive_linear, fullgraph=True, dynamic=True)
 
-    names = ["bf16", "bf16 graph", "eager", "graph", "no alpha", "compiled", "api", "naive", "read"]
+    names = ["bf16", "bf16 graph", "eager", "graph", "no alpha", "compiled", "api", "layer", "naive", "read"]
     header = f"{'K':>6} {'N':>6} {'M':>5} | " + " ".join(f"{name:>10}" for name in names) + " (ms)"
     print(header + f" | {'bf16/ours':>9} {'weight GB/s':>11} {'of copy':>7}")
     with torch.no_grad():
@@ -129,6 +132,7 @@ def main():
             operands = (weight_qdata, weight_block_scales, weight_scale, act_scale, bias)
             api_weight = NVFP4StaticTensor.from_float(weight, act_amax, backend_override="triton")
             output_scale = api_weight.output_scale
+            layer = NVFP4StaticLinear(api_weight, torch.nn.Parameter(bias), recipe={}, layer_name="bench")
             weight_bytes = weight_qdata.numel() + weight_block_scales.numel()
             read_ms = bare_read_ms(graph_ms, weight_qdata, weight_block_scales)
             for M in args.m:
@@ -143,6 +147,7 @@ def main():
                     "no alpha": graph_ms(lambda: static_nvfp4_linear(x, *operands)),
                     "compiled": do_bench(lambda: api_compiled(x, api_weight, bias), return_mode="median"),
                     "api": do_bench(lambda: F.linear(x, api_weight, bias), return_mode="median"),
+                    "layer": do_bench(lambda: layer(x), return_mode="median"),
                     "naive": do_bench(lambda: naive_compiled(x, *operands), return_mode="median"),
                     "read": read_ms,
                 }

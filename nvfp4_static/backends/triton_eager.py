@@ -10,12 +10,14 @@ output and the stream's scratch memory in place of the first call's: the same ke
 same arguments, hence the same outputs bit for bit.
 
 Replayed: plain, contiguous, 16-byte aligned CUDA activations of at most the largest M that
-``kernels.gemm.GEMM_CONFIGS`` serves with Triton kernels alone (above it cuBLAS runs the product,
-and the host work is small beside the GPU's), outside any tracing or dispatch mode, with the
+``kernels.gemm.GEMM_CONFIGS`` serves with its own kernels (Triton's, and on Hopper the
+warp-specialized Gluon GEMM; above it cuBLAS runs the product, and the host work is small beside
+the GPU's), outside any tracing or dispatch mode, with the
 weight's tensors in the layout convert makes. Every other call returns None and the layer takes
 the general route.
 """
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -109,6 +111,24 @@ class EagerTritonLaunches:
         self._largest_rows = max(max_m for max_m, _ in triton_entries())
 
 
+def _described(argument):
+    """The tensor a TMA descriptor argument describes (its ``base``), else the argument."""
+    base = getattr(argument, "base", None)
+    return base if isinstance(base, torch.Tensor) else argument
+
+
+def _describing(call: KernelCall, per_call: dict[int, int], scratch: tuple) -> KernelCall:
+    """``call`` with each TMA descriptor of a scratch buffer describing that buffer's place in
+    the arena instead (``scratch[i - 2]`` for the buffer ``per_call`` numbers ``i``)."""
+    args = []
+    for argument in call.args:
+        described = _described(argument)
+        if described is not argument and described.data_ptr() in per_call:
+            argument = replace(argument, base=scratch[per_call[described.data_ptr()] - 2])
+        args.append(argument)
+    return call._replace(args=tuple(args))
+
+
 def _not_replayed(x: torch.Tensor, stream: Optional[int]) -> None:
     """Stands for a shape whose launches cannot be replayed: the layer takes the general route."""
     return None
@@ -121,7 +141,9 @@ class ReplayedLinear:
     tensor or a kernel's workspace (both kept as they are), or else a scratch buffer the route
     allocated (the activation operand, a split K's partial products). A replay allocates a new
     output, takes its scratch buffers from the stream's ``scratch_arena`` and launches the same
-    kernels in the same order.
+    kernels in the same order. A TMA descriptor argument (``gemm_warp_specialized``'s kernel
+    reads the operand and the weight through them) may describe a weight tensor or a scratch
+    buffer, whose place in the arena is the same at every replay: it is built once, over that.
     """
 
     def __init__(
@@ -138,7 +160,7 @@ class ReplayedLinear:
             arena[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
             for offset, (shape, dtype) in zip(offsets, scratch)
         )
-        self._launches = [PreparedLaunch(call, per_call) for call in calls]
+        self._launches = [PreparedLaunch(_describing(call, per_call, self._scratch), per_call) for call in calls]
 
     @classmethod
     def of(
@@ -146,17 +168,21 @@ class ReplayedLinear:
     ) -> Optional["ReplayedLinear"]:
         """The replay on the raw CUDA ``stream`` of the launches ``calls`` that computed ``out``
         from ``x``, or None if they are not all a replay can redo: no launch, an output no
-        launch wrote, or a scratch buffer that is not contiguous or is used under two shapes."""
+        launch wrote, a scratch buffer that is not contiguous or is used under two shapes, or a
+        TMA descriptor of the activation or the output (new tensors at every call)."""
         workspace = [t for call in calls for t in call.workspace]
         fixed = {t.data_ptr() for t in (*weight_tensors, *workspace) if t is not None}
         per_call = {x.data_ptr(): 0, out.data_ptr(): 1}
         written_out = False
         scratch = []
         for call in calls:
-            for value in call.args:
+            for argument in call.args:
+                value = _described(argument)
                 if not isinstance(value, torch.Tensor) or value.data_ptr() in fixed:
                     continue
                 address = value.data_ptr()
+                if value is not argument and per_call.get(address, 2) < 2:
+                    return None
                 written_out = written_out or address == out.data_ptr()
                 if address not in per_call:
                     if not value.is_contiguous():

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static.kernels.launch import KernelCall, PreparedLaunch, ceil_div, interpreting
+from nvfp4_static.kernels.launch import KernelCall, PreparedLaunch, ceil_div, interpreting, record_launch
 
 try:
     from triton._C.libtriton import native_specialize_impl
@@ -291,9 +291,11 @@ def launch_warp_specialized_gemm(
     device = a.device.index
     # The descriptors' specialisation (dtype, layout) is the same for every call of a tile.
     key = (device, tokens_per_tile, meta["HAS_BIAS"], *(native_specialize_impl(BaseBackend, value, False, True, True) for value in args[2:]))
+    call = KernelCall(_warp_specialized_gemm_kernel, grid, args, meta)
     prepared = _PREPARED.get(key)
     if prepared is None:
-        call = KernelCall(_warp_specialized_gemm_kernel, grid, args, meta)
         prepared = _PREPARED[key] = PreparedLaunch(call, {}, keep_arguments=False)
     values = [*args, *(meta[name] for name in _warp_specialized_gemm_kernel.arg_names[len(args):])]
     prepared.launch_with(grid, torch._C._cuda_getCurrentRawStream(device), values)
+    # An eager layer's replay (backends.triton_eager) redoes the launch from this record.
+    record_launch(call)

@@ -62,9 +62,15 @@ class KernelCall(NamedTuple):
     def launch(self) -> None:
         """Launch it (visible to tracing), and add it to the list ``recording_launches`` fills."""
         traceable(self.kernel)[self.grid](*self.args, **self.meta)
-        recorded = getattr(_recorder, "calls", None)
-        if recorded is not None:
-            recorded.append(self)
+        record_launch(self)
+
+
+def record_launch(call: KernelCall) -> None:
+    """Add ``call``, just launched, to the list ``recording_launches`` fills, if one is being
+    filled (a launcher that launches by other means than ``KernelCall.launch`` calls this)."""
+    recorded = getattr(_recorder, "calls", None)
+    if recorded is not None:
+        recorded.append(call)
 
 
 @contextlib.contextmanager
