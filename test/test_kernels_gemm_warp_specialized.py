@@ -122,7 +122,8 @@ def test_sm90a_build_keeps_three_warpgroups_without_spills(tokens, tmp_path):
     assert "C7515" not in report, report
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "spill" not in report or re.search(r" 0 bytes spill stores", report), report
-    stage_bytes = tokens * gemm_warp_specialized.BLOCK_K * 2 + gemm_warp_specialized.WEIGHT_ROWS_PER_TILE * gemm_warp_specialized.BLOCK_K // 2
+    block_k = gemm_warp_specialized.BLOCK_K
+    stage_bytes = tokens * block_k * 2 + gemm_warp_specialized.WEIGHT_ROWS_PER_TILE * block_k // 2  # fp16, packed
     assert gemm_warp_specialized.STAGES[tokens] * stage_bytes <= build.shared_bytes <= H100_SHARED_BYTES_PER_BLOCK
 
 

@@ -141,7 +141,8 @@ def test_replay_describes_the_arenas_buffer_where_a_descriptor_described_scratch
     x, out, weight = torch.zeros(2, 32), torch.zeros(2, 8), torch.zeros(8, 16, dtype=torch.uint8)
     operand = torch.zeros(2, 32, dtype=torch.float16)
     quantize = KernelCall(SeenKernel("x", "operand"), (1,), (x, operand), {})
-    multiply = KernelCall(SeenKernel("a_desc", "w_desc", "out"), (1,), (Descriptor(operand, (16, 32)), Descriptor(weight), out), {})
+    descriptors = (Descriptor(operand, (16, 32)), Descriptor(weight))
+    multiply = KernelCall(SeenKernel("a_desc", "w_desc", "out"), (1,), (*descriptors, out), {})
     replay = ReplayedLinear.of(x, out, [quantize, multiply], (weight,), None)
     for round in range(2):
         new_x = torch.ones(2, 32)

@@ -287,10 +287,13 @@ def launch_warp_specialized_gemm(
     ``tokens_per_tile`` activation rows: ``a`` the fp16 operand in the MMA order, ``scale_codes``
     the block scales as bytes, both global scales fp32 ``[1]``; the caller has checked
     ``available`` and ``takes``."""
-    grid, args, meta = kernel_arguments(a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, tokens_per_tile)
+    grid, args, meta = kernel_arguments(
+        a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, tokens_per_tile
+    )
     device = a.device.index
     # The descriptors' specialisation (dtype, layout) is the same for every call of a tile.
-    key = (device, tokens_per_tile, meta["HAS_BIAS"], *(native_specialize_impl(BaseBackend, value, False, True, True) for value in args[2:]))
+    specialisation = (native_specialize_impl(BaseBackend, value, False, True, True) for value in args[2:])
+    key = (device, tokens_per_tile, meta["HAS_BIAS"], *specialisation)
     call = KernelCall(_warp_specialized_gemm_kernel, grid, args, meta)
     prepared = _PREPARED.get(key)
     if prepared is None:
