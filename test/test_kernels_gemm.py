@@ -459,10 +459,10 @@ def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypat
 @pytest.mark.parametrize("tile", [TALL_TILE, SQUARE_TILE], ids=["tall", "square"])
 @pytest.mark.parametrize("max_m", WIDE_TILE_BUCKETS, ids=str)
 def test_wide_tiles_take_the_operand_of_the_entry_they_replace(max_m, tile, K):
-    """The traced route prepares the operand from ``operand_config`` without asking the device;
-    the tile the op then runs must read that operand: same kind (quantized by the operand kernel,
-    not by the GEMM), same dtype, same order."""
-    entry = operand_config(gemm_bucket(max_m), K)
+    """The route prepares the operand from ``operand_config``, which does not weigh the wide
+    tiles; the tile the op then runs must read that operand: same kind (quantized by the operand
+    kernel, not by the GEMM), same dtype, same order."""
+    entry = operand_config(gemm_bucket(max_m), 14336, K, torch.device("cuda"))
     wide = config_for_width(tile, K)
     assert quantizes_activation_in_gemm(wide) == quantizes_activation_in_gemm(entry) is False
     assert operand_in_mma_order(wide) == operand_in_mma_order(entry) == (K % 32 == 0)

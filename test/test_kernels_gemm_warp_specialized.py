@@ -18,8 +18,9 @@ from conftest import gpu_tolerance, relative_error, requires_cuda
 from torch.utils._python_dispatch import TorchDispatchMode
 from test_kernels_gemm import gemm_operands, reference_gemm
 
-from nvfp4_static.kernels import gemm, gemm_warp_specialized, nvfp4_gemm, ops
+from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized, nvfp4_gemm, ops
 from nvfp4_static.kernels.gemm import (
+    DECODE_TILE,
     SQUARE_TILE,
     SQUARE_TILE_IN_TRITON,
     TALL_TILE,
@@ -147,17 +148,18 @@ requires_hopper = pytest.mark.skipif(not hopper_with_gluon(), reason="needs a Ho
 
 
 class CountingLaunches:
-    """Counts the warp-specialized kernel's launches (patched in for a test)."""
+    """Counts a Gluon kernel's launches through its launcher ``module.name`` (patched in for a
+    test), by default the warp-specialized wide tiles'."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, module=gemm_warp_specialized, name="launch_warp_specialized_gemm"):
         self.count = 0
-        launch = gemm_warp_specialized.launch_warp_specialized_gemm
+        launch = getattr(module, name)
 
         def counted(*args):
             self.count += 1
             launch(*args)
 
-        monkeypatch.setattr(gemm_warp_specialized, "launch_warp_specialized_gemm", counted)
+        monkeypatch.setattr(module, name, counted)
 
 
 @requires_cuda
@@ -228,18 +230,24 @@ def test_gpu_prepared_launches_keep_no_tensor_alive(monkeypatch):
     assert weight_alive() is None and operand_alive() is None
 
 
+def counting_launches(monkeypatch, tile) -> CountingLaunches:
+    """Counts the launches of the Gluon kernel that runs ``tile``."""
+    if tile == DECODE_TILE:
+        return CountingLaunches(monkeypatch, gemm_decode_warp_specialized, "launch_decode_gemm")
+    return CountingLaunches(monkeypatch)
+
+
 @requires_cuda
 @requires_hopper
-def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(monkeypatch):
-    """Traced, the tile is an opaque op (Inductor cannot trace a Gluon kernel): a fullgraph
-    compile of the GEMM op where the table takes the tall tile launches the kernel and gives
+@pytest.mark.parametrize("M,tile", [(512, TALL_TILE), (16, DECODE_TILE)], ids=["tall", "decode"])
+def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(M, tile, monkeypatch):
+    """Traced, a warp-specialized tile is an opaque op (Inductor cannot trace a Gluon kernel): a
+    fullgraph compile of the GEMM op where the table takes the tile launches its kernel and gives
     eager's output."""
-    M, N, K = 512, 8192, 8192
-    assert gemm.table_config(M, None, N, K, torch.device("cuda")) == TALL_TILE
-    operand, qdata, scales, act_scale, weight_scale, bias = gemm_operands(
-        M, N, K, seed=5, device="cuda", config=TALL_TILE
-    )
-    launches = CountingLaunches(monkeypatch)
+    N, K = 8192, 8192
+    assert gemm.table_config(M, None, N, K, torch.device("cuda")) == tile
+    operand, qdata, scales, act_scale, weight_scale, bias = gemm_operands(M, N, K, seed=5, device="cuda", config=tile)
+    launches = counting_launches(monkeypatch, tile)
 
     def linear(a):
         return nvfp4_gemm(a, qdata, scales, act_scale, weight_scale, bias, torch.bfloat16)
@@ -253,27 +261,31 @@ def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(monkeypatch):
 
 @requires_cuda
 @requires_hopper
-def test_gpu_dynamic_shape_graph_branches_into_the_warp_specialized_kernel(monkeypatch):
+@pytest.mark.parametrize(
+    "tile,launching", [(TALL_TILE, (300,)), (DECODE_TILE, (16, 3))], ids=["tall", "decode"]
+)
+def test_gpu_dynamic_shape_graph_branches_into_the_warp_specialized_kernel(tile, launching, monkeypatch):
     """A graph compiled for a dynamic token count holds every bucket's GEMM behind a cond; the
-    tall tile's is the opaque op. At 300 rows on a wide weight it launches the kernel; at every
-    token count tried the compiled linear gives the eager one's output."""
+    warp-specialized tiles' are the opaque op. On a wide weight the tall tile's kernel launches at
+    300 rows, the decode tile's at 16 and 3 (the M <= 4 bucket too, whose entry takes another
+    operand); at every token count tried the compiled linear gives the eager one's output."""
     from nvfp4_static.backends.triton_route import static_nvfp4_linear
 
     N, K = 14336, 4096
     _, qdata, scales, act_scale, weight_scale, bias = gemm_operands(1, N, K, seed=11, device="cuda")
-    launches = CountingLaunches(monkeypatch)
+    launches = counting_launches(monkeypatch, tile)
 
     def linear(x):
         return static_nvfp4_linear(x, qdata, scales, weight_scale, act_scale, bias)
 
     compiled = torch.compile(linear, dynamic=True, fullgraph=True)
-    for M in (300, 17, 700):
+    for M in (16, 300, 3, 17, 700):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         before = launches.count
         eager = linear(x)
-        assert launches.count == before + (M == 300)
+        assert launches.count == before + (M in launching)
         assert torch.equal(compiled(x), eager)
-        assert launches.count == before + 2 * (M == 300)
+        assert launches.count == before + 2 * (M in launching)
 
 
 def test_the_op_refuses_cpu_tensors():
@@ -299,7 +311,7 @@ def test_the_op_refuses_tiles_the_kernel_lacks(tokens, monkeypatch):
     M, N, K = 4, 64, 32
     operand, *weight = gemm_operands(M, N, K, seed=1, config=TALL_TILE)
     op = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm.default
-    with pytest.raises(ValueError, match=rf"tiles of \[128, 256\] activation rows, got tokens_per_tile = {tokens}"):
+    with pytest.raises(ValueError, match=rf"tiles of \[16, 128, 256\] activation rows, got tokens_per_tile = {tokens}"):
         op(operand, *weight, torch.bfloat16, tokens)
 
 

@@ -17,8 +17,8 @@ from torchao.utils import unwrap_tensor_subclass
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches, ReplayedLinear
-from nvfp4_static.kernels import gemm_warp_specialized
-from nvfp4_static.kernels.gemm import GEMM_CONFIGS, SQUARE_TILE, TALL_TILE, table_config
+from nvfp4_static.kernels import gemm_decode_warp_specialized, gemm_warp_specialized
+from nvfp4_static.kernels.gemm import DECODE_TILE, GEMM_CONFIGS, SQUARE_TILE, TALL_TILE, table_config
 from nvfp4_static.kernels.launch import KernelCall, recording_launches
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
@@ -302,13 +302,22 @@ def test_gpu_a_layer_with_unwrapped_weights_replays_its_launches():
     not (torch.cuda.is_available() and gemm_warp_specialized.available(torch.device("cuda"))),
     reason="needs a Hopper GPU and Gluon",
 )
-@pytest.mark.parametrize("M,tile", [(300, "tall"), (200, "square")])
-def test_gpu_replay_redoes_the_warp_specialized_launch(M, tile):
-    """On Hopper a wide layer at 129-512 rows runs the warp-specialized Gluon GEMM, which reads
-    the operand through a TMA descriptor: the second and third calls replay it (over the
-    arena's operand buffer), each with the route's output for its own activation."""
-    N, K = 8192, 1024
-    assert table_config(M, None, N, K, torch.device("cuda")) == {"tall": TALL_TILE, "square": SQUARE_TILE}[tile]
+@pytest.mark.parametrize(
+    "M,N,K,tile", [(300, 8192, 1024, "tall"), (200, 8192, 1024, "square"), (16, 8192, 8192, "decode")]
+)
+def test_gpu_replay_redoes_the_warp_specialized_launch(M, N, K, tile):
+    """On Hopper a wide layer at 129-512 rows runs the warp-specialized Gluon GEMM, and a large
+    layer at 2-16 rows the decode one, which read the operand through a TMA descriptor (the
+    decode kernel also its split's partial products and the stream's counters): the second and
+    third calls replay it (over the arena's operand buffer), each with the route's output for its
+    own activation."""
+    tiles = {"tall": TALL_TILE, "square": SQUARE_TILE, "decode": DECODE_TILE}
+    kernel = {
+        "tall": gemm_warp_specialized._warp_specialized_gemm_kernel,
+        "square": gemm_warp_specialized._warp_specialized_gemm_kernel,
+        "decode": gemm_decode_warp_specialized._decode_gemm_kernel,
+    }[tile]
+    assert table_config(M, None, N, K, torch.device("cuda")) == tiles[tile]
     layer = _layer(N, K, torch.bfloat16, "cuda")
     with torch.no_grad():
         outs = []
@@ -320,4 +329,4 @@ def test_gpu_replay_redoes_the_warp_specialized_launch(M, tile):
     linear = layer._eager_launches._linears[next(iter(layer._eager_launches._linears))]
     assert isinstance(linear, ReplayedLinear)
     kernels = [launch._kernel for launch in linear._launches]
-    assert kernels.count(gemm_warp_specialized._warp_specialized_gemm_kernel) == 1
+    assert kernels.count(kernel) == 1

@@ -74,7 +74,7 @@ def _linear_in_bucket(
     weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale = weights
     leading_shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    config = operand_config(bucket, 2 * weight_qdata.shape[-1])
+    config = operand_config(bucket, weight_qdata.shape[-2], 2 * weight_qdata.shape[-1], x.device)
     if quantizes_activation_in_gemm(config):
         out = quantizing_nvfp4_gemm(
             x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, bucket

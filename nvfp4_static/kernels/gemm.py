@@ -28,7 +28,8 @@ activation instead and quantizes it in its K loop (``GemmConfig.activation_rows`
 ``act_quantize``'s arithmetic, so no operand kernel runs before it.
 
 On Hopper the tall and square tiles (``TALL_TILE``, ``SQUARE_TILE``) run as
-``gemm_warp_specialized``'s Gluon kernel: the same product, with the loads and each multiplying
+``gemm_warp_specialized``'s Gluon kernel, and the decode tile (``DECODE_TILE``, 2-16 rows) as
+``gemm_decode_warp_specialized``'s: the same products, with the loads and each multiplying
 warpgroup's dequantization overlapped.
 
 This file holds the kernels, their launchers and the tile table; the ops that call them
@@ -43,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static.kernels import gemm_warp_specialized
+from nvfp4_static.kernels import gemm_decode_warp_specialized, gemm_warp_specialized
 from nvfp4_static.kernels.act_quantize import MMA_GROUP, quantize_to_operand_halves
 from nvfp4_static.kernels.e2m1_ptx import E2M1_BYTES_TO_FP16_PTX
 from nvfp4_static.kernels.launch import KernelCall, ceil_div, runs_eagerly
@@ -447,8 +448,10 @@ class GemmConfig:
         return self.activation_rows or self.block_m
 
 
-# The tiles gemm_warp_specialized's kernel computes, as the Triton kernel runs them (two
-# warpgroups of 64 weight rows): 256 activation rows (tall) or 128 (square).
+# The tiles the warp-specialized kernels compute, as the Triton kernel runs them:
+# gemm_warp_specialized's two warpgroups of 64 weight rows by 256 activation rows (tall) or 128
+# (square), and gemm_decode_warp_specialized's 16 rows, whose program holds four of the Triton
+# tile's 64-row programs (its K split is theirs at four per SM: one program per SM).
 WARP_SPECIALIZED_TILES_IN_TRITON = tuple(
     GemmConfig(
         tokens,
@@ -460,8 +463,19 @@ WARP_SPECIALIZED_TILES_IN_TRITON = tuple(
         mma_order=True,
     )
     for tokens in gemm_warp_specialized.TOKENS_PER_TILE
+) + (
+    GemmConfig(
+        gemm_decode_warp_specialized.TOKENS,
+        gemm_warp_specialized.ROWS_PER_CONSUMER,
+        gemm_decode_warp_specialized.BLOCK_K,
+        4,
+        4,
+        programs_per_sm=gemm_decode_warp_specialized.CONSUMERS,
+        weight_as_mma_a=True,
+        mma_order=True,
+    ),
 )
-TALL_TILE_IN_TRITON, SQUARE_TILE_IN_TRITON = WARP_SPECIALIZED_TILES_IN_TRITON
+TALL_TILE_IN_TRITON, SQUARE_TILE_IN_TRITON, DECODE_TILE_IN_TRITON = WARP_SPECIALIZED_TILES_IN_TRITON
 
 
 @dataclass(frozen=True)
@@ -539,7 +553,17 @@ GEMM_CONFIGS = (
 # operand as the entry they replace (``operand_config``).
 TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
 SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
-WARP_SPECIALIZED_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE)}  # by activation rows
+# Decode on Hopper: gemm_decode_warp_specialized's tile in place of the entries up to 16 rows,
+# for weights whose split gives each program at least DECODE_TILE_MIN_K_TILES K tiles (its TMA
+# ring needs a few K tiles to fill and drain). Whole linear on an H200, M = 16, entry -> decode
+# tile (ms): 8192 x 8192 0.0297 -> 0.0262 (8 K tiles per split), 4096 x 28672 0.0482 -> 0.0353
+# (16), 28672 x 8192 0.0746 -> 0.0561 (28), 14336 x 4096 0.0284 -> 0.0259 (7); at 4 K tiles
+# even (5120 x 5120 0.0196 -> 0.0194, at M = 4 0.0192 -> 0.0202), at 2 slower (4096 x 4096
+# 0.0166 -> 0.0183); examples/benchmarks/RESULTS.md.
+DECODE_TILE = replace(DECODE_TILE_IN_TRITON, warp_specialized=True)
+DECODE_TILE_BUCKETS = (4, 16)
+DECODE_TILE_MIN_K_TILES = 6
+WARP_SPECIALIZED_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE, DECODE_TILE)}  # by activation rows
 WIDE_TILE_BUCKETS = (256, 512)  # the largest M of the entries they may replace
 WIDE_TILE_SM_FILL = 0.75
 EPILOGUE_BLOCK = 1024
@@ -566,14 +590,16 @@ def table_config(
     one serving ``M``, or a wide tile in its place (``wide_tile``), as it runs at reduction
     width ``K`` (``config_for_width``)."""
     max_m, config = GEMM_CONFIGS[gemm_bucket(M) if bucket is None else bucket]
-    return config_for_width(wide_tile(max_m, N, device) or config, K)
+    return config_for_width(decode_tile(max_m, N, K, device) or wide_tile(max_m, N, device) or config, K)
 
 
 def triton_entries() -> list[tuple[int, GemmConfig]]:
     """``(largest M, tiles)`` of every Triton tile the table runs: its Triton entries, then
-    ``TALL_TILE`` and ``SQUARE_TILE`` at each bucket they may serve."""
+    ``DECODE_TILE`` at its largest bucket, ``TALL_TILE`` and ``SQUARE_TILE`` at each bucket they
+    may serve."""
     entries = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
-    return entries + [(max_m, tile) for max_m in WIDE_TILE_BUCKETS for tile in (TALL_TILE, SQUARE_TILE)]
+    wide = [(max_m, tile) for max_m in WIDE_TILE_BUCKETS for tile in (TALL_TILE, SQUARE_TILE)]
+    return entries + [(max(DECODE_TILE_BUCKETS), DECODE_TILE)] + wide
 
 
 def wide_tile(max_m: Optional[int], N: int, device: torch.device) -> Optional[GemmConfig]:
@@ -591,11 +617,26 @@ def wide_tile(max_m: Optional[int], N: int, device: torch.device) -> Optional[Ge
     return None
 
 
-def operand_config(bucket: int, K: int) -> Union[GemmConfig, CublasAfterDequantize]:
-    """The entry ``bucket`` names at width ``K``, for what its activation operand is (raw or
-    quantized, dtype, MMA order): the same for a wide tile where it replaces the entry, so a
-    traced route decides the operand without asking the device."""
-    return config_for_width(GEMM_CONFIGS[bucket][1], K)
+def decode_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Optional[GemmConfig]:
+    """``DECODE_TILE`` where it replaces the table entry serving up to ``max_m`` rows for an
+    ``[N, K]`` weight: in a bucket of ``DECODE_TILE_BUCKETS``, where it runs warp-specialized (in
+    Triton the entries are faster): whole K tiles (the kernel's TMA reads the block scales'
+    rows, K / 16 bytes, 16-byte aligned) and a K split that leaves each program
+    ``DECODE_TILE_MIN_K_TILES`` of them or more."""
+    if max_m not in DECODE_TILE_BUCKETS or K % DECODE_TILE.block_k or not gemm_warp_specialized.available(device):
+        return None
+    tiles_k = ceil_div(K, DECODE_TILE.block_k)
+    if ceil_div(tiles_k, split_k_for(DECODE_TILE, N, K, device)) < DECODE_TILE_MIN_K_TILES:
+        return None
+    return DECODE_TILE
+
+
+def operand_config(bucket: int, N: int, K: int, device: torch.device) -> Union[GemmConfig, CublasAfterDequantize]:
+    """The tiles ``bucket`` runs for an ``[N, K]`` weight on ``device``, for what their
+    activation operand is (raw or quantized, dtype, MMA order): the entry's, or the decode
+    tile's where it replaces the entry (a wide tile takes its entry's operand)."""
+    max_m, entry = GEMM_CONFIGS[bucket]
+    return config_for_width(decode_tile(max_m, N, K, device) or entry, K)
 
 
 def config_for_width(
@@ -826,7 +867,11 @@ def launch_nvfp4_gemm(
             )
             out.copy_(product)
             return
-        if gemm_warp_specialized.takes(a, weight_qdata, out):
+        if config.block_m == DECODE_TILE.block_m:
+            if gemm_decode_warp_specialized.takes(a, weight_qdata, weight_block_scales, out):
+                launch_decode_gemm(a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out, config)
+                return
+        elif gemm_warp_specialized.takes(a, weight_qdata, out):
             gemm_warp_specialized.launch_warp_specialized_gemm(
                 a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out, config.block_m
             )
@@ -893,6 +938,29 @@ def launch_nvfp4_gemm(
         (partials, act_scale, weight_scale, bias_or_unused, out, M, N, out.stride(0), split_k),
         dict(BLOCK=EPILOGUE_BLOCK, HAS_BIAS=bias is not None),
     ).launch()
+
+
+def launch_decode_gemm(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    scale_codes: torch.Tensor,
+    act_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    config: GemmConfig,
+) -> None:
+    """``gemm_decode_warp_specialized``'s kernel in ``config``'s K split (``split_k_for``), with
+    the stream's ``tile_counts`` for the program that sums the splits."""
+    N, K = weight_qdata.shape[0], a.shape[1]
+    split_k = split_k_for(config, N, K, a.device)
+    partials, counts = out, act_scale  # unused by a single split
+    if split_k > 1:
+        partials = torch.empty((split_k, N, gemm_decode_warp_specialized.TOKENS), dtype=torch.float32, device=a.device)
+        counts = tile_counts(a.device, gemm_decode_warp_specialized.counters(N))
+    gemm_decode_warp_specialized.launch_decode_gemm(
+        a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k
+    )
 
 
 def epilogue_as_ops(

@@ -266,11 +266,28 @@ def kernel_arguments(
     return grid, args, meta
 
 
-# Compiled launches by the specialisation of their arguments (Triton's, which decides the
-# compiled kernel) and device: a launch through the kernel's own ``[grid](...)`` binds its
-# arguments and looks the kernel up again each time, about 0.1 ms of host work per call on an
-# H200's host, as much as the product's GPU time at a few hundred rows.
+# Compiled launches by kernel, device, launch constants and the specialisation of their other
+# arguments (Triton's, which decides the compiled kernel): a launch through the kernel's own
+# ``[grid](...)`` binds its arguments and looks the kernel up again each time, about 0.1 ms of
+# host work per call on an H200's host, as much as the product's GPU time at a few hundred rows.
 _PREPARED: dict[tuple, PreparedLaunch] = {}
+
+
+def launch_prepared(call: KernelCall, descriptors: int) -> None:
+    """Launch ``call`` of a Gluon kernel whose first ``descriptors`` arguments are TMA
+    descriptors (specialised the same way in every call: their dtype and layout come with the
+    kernel's tiles) on the current stream, through a ``PreparedLaunch`` kept per specialisation,
+    and record it for an eager layer's replay (``backends.triton_eager``)."""
+    device = call.args[0].base.device.index
+    arguments = call.args[descriptors:]
+    specialisation = (native_specialize_impl(BaseBackend, value, False, True, True) for value in arguments)
+    key = (call.kernel, device, *sorted(call.meta.items()), *specialisation)
+    prepared = _PREPARED.get(key)
+    if prepared is None:
+        prepared = _PREPARED[key] = PreparedLaunch(call, {}, keep_arguments=False)
+    values = [*call.args, *(call.meta[name] for name in call.kernel.arg_names[len(call.args):])]
+    prepared.launch_with(call.grid, torch._C._cuda_getCurrentRawStream(device), values)
+    record_launch(call)
 
 
 def launch_warp_specialized_gemm(
@@ -290,15 +307,4 @@ def launch_warp_specialized_gemm(
     grid, args, meta = kernel_arguments(
         a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, tokens_per_tile
     )
-    device = a.device.index
-    # The descriptors' specialisation (dtype, layout) is the same for every call of a tile.
-    specialisation = (native_specialize_impl(BaseBackend, value, False, True, True) for value in args[2:])
-    key = (device, tokens_per_tile, meta["HAS_BIAS"], *specialisation)
-    call = KernelCall(_warp_specialized_gemm_kernel, grid, args, meta)
-    prepared = _PREPARED.get(key)
-    if prepared is None:
-        prepared = _PREPARED[key] = PreparedLaunch(call, {}, keep_arguments=False)
-    values = [*args, *(meta[name] for name in _warp_specialized_gemm_kernel.arg_names[len(args):])]
-    prepared.launch_with(grid, torch._C._cuda_getCurrentRawStream(device), values)
-    # An eager layer's replay (backends.triton_eager) redoes the launch from this record.
-    record_launch(call)
+    launch_prepared(KernelCall(_warp_specialized_gemm_kernel, grid, args, meta), 2)

@@ -438,9 +438,10 @@ def warp_specialized_nvfp4_gemm(
     tokens_per_tile: int,
 ) -> torch.Tensor:
     """``nvfp4_gemm`` with the warp-specialized tile of ``tokens_per_tile`` activation rows
-    (``gemm.TALL_TILE``: 256, ``gemm.SQUARE_TILE``: 128; ``a`` its fp16 operand in the MMA order)
-    as an op Inductor does not look into: a traced graph reaches the warp-specialized Gluon kernel
-    (``gemm_warp_specialized``, which tracing cannot see) through it. At run time the launcher
+    (``gemm.TALL_TILE``: 256, ``gemm.SQUARE_TILE``: 128, ``gemm.DECODE_TILE``: 16; ``a`` its fp16
+    operand in the MMA order) as an op Inductor does not look into: a traced graph reaches the
+    warp-specialized Gluon kernels (``gemm_warp_specialized``, ``gemm_decode_warp_specialized``,
+    which tracing cannot see) through it. At run time the launcher
     runs that kernel where the GPU and the tensors suit it and the same tile in Triton otherwise;
     the two give the same output."""
     _require_cuda(a, "warp_specialized_nvfp4_gemm")

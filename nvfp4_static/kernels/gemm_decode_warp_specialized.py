@@ -1,0 +1,267 @@
+"""The NVFP4 GEMM's decode tile on Hopper (up to 16 activation rows), warp-specialized, in Gluon.
+
+At decode the GEMM streams the packed weight once and its time is the weight's read. Each
+program takes 256 weight rows over one part of K (the split fills the SMs, one program each):
+one warpgroup loads, by TMA into a ring of shared-memory stages, each 256-wide K tile's 16-row
+activation operand, packed weight and FP8 block scales; each of four other warpgroups dequantizes
+its 64 weight rows into the wgmma's register operand and multiplies (m64n16k16, ``W @ A^T``), as
+``gemm.DECODE_TILE_IN_TRITON`` does per program. With the scales in the stages no thread waits on
+a global load in the K loop, and four warpgroups dequantizing at once keep enough bytes in flight
+to stream the weight (8192 x 8192 on an H200: the GEMM 0.0207 ms, the read floor 0.0180, the
+Triton tile 0.0273; ``examples/benchmarks/RESULTS.md``).
+
+The program that stores the last split of a column tile sums the splits' partial products in
+split order and applies the epilogue (both global scales, the bias), so one launch gives the
+output. The splits, their K ranges, the wgmmas and the order of the sums are
+``gemm.DECODE_TILE_IN_TRITON``'s: the same output bit for bit. ``gemm`` runs this kernel for
+``gemm.DECODE_TILE`` on sm_90 where the tensors suit it (``takes``), and the Triton tile
+elsewhere.
+"""
+
+from typing import Optional
+
+import torch
+
+from nvfp4_static.kernels import gemm_warp_specialized
+from nvfp4_static.kernels.gemm_warp_specialized import HAS_GLUON_HOPPER
+from nvfp4_static.kernels.launch import KernelCall, ceil_div
+
+TOKENS = 16  # activation rows: the wgmma's N
+BLOCK_K = 256
+CONSUMERS = 4  # multiplying warpgroups per program, 64 weight rows each
+WEIGHT_ROWS_PER_PROGRAM = CONSUMERS * gemm_warp_specialized.ROWS_PER_CONSUMER
+STAGES = 3  # of 44 KiB: operand 8, packed weight 32, block scales 4
+CONSUMER_REGISTERS = 112
+THREADS_PER_CONSUMER = 128
+
+
+def takes(a: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether this call's tensors suit the kernel: at most 16 rows, and TMA reads the operand,
+    the packed weight and the block scales from 16-byte aligned rows (the scales' rows are K / 16
+    bytes: K a multiple of 256)."""
+    return (
+        a.shape[0] <= TOKENS
+        and a.dtype == torch.float16
+        and a.is_contiguous()
+        and weight_qdata.is_contiguous()
+        and weight_block_scales.is_contiguous()
+        and a.data_ptr() % 16 == 0
+        and weight_qdata.data_ptr() % 16 == 0
+        and weight_block_scales.data_ptr() % 16 == 0
+        and a.shape[1] % BLOCK_K == 0
+        and out.stride(1) == 1
+    )
+
+
+def counters(N: int) -> int:
+    """The int32 counters a launch for ``N`` weight rows uses: one per multiplying thread of each
+    column tile."""
+    return ceil_div(N, WEIGHT_ROWS_PER_PROGRAM) * CONSUMERS * THREADS_PER_CONSUMER
+
+
+if HAS_GLUON_HOPPER:
+    from nvfp4_static.kernels.gemm_warp_specialized import (
+        ROWS,
+        TensorDescriptor,
+        _dequantize_in_mma_order,
+        gl,
+        gluon,
+        mbarrier,
+        packed_by_block_layout,
+        packed_layout,
+        tma_load,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    @gluon.jit
+    def _load_partition(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, off_n, k_first, k_tiles,
+                        BK: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """Fill stage ``i % NUM_STAGES`` with the split's K tile ``i`` once every consumer handed
+        it back: the operand tile, then each consumer's packed weight rows and block scales."""
+        for i in range(k_tiles):
+            stage = i % NUM_STAGES
+            # A fresh barrier counts as having completed the phase before its first.
+            mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(
+                bar, a_desc.block_type.nbytes + CONSUMERS * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+            )
+            k = (k_first + i) * BK
+            tma_load(a_desc, [0, k], bar, a_smem.index(stage))
+            for c in gl.static_range(CONSUMERS):
+                tma_load(w_desc, [off_n + c * ROWS, k // 2], bar, w_smem.index(stage * CONSUMERS + c))
+                tma_load(s_desc, [off_n + c * ROWS, k // 16], bar, s_smem.index(stage * CONSUMERS + c))
+
+    @gluon.jit
+    def _multiply_partition(a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr, bias_ptr,
+                            out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n, k_tiles, split,
+                            split_k, PART: gl.constexpr, TOKENS: gl.constexpr, BK: gl.constexpr,
+                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT: gl.constexpr,
+                            HAS_BIAS: gl.constexpr):
+        """One consumer warpgroup: weight rows ``off_n + 64 * PART`` onwards over the split's K
+        tiles; then its part of the output, from this split alone or, where this program stores
+        the column tile's last split, from all of them."""
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TOKENS, 16]
+        )
+        OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        PACKED: gl.constexpr = packed_layout(BK)
+        BY_BLOCK: gl.constexpr = packed_by_block_layout(BK)
+        SCALES: gl.constexpr = gl.SliceLayout(2, BY_BLOCK)
+        acc = gl.zeros([ROWS, TOKENS], gl.float32, layout=ACC)
+        for i in range(k_tiles):
+            stage = i % NUM_STAGES
+            mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+            packed = w_smem.index(stage * CONSUMERS + PART).load(PACKED)
+            codes = s_smem.index(stage * CONSUMERS + PART).load(SCALES)
+            w = _dequantize_in_mma_order(packed, codes, BK, BY_BLOCK, OPERAND)
+            acc = warpgroup_mma(w, a_smem.index(stage).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        # From here each thread holds 8 tokens of one weight row, (row, half, token) with token
+        # 8 * half + t: the same elements in every split's program, so the thread storing a
+        # split's partial products and the one summing them in the last split's program are
+        # ordered by one counter of their own (release, then acquire), with no barrier.
+        BY_ROW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [16, 2, 1], [4, 1, 1], [2, 1, 0])
+        ROW_HALVES: gl.constexpr = gl.SliceLayout(2, BY_ROW)
+        total = gl.convert_layout(gl.reshape(acc, [ROWS, 2, TOKENS // 2]), BY_ROW)
+        row_in_tile = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ROW_HALVES))[:, None]
+        half = gl.arange(0, 2, layout=gl.SliceLayout(0, ROW_HALVES))[None, :]
+        within = gl.arange(0, TOKENS // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, BY_ROW)))[None, None, :]
+        rows = gl.expand_dims(off_n + PART * ROWS + row_in_tile, 2)
+        tokens = gl.expand_dims(half, 2) * (TOKENS // 2) + within
+        mask = (rows < N) & (tokens < M)
+        # Loaded before the splits are summed, so these loads wait alongside the counter's.
+        output_scale = gl.load(act_scale_ptr) * gl.load(weight_scale_ptr)
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+        if SPLIT:
+            at = rows * TOKENS + tokens  # in a split's [N, TOKENS] partial products
+            gl.store(partials_ptr + split * N * TOKENS + at, total, mask=rows < N)
+            counter_ptrs = counts_ptr + (column * CONSUMERS + PART) * (ROWS * 2) + row_in_tile * 2 + half
+            one = gl.full([ROWS, 2], 1, gl.int32, ROW_HALVES)
+            arrived = gl.atomic_add(counter_ptrs, one, sem="acq_rel", scope="gpu")
+            last = arrived == split_k - 1
+            mask = mask & gl.expand_dims(last, 2)
+            total = gl.zeros([ROWS, 2, TOKENS // 2], gl.float32, layout=BY_ROW)
+            for s in range(split_k):
+                total += gl.load(partials_ptr + s * N * TOKENS + at, mask=mask, other=0.0, cache_modifier=".cg")
+            # Left zero for the next launch.
+            gl.store(counter_ptrs, gl.zeros_like(arrived), mask=last)
+        total = total * output_scale
+        if HAS_BIAS:
+            total += bias
+        gl.store(out_ptr + tokens.to(gl.int64) * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _decode_gemm_kernel(a_desc, w_desc, s_desc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, partials_ptr,
+                            counts_ptr, M, N, K, stride_om, split_k,
+                            TOKENS: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                            CONSUMERS: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            REGISTERS: gl.constexpr):
+        column = gl.program_id(0)
+        split = gl.program_id(1)
+        off_n = column * (CONSUMERS * ROWS)
+        tiles_k = gl.cdiv(K, BK)
+        per_split = gl.cdiv(tiles_k, split_k)
+        k_first = split * per_split
+        k_tiles = gl.minimum(per_split, tiles_k - k_first)
+        a_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, TOKENS, BK], a_desc.layout)
+        w_smem = gl.allocate_shared_memory(gl.uint8, [CONSUMERS * NUM_STAGES, ROWS, BK // 2], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(gl.uint8, [CONSUMERS * NUM_STAGES, ROWS, BK // 16], s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(stage), count=1)
+            mbarrier.init(empty.index(stage), count=CONSUMERS)
+        gl.warp_specialize(
+            [
+                (_load_partition, (a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, off_n, k_first,
+                                   k_tiles, BK, NUM_STAGES, CONSUMERS)),
+                (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
+                                       bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
+                                       k_tiles, split, split_k, 0, TOKENS, BK, NUM_STAGES, CONSUMERS, SPLIT,
+                                       HAS_BIAS)),
+                (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
+                                       bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
+                                       k_tiles, split, split_k, 1, TOKENS, BK, NUM_STAGES, CONSUMERS, SPLIT,
+                                       HAS_BIAS)),
+                (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
+                                       bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
+                                       k_tiles, split, split_k, 2, TOKENS, BK, NUM_STAGES, CONSUMERS, SPLIT,
+                                       HAS_BIAS)),
+                (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
+                                       bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
+                                       k_tiles, split, split_k, 3, TOKENS, BK, NUM_STAGES, CONSUMERS, SPLIT,
+                                       HAS_BIAS)),
+            ],
+            [4, 4, 4, 4],
+            [REGISTERS, REGISTERS, REGISTERS, REGISTERS],
+        )
+
+
+def kernel_arguments(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    scale_codes: torch.Tensor,
+    act_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    partials: torch.Tensor,
+    counts: torch.Tensor,
+    split_k: int,
+) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, meta)`` of the kernel's launch in ``split_k`` K splits (the TMA
+    descriptors built for these tensors); ``partials`` ``[split_k, N, 16]`` fp32 and ``counts``
+    (``counters(N)`` int32, zero) are used where ``split_k > 1``."""
+    M, K = a.shape
+    N = weight_qdata.shape[0]
+    if M > TOKENS:
+        raise ValueError(f"nvfp4_static: the warp-specialized decode GEMM takes at most {TOKENS} rows, got {M}")
+    a_layout, w_layout, s_layout = _shared_layouts()
+    rows = gemm_warp_specialized.ROWS_PER_CONSUMER
+    a_desc = TensorDescriptor(a, [M, K], [K, 1], [TOKENS, BLOCK_K], a_layout)
+    w_desc = TensorDescriptor(weight_qdata, [N, K // 2], [K // 2, 1], [rows, BLOCK_K // 2], w_layout)
+    s_desc = TensorDescriptor(scale_codes, [N, K // 16], [K // 16, 1], [rows, BLOCK_K // 16], s_layout)
+    grid = (ceil_div(N, WEIGHT_ROWS_PER_PROGRAM), split_k, 1)
+    args = (a_desc, w_desc, s_desc, act_scale, weight_scale, bias if bias is not None else act_scale, out, partials,
+            counts, M, N, K, out.stride(0), split_k)
+    meta = dict(TOKENS=TOKENS, BK=BLOCK_K, NUM_STAGES=STAGES, CONSUMERS=CONSUMERS, SPLIT=split_k > 1,
+                HAS_BIAS=bias is not None, REGISTERS=CONSUMER_REGISTERS, num_warps=4)
+    return grid, args, meta
+
+
+def _shared_layouts():
+    """The TMA tiles' shared-memory layouts: the operand's, the packed weight's, the scales'."""
+    rows = gemm_warp_specialized.ROWS_PER_CONSUMER
+    return (
+        gl.NVMMASharedLayout.get_default_for([TOKENS, BLOCK_K], gl.float16),
+        gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K // 2], gl.uint8),
+        gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K // 16], gl.uint8),
+    )
+
+
+def launch_decode_gemm(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    scale_codes: torch.Tensor,
+    act_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    partials: torch.Tensor,
+    counts: torch.Tensor,
+    split_k: int,
+) -> None:
+    """``out [M, N] = (a @ dequant(W)^T) * act_scale * weight_scale + bias``: ``a`` the fp16
+    operand in the MMA order, ``scale_codes`` the block scales as bytes, both global scales fp32
+    ``[1]``; ``partials`` and ``counts`` as ``kernel_arguments`` takes them. The caller has
+    checked ``gemm_warp_specialized.available`` and ``takes``."""
+    grid, args, meta = kernel_arguments(
+        a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k
+    )
+    workspace = (counts,) if split_k > 1 else ()
+    gemm_warp_specialized.launch_prepared(KernelCall(_decode_gemm_kernel, grid, args, meta, workspace), 3)

@@ -1,0 +1,295 @@
+"""The warp-specialized Hopper decode tile (``kernels.gemm_decode_warp_specialized``, Gluon).
+
+Gluon kernels do not run in Triton's interpreter: on any machine the kernel is built for sm_90a
+and its build checked, and the table's choice of it is checked with the GPU stood in; on a
+Hopper GPU its output is compared with the Triton kernel's for the same tile
+(``gemm.DECODE_TILE_IN_TRITON``, itself tested against the torch reference on the CPU through the
+interpreter), bit for bit, and with a float64 reference.
+"""
+
+import contextlib
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import gpu_tolerance, relative_error, requires_cuda
+from test_kernels_gemm import gemm_operands, reference_gemm
+from test_kernels_gemm_warp_specialized import (
+    H100_SHARED_BYTES_PER_BLOCK,
+    PassThrough,
+    counting_launches,
+    needs_gluon_hopper,
+    requires_hopper,
+)
+
+from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized, ops
+from nvfp4_static.kernels.gemm import (
+    DECODE_TILE,
+    DECODE_TILE_IN_TRITON,
+    activation_operand_dtype,
+    config_for_width,
+    gemm_bucket,
+    gemm_config,
+    launch_nvfp4_gemm,
+    operand_config,
+    operand_in_mma_order,
+    quantizes_activation_in_gemm,
+    table_config,
+)
+
+decode = gemm_decode_warp_specialized
+CUDA = torch.device("cuda", 0)
+
+
+def test_only_the_kernels_own_tile_may_ask_for_it():
+    for other in (
+        replace(DECODE_TILE_IN_TRITON, block_m=32),
+        replace(DECODE_TILE_IN_TRITON, block_n=128),
+        replace(DECODE_TILE_IN_TRITON, block_k=128),
+        replace(DECODE_TILE_IN_TRITON, num_warps=8),
+        replace(DECODE_TILE_IN_TRITON, programs_per_sm=2),
+        replace(DECODE_TILE_IN_TRITON, mma_order=False),
+        replace(DECODE_TILE_IN_TRITON, weight_as_mma_a=False),
+        replace(DECODE_TILE_IN_TRITON, activation_rows=1),
+        replace(DECODE_TILE_IN_TRITON, fill_programs_per_sm=8),
+    ):
+        with pytest.raises(ValueError, match="warp_specialized runs gemm_warp_specialized's kernel"):
+            replace(other, warp_specialized=True)
+    assert replace(DECODE_TILE_IN_TRITON, warp_specialized=True) == DECODE_TILE
+    assert gemm.WARP_SPECIALIZED_TILES[decode.TOKENS] == DECODE_TILE
+    # Each program of the kernel holds four of the Triton tile's: its split is theirs at four per SM.
+    assert (DECODE_TILE.block_m, DECODE_TILE.block_k) == (decode.TOKENS, decode.BLOCK_K)
+    assert DECODE_TILE.programs_per_sm * DECODE_TILE.block_n == decode.WEIGHT_ROWS_PER_PROGRAM
+
+
+def test_a_width_without_the_mma_order_runs_the_triton_tile():
+    assert config_for_width(DECODE_TILE, 8192).warp_specialized
+    assert config_for_width(DECODE_TILE, 8208) == replace(DECODE_TILE, mma_order=False, warp_specialized=False)
+
+
+def test_takes_only_what_tma_can_read():
+    """At most 16 rows; the operand fp16, contiguous, 16-byte aligned; K a multiple of 256 (the
+    block scales' rows 16-byte aligned); the weight and its scales contiguous and aligned; the
+    output's rows contiguous."""
+    M, N, K = 16, 64, 512
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    scales = torch.zeros(N, K // 16, dtype=torch.float8_e4m3fn)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    assert decode.takes(a, qdata, scales, out)
+    assert decode.takes(a[:1], qdata, scales, out[:1])
+    unaligned = torch.zeros(M * K + 4, dtype=torch.float16)[4:].view(M, K)
+    unaligned_weight = torch.zeros(N * K // 2 + 8, dtype=torch.uint8)[8:].view(N, K // 2)
+    unaligned_scales = torch.zeros(N * K // 16 + 8, dtype=torch.float8_e4m3fn)[8:].view(N, K // 16)
+    narrow = torch.zeros(M, K + 256, dtype=torch.float16)
+    K_off = 544  # a multiple of 32, not of 256: the scales' rows are 34 bytes
+    for refused in (
+        (torch.zeros(17, K, dtype=torch.float16), qdata, scales, torch.empty(17, N, dtype=torch.bfloat16)),
+        (a.bfloat16(), qdata, scales, out),
+        (a.float(), qdata, scales, out),
+        (torch.zeros(K, M, dtype=torch.float16).t(), qdata, scales, out),
+        (unaligned, qdata, scales, out),
+        (narrow[:, 256:], qdata, scales, out),
+        (
+            torch.zeros(M, K_off, dtype=torch.float16),
+            torch.zeros(N, K_off // 2, dtype=torch.uint8),
+            torch.zeros(N, K_off // 16, dtype=torch.float8_e4m3fn),
+            out,
+        ),
+        (a, torch.zeros(K // 2, N, dtype=torch.uint8).t(), scales, out),
+        (a, unaligned_weight, scales, out),
+        (a, qdata, torch.zeros(K // 16, N, dtype=torch.float8_e4m3fn).t(), out),
+        (a, qdata, unaligned_scales, out),
+        (a, qdata, scales, torch.empty(N, M, dtype=torch.bfloat16).t()),
+    ):
+        assert not decode.takes(*refused)
+
+
+def test_counters_one_per_multiplying_thread_of_each_column_tile():
+    assert decode.counters(256) == 4 * 128
+    assert decode.counters(257) == 2 * 4 * 128
+    assert decode.counters(8192) == 32 * 4 * 128
+
+
+def test_the_decode_tile_serves_up_to_16_rows_where_each_split_has_six_k_tiles(monkeypatch):
+    """At 132 SMs (four 64-row programs each), weights as (N, K): (8192, 8192) splits K in 4 (8
+    K tiles of 256 each), (14336, 4096) in 2 (8), (4096, 14336) in 8 (7): the decode tile at 2-16
+    rows. Not (4096, 4096) (8 splits of 2 K tiles), (5120, 5120) (5 of 4), (1024, 4096) (8 of
+    2), not where K is no whole number of K tiles, not at one row (that entry quantizes the
+    activation itself), not from 17 rows, not off Hopper, not on the interpreter's CPU tensors."""
+    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: device.type == "cuda")
+    for N, K in ((8192, 8192), (14336, 4096), (4096, 14336)):
+        for M in (2, 4, 5, 16):
+            assert table_config(M, None, N, K, CUDA) == DECODE_TILE, (N, K, M)
+        assert table_config(1, None, N, K, CUDA) == gemm_config(1)
+        assert table_config(17, None, N, K, CUDA) == gemm_config(17)
+    assert gemm.split_k_for(DECODE_TILE, 8192, 8192, CUDA) == 4
+    assert gemm.split_k_for(DECODE_TILE, 4096, 14336, CUDA) == 8
+    for N, K in ((4096, 4096), (5120, 5120), (1024, 4096)):
+        assert table_config(16, None, N, K, CUDA) == gemm_config(16), (N, K)
+    assert table_config(16, None, 8192, 8192, torch.device("cpu")) == gemm_config(16)
+    assert table_config(1, gemm_bucket(16), 8192, 8192, CUDA) == DECODE_TILE  # the bucket decides
+    assert table_config(16, None, 8192, 8448 + 32, CUDA) == config_for_width(gemm_config(16), 8480)  # not whole K tiles
+    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: False)
+    assert table_config(16, None, 8192, 8192, CUDA) == gemm_config(16)
+
+
+@pytest.mark.parametrize("K", [8192, 8224], ids=str)
+@pytest.mark.parametrize("max_m", gemm.DECODE_TILE_BUCKETS, ids=str)
+def test_operand_config_names_the_decode_tiles_operand_where_it_runs(max_m, K, monkeypatch):
+    """The route prepares the operand from ``operand_config``: where the table runs the decode
+    tile, the operand is the decode tile's (quantized by the operand kernel, fp16, MMA order),
+    even where the entry it replaces takes another (the M <= 4 entry's is not in the MMA order)."""
+    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: device.type == "cuda")
+    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
+    bucket = gemm_bucket(max_m)
+    for device in (CUDA, torch.device("cpu")):
+        operand = operand_config(bucket, 8192, K, device)
+        tile = table_config(max_m, None, 8192, K, device)
+        assert quantizes_activation_in_gemm(operand) == quantizes_activation_in_gemm(tile) is False
+        assert operand_in_mma_order(operand) == operand_in_mma_order(tile)
+        for scale in (None, 1e-3):
+            assert activation_operand_dtype(operand, torch.bfloat16, scale, None) == activation_operand_dtype(
+                tile, torch.bfloat16, scale, None
+            )
+    assert operand_config(bucket, 8192, 8192, CUDA) == DECODE_TILE
+    assert operand_in_mma_order(operand_config(gemm_bucket(4), 8192, 8192, CUDA))
+    assert not operand_in_mma_order(operand_config(gemm_bucket(4), 8192, 8192, torch.device("cpu")))
+
+
+@needs_gluon_hopper
+@pytest.mark.parametrize("split_k", [1, 4], ids=["one-split", "four-splits"])
+def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, tmp_path):
+    """ptxas builds the kernel for sm_90a with a loading and four multiplying warpgroups
+    (setmaxnreg to the consumers' registers), the weight as the register operand of m64n16k16
+    wgmmas, nothing spilled, its stages within one SM's shared memory; with a split K the
+    counters are taken with acquire-release atomics."""
+    from test_gemm_hopper_code import build_for_sm90
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    M, N, K = 16, 4096, 4096
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    codes = torch.zeros(N, K // 16, dtype=torch.uint8)
+    scale = torch.ones(1)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    bias = torch.zeros(N, dtype=torch.bfloat16)
+    partials = torch.zeros(split_k, N, decode.TOKENS)
+    counts = torch.zeros(decode.counters(N), dtype=torch.int32)
+    _, args, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, bias, out, partials, counts, split_k)
+    kernel = decode._decode_gemm_kernel
+    values = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
+    options = {k: v for k, v in meta.items() if k not in kernel.arg_names}
+    build = build_for_sm90(kernel, values, options, tmp_path, GluonASTSource)
+    ptx, report = build.ptx, build.report
+    assert build.num_warps == 20
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{decode.CONSUMER_REGISTERS};" in ptx
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16 \{[^}]*\}, \{%r", ptx)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "spill" not in report or re.search(r" 0 bytes spill stores", report), report
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == (split_k > 1)
+    stage_bytes = decode.TOKENS * decode.BLOCK_K * 2 + decode.WEIGHT_ROWS_PER_PROGRAM * (
+        decode.BLOCK_K // 2 + decode.BLOCK_K // 16
+    )
+    assert decode.STAGES * stage_bytes <= build.shared_bytes <= H100_SHARED_BYTES_PER_BLOCK
+
+
+@needs_gluon_hopper
+@pytest.mark.parametrize("M", [17, 32, 256])
+def test_kernel_arguments_refuse_more_than_16_rows(M):
+    N, K = 64, 256
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    scale = torch.ones(1)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"at most 16 rows, got {M}"):
+        decode.kernel_arguments(a, qdata, qdata, scale, scale, None, out, out, scale, 1)
+
+
+def test_the_op_takes_the_decode_tile_and_its_fake_gives_the_shape():
+    M, N, K = 5, 64, 256
+    op = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm.default
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    scales = torch.zeros(N, K // 16, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(1)
+    with pytest.raises(ValueError, match="warp_specialized_nvfp4_gemm runs on CUDA tensors, got cpu"):
+        op(a, qdata, scales, scale, scale, None, torch.bfloat16, decode.TOKENS)
+    fake = op(*(t.to("meta") for t in (a, qdata, scales, scale, scale)), None, torch.float32, decode.TOKENS)
+    assert fake.shape == (M, N) and fake.dtype == torch.float32
+
+
+@pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])
+def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, monkeypatch):
+    """The decode tile's launch, eager or under dispatch modes (as in tracing), reaches the
+    kernel's launcher exactly once, with the split the Triton tile would run, the partial
+    products' buffer and the stream's counters sized for it. Stood in on the CPU: the launcher,
+    availability and the op's device check are patched."""
+    calls = []
+
+    def launcher(a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k):
+        out.fill_(1.0)
+        calls.append((tuple(partials.shape), counts.dtype, counts.numel(), split_k))
+
+    monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
+    monkeypatch.setattr(decode, "takes", lambda a, qdata, scales, out: True)
+    monkeypatch.setattr(decode, "launch_decode_gemm", launcher)
+    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+    M, N, K = 4, 64, 1024
+    operand, *weight = gemm_operands(M, N, K, seed=1, config=DECODE_TILE)
+    split = gemm.split_k_for(DECODE_TILE, N, K, operand.device)
+    assert split == 2  # CPU: one "SM", at most half the K tiles per split
+    out = torch.zeros(M, N, dtype=torch.bfloat16)
+    with contextlib.ExitStack() as stack:
+        for _ in range(modes):
+            stack.enter_context(PassThrough())
+        launch_nvfp4_gemm(operand, *weight, out, DECODE_TILE)
+    assert calls == [((split, N, decode.TOKENS), torch.int32, decode.counters(N), split)]
+    assert torch.equal(out, torch.ones_like(out))
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(
+    "M,N,K",
+    [(16, 8192, 8192), (1, 14336, 4096), (3, 4096, 14336), (16, 320, 1024), (7, 96, 512), (16, 28672, 4096)],
+    ids=str,
+)
+def test_gpu_decode_tile_equals_the_triton_tile_bit_for_bit(dtype, with_bias, M, N, K, monkeypatch):
+    """Splits of 1 to 8, one row and a few, weights of fewer rows than one program's (so some
+    consumers' rows lie outside the weight) and with a partial last program: the same output as
+    the Triton kernel of the same tile, bit for bit, within the fp64 reference's bound."""
+    operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=DECODE_TILE)
+    weight[-1] = weight[-1] if with_bias else None
+    launches = counting_launches(monkeypatch, DECODE_TILE)
+    ours = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+    launch_nvfp4_gemm(operand, *weight, ours, DECODE_TILE)
+    assert launches.count == 1
+    triton_tile = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+    launch_nvfp4_gemm(operand, *weight, triton_tile, DECODE_TILE_IN_TRITON)
+    assert launches.count == 1
+    assert torch.equal(ours, triton_tile)
+    plain = gemm_operands(M, N, K, seed=M, device="cuda")[0]
+    assert relative_error(ours, reference_gemm(plain, *weight)) <= gpu_tolerance(K, dtype)
+
+
+@requires_cuda
+@requires_hopper
+def test_gpu_thirty_launches_give_one_output_and_leave_the_counters_zero():
+    """The program that sums a column tile's splits is whichever stores the last one: whatever
+    the order, the sum is in split order, so every launch gives the same output; the counters
+    are zero after each launch (the next one relies on it)."""
+    M, N, K = 16, 8192, 8192
+    operand, *weight = gemm_operands(M, N, K, seed=2, device="cuda", config=DECODE_TILE)
+    assert gemm.split_k_for(DECODE_TILE, N, K, operand.device) > 1
+    outs = []
+    for _ in range(30):
+        outs.append(torch.empty((M, N), dtype=torch.bfloat16, device="cuda"))
+        launch_nvfp4_gemm(operand, *weight, outs[-1], DECODE_TILE)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    counts = gemm.tile_counts(operand.device, decode.counters(N))
+    assert not counts.any()
