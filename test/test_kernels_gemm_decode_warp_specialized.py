@@ -112,12 +112,14 @@ def test_counters_one_per_multiplying_thread_of_each_column_tile():
     assert decode.counters(8192) == 32 * 4 * 128
 
 
-def test_the_decode_tile_serves_up_to_16_rows_where_each_split_has_six_k_tiles(monkeypatch):
+def test_the_decode_tile_serves_up_to_16_rows_where_each_split_has_enough_k_tiles(monkeypatch):
     """At 132 SMs (four 64-row programs each), weights as (N, K): (8192, 8192) splits K in 4 (8
     K tiles of 256 each), (14336, 4096) in 2 (8), (4096, 14336) in 8 (7): the decode tile at 2-16
-    rows. Not (4096, 4096) (8 splits of 2 K tiles), (5120, 5120) (5 of 4), (1024, 4096) (8 of
-    2), not where K is no whole number of K tiles, not at one row (that entry quantizes the
-    activation itself), not from 17 rows, not off Hopper, not on the interpreter's CPU tensors."""
+    rows, not at one row (that entry quantizes the activation itself: the decode tile needs 16 K
+    tiles there), where (28672, 8192) runs it unsplit (32 K tiles) and (8192, 28672) in 4 (28).
+    Not (4096, 4096) (8 splits of 2 K tiles), (5120, 5120) (5 of 4), (1024, 4096) (8 of 2), not
+    where K is no whole number of K tiles, not from 17 rows, not off Hopper, not on the
+    interpreter's CPU tensors."""
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: device.type == "cuda")
     for N, K in ((8192, 8192), (14336, 4096), (4096, 14336)):
@@ -127,6 +129,11 @@ def test_the_decode_tile_serves_up_to_16_rows_where_each_split_has_six_k_tiles(m
         assert table_config(17, None, N, K, CUDA) == gemm_config(17)
     assert gemm.split_k_for(DECODE_TILE, 8192, 8192, CUDA) == 4
     assert gemm.split_k_for(DECODE_TILE, 4096, 14336, CUDA) == 8
+    for N, K in ((28672, 8192), (8192, 28672)):
+        for M in (1, 4, 16):
+            assert table_config(M, None, N, K, CUDA) == DECODE_TILE, (N, K, M)
+    assert gemm.split_k_for(DECODE_TILE, 28672, 8192, CUDA) == 1
+    assert gemm.split_k_for(DECODE_TILE, 8192, 28672, CUDA) == 4
     for N, K in ((4096, 4096), (5120, 5120), (1024, 4096)):
         assert table_config(16, None, N, K, CUDA) == gemm_config(16), (N, K)
     assert table_config(16, None, 8192, 8192, torch.device("cpu")) == gemm_config(16)
@@ -134,29 +141,34 @@ def test_the_decode_tile_serves_up_to_16_rows_where_each_split_has_six_k_tiles(m
     assert table_config(16, None, 8192, 8448 + 32, CUDA) == config_for_width(gemm_config(16), 8480)  # not whole K tiles
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: False)
     assert table_config(16, None, 8192, 8192, CUDA) == gemm_config(16)
+    assert table_config(1, None, 28672, 8192, CUDA) == gemm_config(1)
 
 
+@pytest.mark.parametrize("N", [8192, 28672], ids=str)
 @pytest.mark.parametrize("K", [8192, 8224], ids=str)
-@pytest.mark.parametrize("max_m", gemm.DECODE_TILE_BUCKETS, ids=str)
-def test_operand_config_names_the_decode_tiles_operand_where_it_runs(max_m, K, monkeypatch):
+@pytest.mark.parametrize("max_m", sorted(gemm.DECODE_TILE_MIN_K_TILES), ids=str)
+def test_operand_config_names_the_decode_tiles_operand_where_it_runs(max_m, K, N, monkeypatch):
     """The route prepares the operand from ``operand_config``: where the table runs the decode
     tile, the operand is the decode tile's (quantized by the operand kernel, fp16, MMA order),
-    even where the entry it replaces takes another (the M <= 4 entry's is not in the MMA order)."""
+    even where the entry it replaces takes another (the M = 1 entry takes the raw activation, the
+    M <= 4 entry's operand is not in the MMA order)."""
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: device.type == "cuda")
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
     bucket = gemm_bucket(max_m)
     for device in (CUDA, torch.device("cpu")):
-        operand = operand_config(bucket, 8192, K, device)
-        tile = table_config(max_m, None, 8192, K, device)
-        assert quantizes_activation_in_gemm(operand) == quantizes_activation_in_gemm(tile) is False
+        operand = operand_config(bucket, N, K, device)
+        tile = table_config(max_m, None, N, K, device)
+        assert quantizes_activation_in_gemm(operand) == quantizes_activation_in_gemm(tile)
         assert operand_in_mma_order(operand) == operand_in_mma_order(tile)
         for scale in (None, 1e-3):
             assert activation_operand_dtype(operand, torch.bfloat16, scale, None) == activation_operand_dtype(
                 tile, torch.bfloat16, scale, None
             )
-    assert operand_config(bucket, 8192, 8192, CUDA) == DECODE_TILE
-    assert operand_in_mma_order(operand_config(gemm_bucket(4), 8192, 8192, CUDA))
-    assert not operand_in_mma_order(operand_config(gemm_bucket(4), 8192, 8192, torch.device("cpu")))
+    runs_it = K == 8192 and (max_m > 1 or N == 28672)
+    assert (operand_config(bucket, N, K, CUDA) == DECODE_TILE) == runs_it
+    assert quantizes_activation_in_gemm(operand_config(bucket, N, K, CUDA)) == (max_m == 1 and not runs_it)
+    assert operand_in_mma_order(operand_config(gemm_bucket(4), N, 8192, CUDA))
+    assert not operand_in_mma_order(operand_config(gemm_bucket(4), N, 8192, torch.device("cpu")))
 
 
 @needs_gluon_hopper

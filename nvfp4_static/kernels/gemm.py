@@ -554,15 +554,18 @@ GEMM_CONFIGS = (
 TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
 SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
 # Decode on Hopper: gemm_decode_warp_specialized's tile in place of the entries up to 16 rows,
-# for weights whose split gives each program at least DECODE_TILE_MIN_K_TILES K tiles (its TMA
-# ring needs a few K tiles to fill and drain). Whole linear on an H200, M = 16, entry -> decode
-# tile (ms): 8192 x 8192 0.0297 -> 0.0262 (8 K tiles per split), 4096 x 28672 0.0482 -> 0.0353
-# (16), 28672 x 8192 0.0746 -> 0.0561 (28), 14336 x 4096 0.0284 -> 0.0259 (7); at 4 K tiles
-# even (5120 x 5120 0.0196 -> 0.0194, at M = 4 0.0192 -> 0.0202), at 2 slower (4096 x 4096
-# 0.0166 -> 0.0183); examples/benchmarks/RESULTS.md.
+# for weights whose split gives each program at least the bucket's number of K tiles here (its
+# TMA ring needs a few K tiles to fill and drain, and its split sum costs about 2 us). Whole
+# linear on an H200 under a CUDA graph, M = 16, entry -> decode tile (ms): 8192 x 8192 0.0297 ->
+# 0.0262 (8 K tiles per split), 4096 x 28672 0.0482 -> 0.0353 (16), 28672 x 8192 0.0746 -> 0.0561
+# (28), 14336 x 4096 0.0284 -> 0.0259 (7); even at 4 K tiles (5120 x 5120 0.0196 -> 0.0194, at
+# M = 4 0.0192 -> 0.0202), slower at 2 (4096 x 4096 0.0166 -> 0.0183). At one row the entry
+# quantizes the activation itself, one launch where the decode tile needs the operand kernel
+# first: the decode tile took as long at 8 K tiles (8192 x 8192 0.0275 -> 0.0273), longer on
+# 4096 x 14336 (0.0255 -> 0.0262), 16% less time at 32 (8192 x 28672 0.0678 -> 0.0567);
+# examples/benchmarks/RESULTS.md.
 DECODE_TILE = replace(DECODE_TILE_IN_TRITON, warp_specialized=True)
-DECODE_TILE_BUCKETS = (4, 16)
-DECODE_TILE_MIN_K_TILES = 6
+DECODE_TILE_MIN_K_TILES = {1: 16, 4: 6, 16: 6}  # by the largest M of the entry it replaces
 WARP_SPECIALIZED_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE, DECODE_TILE)}  # by activation rows
 WIDE_TILE_BUCKETS = (256, 512)  # the largest M of the entries they may replace
 WIDE_TILE_SM_FILL = 0.75
@@ -599,7 +602,7 @@ def triton_entries() -> list[tuple[int, GemmConfig]]:
     may serve."""
     entries = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
     wide = [(max_m, tile) for max_m in WIDE_TILE_BUCKETS for tile in (TALL_TILE, SQUARE_TILE)]
-    return entries + [(max(DECODE_TILE_BUCKETS), DECODE_TILE)] + wide
+    return entries + [(max(DECODE_TILE_MIN_K_TILES), DECODE_TILE)] + wide
 
 
 def wide_tile(max_m: Optional[int], N: int, device: torch.device) -> Optional[GemmConfig]:
@@ -619,14 +622,14 @@ def wide_tile(max_m: Optional[int], N: int, device: torch.device) -> Optional[Ge
 
 def decode_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Optional[GemmConfig]:
     """``DECODE_TILE`` where it replaces the table entry serving up to ``max_m`` rows for an
-    ``[N, K]`` weight: in a bucket of ``DECODE_TILE_BUCKETS``, where it runs warp-specialized (in
-    Triton the entries are faster): whole K tiles (the kernel's TMA reads the block scales'
-    rows, K / 16 bytes, 16-byte aligned) and a K split that leaves each program
-    ``DECODE_TILE_MIN_K_TILES`` of them or more."""
-    if max_m not in DECODE_TILE_BUCKETS or K % DECODE_TILE.block_k or not gemm_warp_specialized.available(device):
+    ``[N, K]`` weight: in a bucket of ``DECODE_TILE_MIN_K_TILES``, where it runs warp-specialized
+    (in Triton the entries are faster): whole K tiles (the kernel's TMA reads the block scales'
+    rows, K / 16 bytes, 16-byte aligned) and a K split that leaves each program the bucket's
+    number of them or more."""
+    if max_m not in DECODE_TILE_MIN_K_TILES or K % DECODE_TILE.block_k or not gemm_warp_specialized.available(device):
         return None
     tiles_k = ceil_div(K, DECODE_TILE.block_k)
-    if ceil_div(tiles_k, split_k_for(DECODE_TILE, N, K, device)) < DECODE_TILE_MIN_K_TILES:
+    if ceil_div(tiles_k, split_k_for(DECODE_TILE, N, K, device)) < DECODE_TILE_MIN_K_TILES[max_m]:
         return None
     return DECODE_TILE
 
