@@ -1,0 +1,89 @@
+"""The warp-specialized decode tile (Hopper) against the table entries it replaces at 1-16 rows.
+
+For each weight shape (K x N) and M, GPU times from CUDA graphs (ms) of the whole linear
+(``static_nvfp4_linear``: the operand kernel, where the tiles take one, then the GEMM) with the
+bucket's Triton entry and with the decode tile (``gemm.DECODE_TILE``) forced in its place, the
+floor kernel that only reads the packed weight and its scales, and the decode tile's K split
+(``gemm.split_k_for``) with the K tiles each split runs. The table takes the decode tile where
+each split has the bucket's ``gemm.DECODE_TILE_MIN_K_TILES`` (last column). Before timing, the
+decode tile's output is checked equal, bit for bit, to its Triton twin's
+(``gemm.DECODE_TILE_IN_TRITON``).
+
+Usage: python bench_decode_tile.py [--m 1 4 16] [--shapes 8192x8192 ...]
+"""
+
+import argparse
+
+import torch
+from bench_linear import bare_read_ms, graph_ms
+from tune_gemm import make_weight
+
+from nvfp4_static.backends.triton_route import static_nvfp4_linear
+from nvfp4_static.kernels import gemm, gemm_activation_operand
+from nvfp4_static.kernels.gemm import DECODE_TILE, DECODE_TILE_IN_TRITON
+
+SHAPES = (
+    "8192x8192 4096x14336 14336x4096 4096x4096 4096x6144 4096x28672 8192x28672 28672x8192 8192x10240 "
+    "5120x5120 2048x8192 8192x2048"
+)
+
+
+def linear_ms(x, weight, act_scale, min_k_tiles) -> float:
+    """The whole linear's graph time with ``gemm.DECODE_TILE_MIN_K_TILES`` set to ``min_k_tiles``."""
+    table = gemm.DECODE_TILE_MIN_K_TILES
+    gemm.DECODE_TILE_MIN_K_TILES = min_k_tiles
+    try:
+        output_scale = float(act_scale * weight.scale)
+        return graph_ms(
+            lambda: static_nvfp4_linear(
+                x, weight.qdata, weight.block_scales, weight.scale, act_scale, weight.bias, output_scale
+            )
+        )
+    finally:
+        gemm.DECODE_TILE_MIN_K_TILES = table
+
+
+def same_as_the_triton_twin(x, weight, act_scale) -> bool:
+    operand = gemm_activation_operand(x, act_scale, mma_order=True)
+    outs = []
+    for config in (DECODE_TILE, DECODE_TILE_IN_TRITON):
+        outs.append(torch.empty((x.shape[0], weight.qdata.shape[0]), dtype=x.dtype, device=x.device))
+        gemm.launch_nvfp4_gemm(
+            operand, weight.qdata, weight.block_scales, act_scale, weight.scale, weight.bias, outs[-1], config
+        )
+    return torch.equal(*outs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--shapes", nargs="+", default=SHAPES.split(), help="K x N weight shapes")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    if not (torch.cuda.is_available() and gemm.gemm_warp_specialized.available(device)):
+        raise SystemExit("bench_decode_tile.py needs a Hopper GPU and Gluon's Hopper API")
+    print(f"device: {torch.cuda.get_device_name()}")
+    print(f"{'K':>6} {'N':>6} {'M':>3} | {'split':>5} {'K tiles':>7} | {'read':>7} {'entry':>7} {'decode':>7} "
+          f"| {'entry/decode':>12} {'table takes':>11}")
+    everywhere = {max_m: 1 for max_m in gemm.DECODE_TILE_MIN_K_TILES}
+    nowhere = {max_m: 1 << 30 for max_m in gemm.DECODE_TILE_MIN_K_TILES}
+    for shape in args.shapes:
+        K, N = (int(size) for size in shape.split("x"))
+        weight = make_weight(K, N)
+        read = bare_read_ms(graph_ms, weight.qdata, weight.block_scales)
+        split = gemm.split_k_for(DECODE_TILE, N, K, device)
+        k_tiles = -(-K // DECODE_TILE.block_k) / split
+        for M in args.m:
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+            act_scale = x.abs().max().float() / 2688
+            if not same_as_the_triton_twin(x, weight, act_scale):
+                raise SystemExit(f"{K} x {N} at M = {M}: the decode tile's output differs from its Triton twin's")
+            entry = linear_ms(x, weight, act_scale, nowhere)
+            decode = linear_ms(x, weight, act_scale, everywhere)
+            takes = gemm.table_config(M, None, N, K, device) == DECODE_TILE
+            print(f"{K:>6} {N:>6} {M:>3} | {split:>5} {k_tiles:>7.1f} | {read:>7.4f} {entry:>7.4f} {decode:>7.4f} "
+                  f"| {entry / decode:>12.2f} {'decode' if takes else 'entry':>11}")
+
+
+if __name__ == "__main__":
+    main()
