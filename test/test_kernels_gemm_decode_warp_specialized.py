@@ -236,18 +236,22 @@ def test_the_op_takes_the_decode_tile_and_its_fake_gives_the_shape():
 @pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])
 def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, monkeypatch):
     """The decode tile's launch, eager or under dispatch modes (as in tracing), reaches the
-    kernel's launcher exactly once, with the split the Triton tile would run, the partial
-    products' buffer and the stream's counters sized for it. Stood in on the CPU: the launcher,
-    availability and the op's device check are patched."""
+    kernel's launcher exactly once, with the split the Triton tile would run and the partial
+    products' buffer; eagerly with the stream's counters, through the op a traced graph calls
+    with zeroed counters of its own (a CUDA graph capturing the op must not keep a buffer across
+    graphs). Stood in on the CPU: the launcher, availability, the op's device check and the
+    stream's counters are patched."""
     calls = []
 
     def launcher(a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k):
         out.fill_(1.0)
-        calls.append((tuple(partials.shape), counts.dtype, counts.numel(), split_k))
+        calls.append((tuple(partials.shape), counts, split_k))
 
+    stream_counts = torch.zeros(decode.counters(64), dtype=torch.int32)
     monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
     monkeypatch.setattr(decode, "takes", lambda a, qdata, scales, out: True)
     monkeypatch.setattr(decode, "launch_decode_gemm", launcher)
+    monkeypatch.setattr(gemm, "tile_counts", lambda device, tiles: stream_counts)
     monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
     M, N, K = 4, 64, 1024
     operand, *weight = gemm_operands(M, N, K, seed=1, config=DECODE_TILE)
@@ -258,7 +262,10 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, monkeyp
         for _ in range(modes):
             stack.enter_context(PassThrough())
         launch_nvfp4_gemm(operand, *weight, out, DECODE_TILE)
-    assert calls == [((split, N, decode.TOKENS), torch.int32, decode.counters(N), split)]
+    assert [(shape, split_k) for shape, _, split_k in calls] == [((split, N, decode.TOKENS), split)]
+    counts = calls[0][1]
+    assert (counts is stream_counts) == (modes == 0)
+    assert counts.dtype == torch.int32 and counts.numel() == decode.counters(N) and not counts.any()
     assert torch.equal(out, torch.ones_like(out))
 
 

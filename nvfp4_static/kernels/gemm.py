@@ -834,7 +834,9 @@ def launch_nvfp4_gemm(
     A split K's partial products are summed by the GEMM's last program per tile
     (``sum_splits_in_gemm``, by default on real tensors outside tracing: it needs the stream's
     ``tile_counts``, which a traced graph cannot hold) or else by ``_epilogue_kernel``, or under
-    tracing by ``epilogue_as_ops``; all three sum in the same order, so they give the same output."""
+    tracing by ``epilogue_as_ops``; all three sum in the same order, so they give the same output.
+    The warp-specialized decode tile always sums in the GEMM: ``sum_splits_in_gemm=False`` gives
+    it counters of its own instead of the stream's (``launch_decode_gemm``)."""
     K = 2 * weight_qdata.shape[1]
     if config is None:
         config = table_config(a.shape[0], None, weight_qdata.shape[0], K, a.device)
@@ -872,7 +874,9 @@ def launch_nvfp4_gemm(
             return
         if config.block_m == DECODE_TILE.block_m:
             if gemm_decode_warp_specialized.takes(a, weight_qdata, weight_block_scales, out):
-                launch_decode_gemm(a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out, config)
+                scales = (act_scale, weight_scale)
+                stream_counters = sum_splits_in_gemm is not False
+                launch_decode_gemm(a, weight_qdata, weight_block_scales, *scales, bias, out, config, stream_counters)
                 return
         elif gemm_warp_specialized.takes(a, weight_qdata, out):
             gemm_warp_specialized.launch_warp_specialized_gemm(
@@ -952,15 +956,20 @@ def launch_decode_gemm(
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
     config: GemmConfig,
+    stream_counters: bool,
 ) -> None:
-    """``gemm_decode_warp_specialized``'s kernel in ``config``'s K split (``split_k_for``), with
-    the stream's ``tile_counts`` for the program that sums the splits."""
+    """``gemm_decode_warp_specialized``'s kernel in ``config``'s K split (``split_k_for``). The
+    program that sums the splits counts them in the stream's ``tile_counts`` or, without
+    ``stream_counters``, in counters zeroed for this call: the op a traced graph calls takes
+    those, since a CUDA graph may capture it under a memory pool that torch.compile's
+    ``reduce-overhead`` rewinds between graphs, which could hand a kept buffer to another tensor."""
     N, K = weight_qdata.shape[0], a.shape[1]
     split_k = split_k_for(config, N, K, a.device)
     partials, counts = out, act_scale  # unused by a single split
     if split_k > 1:
         partials = torch.empty((split_k, N, gemm_decode_warp_specialized.TOKENS), dtype=torch.float32, device=a.device)
-        counts = tile_counts(a.device, gemm_decode_warp_specialized.counters(N))
+        count = gemm_decode_warp_specialized.counters(N)
+        counts = tile_counts(a.device, count) if stream_counters else torch.zeros(count, dtype=torch.int32, device=a.device)
     gemm_decode_warp_specialized.launch_decode_gemm(
         a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k
     )

@@ -454,7 +454,9 @@ def warp_specialized_nvfp4_gemm(
     tile = WARP_SPECIALIZED_TILES[tokens_per_tile]
     out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
     scales = (act_per_tensor_scale, weight_per_tensor_scale)
-    launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, *scales, bias, out, tile)
+    # A traced graph holds no stream's counters (launch_nvfp4_gemm): the decode tile counts its
+    # splits in counters of this call's own.
+    launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, *scales, bias, out, tile, sum_splits_in_gemm=False)
     return out
 
 
