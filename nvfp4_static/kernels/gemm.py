@@ -969,7 +969,10 @@ def launch_decode_gemm(
     if split_k > 1:
         partials = torch.empty((split_k, N, gemm_decode_warp_specialized.TOKENS), dtype=torch.float32, device=a.device)
         count = gemm_decode_warp_specialized.counters(N)
-        counts = tile_counts(a.device, count) if stream_counters else torch.zeros(count, dtype=torch.int32, device=a.device)
+        if stream_counters:
+            counts = tile_counts(a.device, count)
+        else:
+            counts = torch.zeros(count, dtype=torch.int32, device=a.device)
     gemm_decode_warp_specialized.launch_decode_gemm(
         a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k
     )
