@@ -18,6 +18,7 @@ from triton_interpreter import run_interpreted
 
 from nvfp4_static.kernels import gemm
 from nvfp4_static.kernels.gemm import (
+    DECODE_TILE,
     GEMM_CONFIGS,
     SQUARE_TILE,
     TALL_TILE,
@@ -46,7 +47,8 @@ from nvfp4_static.numerics import dequantize_nvfp4
 # Every Triton tile the table runs, and the smallest token count the table hands to cuBLAS
 # (after dequantizing the weight).
 TRITON_ENTRIES = triton_entries()
-WIDE_TILE_NAMES = {TALL_TILE: "tall-tile", SQUARE_TILE: "square-tile"}
+# Tiles that stand in for table entries, named apart from the entries they replace.
+STAND_IN_TILE_NAMES = {TALL_TILE: "tall-tile", SQUARE_TILE: "square-tile", DECODE_TILE: "decode-tile"}
 FIRST_CUBLAS_ROWS = 1 + max(max_m for max_m, _ in TRITON_ENTRIES)
 
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
@@ -134,9 +136,9 @@ INTERPRETER_CONFIGS = {
     "row-tiles-split-k": GemmConfig(
         16, 32, 64, num_warps=4, num_stages=1, programs_per_sm=64, weight_as_mma_a=True, mma_order=True, row_tiles_for_split=2
     ),
-    # The table's own Triton tiles, named for the largest M each serves (the wide tiles once,
-    # though each serves two buckets).
-    **{WIDE_TILE_NAMES.get(config, f"table-{max_m}"): config for max_m, config in TRITON_ENTRIES},
+    # The table's own Triton tiles, named for the largest M each serves (the stand-ins by name,
+    # once, though a wide tile serves two buckets).
+    **{STAND_IN_TILE_NAMES.get(config, f"table-{max_m}"): config for max_m, config in TRITON_ENTRIES},
 }
 # A split K over several row tiles, as a mid-size bucket's wide tiles run it, on its own shapes:
 # 3 row tiles with an 8-row edge, K = 224 in MMA order (3.5 tiles of 64, split 2 + 2: a ragged
@@ -151,7 +153,7 @@ TABLE_SHAPES = [(3, 70, 288), (2, 24, 16)]
 def interpreter_shapes(config_name: str) -> list:
     if config_name == "row-tiles-split-k":
         return ROW_TILE_SPLIT_SHAPES
-    if config_name.startswith(("table-", "tall-tile")):
+    if config_name.startswith(("table-", "tall-tile", "decode-tile")):
         return TABLE_SHAPES
     return [(3, 40, 48), (INTERPRETER_CONFIGS[config_name].rows_per_tile + 1, 70, 224), (2, 24, 16)]
 
