@@ -394,9 +394,10 @@ class GemmConfig:
     waited on before the second starts). It needs K to be a multiple of 32; on other K the same
     tiles run without it (``config_for_width``).
     ``warp_specialized`` runs the tile, where the GPU and the call's tensors allow, as
-    ``gemm_warp_specialized``'s kernel (Hopper, Gluon): the same product bit for bit, with the
-    loads and each multiplying warpgroup's dequantization overlapped; only the tiles that kernel
-    implements (``WARP_SPECIALIZED_TILES_IN_TRITON``) may ask for it.
+    ``gemm_warp_specialized``'s kernel or, at 16 rows, ``gemm_decode_warp_specialized``'s
+    (Hopper, Gluon): the same product bit for bit, with the loads and each multiplying
+    warpgroup's dequantization overlapped; only the tiles those kernels implement
+    (``WARP_SPECIALIZED_TILES_IN_TRITON``) may ask for it.
     """
 
     block_m: int
@@ -433,8 +434,9 @@ class GemmConfig:
             )
         if self.warp_specialized and replace(self, warp_specialized=False) not in WARP_SPECIALIZED_TILES_IN_TRITON:
             raise ValueError(
-                f"nvfp4_static: GemmConfig.warp_specialized runs gemm_warp_specialized's kernel, whose tiles are "
-                f"{WARP_SPECIALIZED_TILES_IN_TRITON}; got {replace(self, warp_specialized=False)}"
+                f"nvfp4_static: GemmConfig.warp_specialized runs gemm_warp_specialized's kernel (or, at 16 rows, "
+                f"gemm_decode_warp_specialized's), whose tiles are {WARP_SPECIALIZED_TILES_IN_TRITON}; got "
+                f"{replace(self, warp_specialized=False)}"
             )
         if self.mma_order and self.block_k % MMA_GROUP:
             raise ValueError(

@@ -265,4 +265,4 @@ def launch_decode_gemm(
         a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k
     )
     workspace = (counts,) if split_k > 1 else ()
-    gemm_warp_specialized.launch_prepared(KernelCall(_decode_gemm_kernel, grid, args, meta, workspace), 3)
+    gemm_warp_specialized.launch_prepared(KernelCall(_decode_gemm_kernel, grid, args, meta, workspace), a.device)

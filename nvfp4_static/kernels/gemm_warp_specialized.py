@@ -273,20 +273,19 @@ def kernel_arguments(
 _PREPARED: dict[tuple, PreparedLaunch] = {}
 
 
-def launch_prepared(call: KernelCall, descriptors: int) -> None:
-    """Launch ``call`` of a Gluon kernel whose first ``descriptors`` arguments are TMA
-    descriptors (specialised the same way in every call: their dtype and layout come with the
-    kernel's tiles) on the current stream, through a ``PreparedLaunch`` kept per specialisation,
-    and record it for an eager layer's replay (``backends.triton_eager``)."""
-    device = call.args[0].base.device.index
-    arguments = call.args[descriptors:]
+def launch_prepared(call: KernelCall, device: torch.device) -> None:
+    """Launch ``call`` of a Gluon kernel on ``device``'s current stream through a
+    ``PreparedLaunch`` kept per specialisation (that of its arguments other than TMA
+    descriptors, which every call of a kernel's tiles builds alike), and record it for an eager
+    layer's replay (``backends.triton_eager``)."""
+    arguments = (value for value in call.args if not isinstance(value, TensorDescriptor))
     specialisation = (native_specialize_impl(BaseBackend, value, False, True, True) for value in arguments)
-    key = (call.kernel, device, *sorted(call.meta.items()), *specialisation)
+    key = (call.kernel, device.index, *sorted(call.meta.items()), *specialisation)
     prepared = _PREPARED.get(key)
     if prepared is None:
         prepared = _PREPARED[key] = PreparedLaunch(call, {}, keep_arguments=False)
     values = [*call.args, *(call.meta[name] for name in call.kernel.arg_names[len(call.args):])]
-    prepared.launch_with(call.grid, torch._C._cuda_getCurrentRawStream(device), values)
+    prepared.launch_with(call.grid, torch._C._cuda_getCurrentRawStream(device.index), values)
     record_launch(call)
 
 
@@ -307,4 +306,4 @@ def launch_warp_specialized_gemm(
     grid, args, meta = kernel_arguments(
         a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, tokens_per_tile
     )
-    launch_prepared(KernelCall(_warp_specialized_gemm_kernel, grid, args, meta), 2)
+    launch_prepared(KernelCall(_warp_specialized_gemm_kernel, grid, args, meta), a.device)
