@@ -57,7 +57,6 @@ def test_only_the_kernels_own_tile_may_ask_for_it():
         with pytest.raises(ValueError, match="warp_specialized runs gemm_warp_specialized's kernel"):
             replace(other, warp_specialized=True)
     assert replace(DECODE_TILE_IN_TRITON, warp_specialized=True) == DECODE_TILE
-    assert gemm.WARP_SPECIALIZED_TILES[decode.TOKENS] == DECODE_TILE
     # Each program of the kernel holds four of the Triton tile's: its split is theirs at four per SM.
     assert (DECODE_TILE.block_m, DECODE_TILE.block_k) == (decode.TOKENS, decode.BLOCK_K)
     assert DECODE_TILE.programs_per_sm * DECODE_TILE.block_n == decode.WEIGHT_ROWS_PER_PROGRAM
@@ -172,12 +171,16 @@ def test_operand_config_names_the_decode_tiles_operand_where_it_runs(max_m, K, N
 
 
 @needs_gluon_hopper
-@pytest.mark.parametrize("split_k", [1, 4], ids=["one-split", "four-splits"])
-def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, tmp_path):
+@pytest.mark.parametrize(
+    "split_k,sums", [(1, False), (4, True), (4, False), (1, None)], ids=["one-split", "sums", "products", "products-1"]
+)
+def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, tmp_path):
     """ptxas builds the kernel for sm_90a with a loading and four multiplying warpgroups
     (setmaxnreg to the consumers' registers), the weight as the register operand of m64n16k16
-    wgmmas, nothing spilled, its stages within one SM's shared memory; with a split K the
-    counters are taken with acquire-release atomics."""
+    wgmmas, nothing spilled, its stages within one SM's shared memory; summing a split K, the
+    counters are taken with acquire-release atomics, and writing the partial products only
+    (``sums`` False, or None for one split) it takes no counters. Each form stores to the output
+    or to the partial products, not both."""
     from test_gemm_hopper_code import build_for_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -188,8 +191,8 @@ def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, tmp_path):
     scale = torch.ones(1)
     out = torch.empty(M, N, dtype=torch.bfloat16)
     bias = torch.zeros(N, dtype=torch.bfloat16)
-    partials = torch.zeros(split_k, N, decode.TOKENS)
-    counts = torch.zeros(decode.counters(N), dtype=torch.int32)
+    partials = None if sums is False and split_k == 1 else torch.zeros(split_k, M, N)
+    counts = torch.zeros(decode.counters(N), dtype=torch.int32) if sums else None
     _, args, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, bias, out, partials, counts, split_k)
     kernel = decode._decode_gemm_kernel
     values = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
@@ -201,7 +204,10 @@ def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, tmp_path):
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16 \{[^}]*\}, \{%r", ptx)
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "spill" not in report or re.search(r" 0 bytes spill stores", report), report
-    assert ("atom.global.gpu.acq_rel.add" in ptx) == (split_k > 1)
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == bool(sums)
+    # The output is bf16 (16-bit stores), the partial products fp32.
+    assert bool(re.search(r"st\.global(\.[a-z0-9]+)*\.b16", ptx)) == (partials is None or bool(sums))
+    assert bool(re.search(r"st\.global(\.[a-z0-9]+)*\.(b32|f32)", ptx)) == (partials is not None)
     stage_bytes = decode.TOKENS * decode.BLOCK_K * 2 + decode.WEIGHT_ROWS_PER_PROGRAM * (
         decode.BLOCK_K // 2 + decode.BLOCK_K // 16
     )
@@ -220,32 +226,60 @@ def test_kernel_arguments_refuse_more_than_16_rows(M):
         decode.kernel_arguments(a, qdata, qdata, scale, scale, None, out, out, scale, 1)
 
 
-def test_the_op_takes_the_decode_tile_and_its_fake_gives_the_shape():
-    M, N, K = 5, 64, 256
-    op = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm.default
+@pytest.mark.parametrize("split_k", [2, 5])
+def test_kernel_arguments_refuse_splits_without_a_buffer_for_their_products(split_k):
+    M, N, K = 4, 64, 2048
     a = torch.zeros(M, K, dtype=torch.float16)
     qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
-    scales = torch.zeros(N, K // 16, dtype=torch.float8_e4m3fn)
     scale = torch.ones(1)
-    with pytest.raises(ValueError, match="warp_specialized_nvfp4_gemm runs on CUDA tensors, got cpu"):
-        op(a, qdata, scales, scale, scale, None, torch.bfloat16, decode.TOKENS)
-    fake = op(*(t.to("meta") for t in (a, qdata, scales, scale, scale)), None, torch.float32, decode.TOKENS)
-    assert fake.shape == (M, N) and fake.dtype == torch.float32
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"in {split_k} K splits needs a buffer for their partial products"):
+        decode.kernel_arguments(a, qdata, qdata, scale, scale, None, out, None, None, split_k)
+
+
+def test_the_partial_products_op_refuses_cpu_tensors_and_its_fake_gives_the_shape():
+    M, N, K = 5, 64, 256
+    op = torch.ops.nvfp4_static.decode_gemm_partial_products.default
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    codes = torch.zeros(N, K // 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="decode_gemm_partial_products runs on CUDA tensors, got cpu"):
+        op(a, qdata, codes, 2)
+    for split_k in (1, 3):
+        fake = op(a.to("meta"), qdata.to("meta"), codes.to("meta"), split_k)
+        assert fake.shape == (split_k, M, N) and fake.dtype == torch.float32
+
+
+@pytest.mark.parametrize("M,split_k", [(17, 1), (64, 2), (4, 0), (4, -1)])
+def test_the_partial_products_op_refuses_more_than_16_rows_or_no_split(M, split_k, monkeypatch):
+    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+    N, K = 64, 256
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    codes = torch.zeros(N, K // 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=rf"at most 16 rows in one or more K splits, got {M} rows and split_k = {split_k}"):
+        torch.ops.nvfp4_static.decode_gemm_partial_products(a, qdata, codes, split_k)
 
 
 @pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])
-def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, monkeypatch):
-    """The decode tile's launch, eager or under dispatch modes (as in tracing), reaches the
-    kernel's launcher exactly once, with the split the Triton tile would run and the partial
-    products' buffer; eagerly with the stream's counters, through the op a traced graph calls
-    with zeroed counters of its own (a CUDA graph capturing the op must not keep a buffer across
-    graphs). Stood in on the CPU: the launcher, availability, the op's device check and the
-    stream's counters are patched."""
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, with_bias, monkeypatch):
+    """The decode tile's launch reaches the kernel's launcher exactly once, with the split the
+    Triton tile would run: eagerly with the stream's counters, so the kernel sums the splits
+    into the output; under dispatch modes (as in tracing) through the partial-products op with
+    no counters (a CUDA graph capturing it keeps no buffer), and the splits' sum, both global
+    scales and the bias come from torch ops after it. Stood in on the CPU: the launcher (which
+    writes split s's products as s + 1, or the output as 7), availability, the op's device check
+    and the stream's counters are patched."""
     calls = []
 
     def launcher(a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k):
-        out.fill_(1.0)
         calls.append((tuple(partials.shape), counts, split_k))
+        if counts is None:
+            for split in range(split_k):
+                partials[split].fill_(split + 1.0)
+        else:
+            out.fill_(7.0)
 
     stream_counts = torch.zeros(decode.counters(64), dtype=torch.int32)
     monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
@@ -254,19 +288,24 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, monkeyp
     monkeypatch.setattr(gemm, "tile_counts", lambda device, tiles: stream_counts)
     monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
     M, N, K = 4, 64, 1024
-    operand, *weight = gemm_operands(M, N, K, seed=1, config=DECODE_TILE)
+    operand, qdata, scales, act_scale, weight_scale, bias = gemm_operands(M, N, K, seed=1, config=DECODE_TILE)
+    bias = bias if with_bias else None
     split = gemm.split_k_for(DECODE_TILE, N, K, operand.device)
     assert split == 2  # CPU: one "SM", at most half the K tiles per split
-    out = torch.zeros(M, N, dtype=torch.bfloat16)
+    out = torch.zeros(M, N, dtype=torch.float32)
     with contextlib.ExitStack() as stack:
         for _ in range(modes):
             stack.enter_context(PassThrough())
-        launch_nvfp4_gemm(operand, *weight, out, DECODE_TILE)
-    assert [(shape, split_k) for shape, _, split_k in calls] == [((split, N, decode.TOKENS), split)]
-    counts = calls[0][1]
-    assert (counts is stream_counts) == (modes == 0)
-    assert counts.dtype == torch.int32 and counts.numel() == decode.counters(N) and not counts.any()
-    assert torch.equal(out, torch.ones_like(out))
+        launch_nvfp4_gemm(operand, qdata, scales, act_scale, weight_scale, bias, out, DECODE_TILE)
+    assert [(shape, split_k) for shape, _, split_k in calls] == [((split, M, N), split)]
+    if modes == 0:
+        assert calls[0][1] is stream_counts
+        assert torch.equal(out, torch.full_like(out, 7.0))
+        return
+    assert calls[0][1] is None
+    expected = torch.full((M, N), 1.0 + 2.0) * (act_scale.float() * weight_scale.float())
+    expected = expected if bias is None else expected + bias.float()
+    assert torch.equal(out, expected)
 
 
 @requires_cuda
@@ -312,3 +351,28 @@ def test_gpu_thirty_launches_give_one_output_and_leave_the_counters_zero():
     assert all(torch.equal(out, outs[0]) for out in outs)
     counts = gemm.tile_counts(operand.device, decode.counters(N))
     assert not counts.any()
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("M,N,K", [(16, 8192, 8192), (3, 4096, 14336), (1, 320, 1024), (16, 28672, 4096)], ids=str)
+def test_gpu_partial_products_op_equals_the_triton_tiles_products_bit_for_bit(M, N, K):
+    """What a traced graph sums: the op's partial products, from the Gluon kernel, are the Triton
+    tile's in the same split, bit for bit (and their sum is the product, within the fp64
+    reference's bound)."""
+    operand, qdata, scales, act_scale, weight_scale, _ = gemm_operands(M, N, K, seed=M, device="cuda", config=DECODE_TILE)
+    codes = scales.view(torch.uint8)
+    split = gemm.split_k_for(DECODE_TILE, N, K, operand.device)
+    ours = torch.ops.nvfp4_static.decode_gemm_partial_products(operand, qdata, codes, split)
+    assert ours.shape == (split, M, N)
+    triton_tile = torch.full_like(ours, float("nan"))
+    gemm.launch_tiles(
+        operand, qdata, codes, act_scale, weight_scale, None, triton_tile[0], triton_tile, False,
+        DECODE_TILE_IN_TRITON, split,
+    )
+    assert torch.equal(ours, triton_tile)
+    product = ours.sum(0) * (act_scale * weight_scale)
+    plain = gemm_operands(M, N, K, seed=M, device="cuda")[0]
+    assert relative_error(product, reference_gemm(plain, qdata, scales, act_scale, weight_scale, None)) <= gpu_tolerance(
+        K, torch.float32
+    )

@@ -129,7 +129,7 @@ def test_sm90a_build_keeps_three_warpgroups_without_spills(tokens, tmp_path):
 
 
 @needs_gluon_hopper
-@pytest.mark.parametrize("tokens", [0, 64, 192, 512])
+@pytest.mark.parametrize("tokens", [0, 16, 64, 192, 512])
 def test_kernel_arguments_refuse_tiles_the_kernel_lacks(tokens):
     M, N, K = 8, 64, 64
     a = torch.zeros(M, K, dtype=torch.float16)
@@ -305,13 +305,13 @@ def test_the_op_refuses_cpu_tensors():
         assert fake.shape == (M, N) and fake.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("tokens", [0, 64, 192, 512])
+@pytest.mark.parametrize("tokens", [0, 16, 64, 192, 512])
 def test_the_op_refuses_tiles_the_kernel_lacks(tokens, monkeypatch):
     monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
     M, N, K = 4, 64, 32
     operand, *weight = gemm_operands(M, N, K, seed=1, config=TALL_TILE)
     op = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm.default
-    with pytest.raises(ValueError, match=rf"tiles of \[16, 128, 256\] activation rows, got tokens_per_tile = {tokens}"):
+    with pytest.raises(ValueError, match=rf"tiles of \[128, 256\] activation rows, got tokens_per_tile = {tokens}"):
         op(operand, *weight, torch.bfloat16, tokens)
 
 

@@ -1,7 +1,10 @@
-"""One-token decode through a Llama-8B-shaped stack of linears: bf16 against NVFP4 static, eager
-and compiled, measured in the same run.
+"""Decode through a Llama-8B-shaped stack of linears: bf16 against NVFP4 static, eager and
+compiled, measured in the same run.
 
-    python examples/benchmarks/bench_decode.py [--layers 32] [--compiled-layers 8]
+    python examples/benchmarks/bench_decode.py [--layers 32] [--compiled-layers 8] [--tokens 1]
+
+One token per step by default; ``--tokens N`` decodes N sequences together (each GEMM then has
+N rows, as a serving batch of N has).
 
 Each layer holds Llama-3-8B's seven linears (q, k, v, o 4096 x 4096; gate, up 4096 -> 14336;
 down 14336 -> 4096), bf16, with RMS norms and residuals between them and no attention, so the
@@ -29,7 +32,7 @@ linears are all the work: what a decode step spends on weights. Rows:
 
 Times are medians of ``triton.testing.do_bench``; the host-bound rows (every row but the graph
 replay) are measured in ``--rounds`` interleaved rounds, bf16 then NVFP4, and the median round is
-shown, so that drift of the host's speed moves both sides alike. Tokens/s is one token per step. With
+shown, so that drift of the host's speed moves both sides alike. Tokens/s counts ``--tokens`` per step. With
 ``--kernels``, where the GPU time of one step of the compiled stack goes: each kernel's launches
 and microseconds per step, from a torch.profiler trace of CUDA-graph replays, for the
 default-mode compiled NVFP4 stack (what ``reduce-overhead`` replays), the same with the siblings
@@ -147,11 +150,14 @@ def main():
     parser.add_argument("--layers", type=int, default=32, help="layers of the eager stack")
     parser.add_argument("--compiled-layers", type=int, default=8, help="layers compiled (0: skip)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the host-bound rows")
+    parser.add_argument("--tokens", type=int, default=1, help="tokens per step (sequences decoded together)")
     parser.add_argument("--kernels", action="store_true",
                         help="also list the kernels of one step of the compiled stacks")
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 32  # several stacks and backends, one forward code object
-    token = torch.randn(1, DIM, device="cuda", dtype=torch.bfloat16)
+    if args.tokens < 1:
+        parser.error(f"--tokens must be at least 1, got {args.tokens}")
+    token = torch.randn(args.tokens, DIM, device="cuda", dtype=torch.bfloat16)
     rows, kernel_tables = [], []
 
     bf16 = stack(args.layers)
@@ -225,11 +231,12 @@ def main():
             ("compiled siblings, graph replay", args.compiled_layers, replayed["bf16"], replayed["nvfp4 siblings"])
         )
 
-    print(f"\n{'mode':<38} {'layers':>6} {'bf16 ms':>8} {'nvfp4 ms':>9} {'bf16 tok/s':>10} "
+    print(f"\n{args.tokens} token(s) per step")
+    print(f"{'mode':<38} {'layers':>6} {'bf16 ms':>8} {'nvfp4 ms':>9} {'bf16 tok/s':>10} "
           f"{'nvfp4 tok/s':>11} {'speed vs bf16':>13}")
     for mode, layers, bf16_ms, nvfp4_ms in rows:
-        print(f"{mode:<38} {layers:>6} {bf16_ms:>8.3f} {nvfp4_ms:>9.3f} {1e3 / bf16_ms:>10.0f} "
-              f"{1e3 / nvfp4_ms:>11.0f} {bf16_ms / nvfp4_ms:>12.2f}x")
+        print(f"{mode:<38} {layers:>6} {bf16_ms:>8.3f} {nvfp4_ms:>9.3f} {1e3 * args.tokens / bf16_ms:>10.0f} "
+              f"{1e3 * args.tokens / nvfp4_ms:>11.0f} {bf16_ms / nvfp4_ms:>12.2f}x")
     for label, kernels in kernel_tables:
         print_kernels(f"nvfp4 {args.compiled_layers} layers, {label}", kernels)
 

@@ -568,7 +568,7 @@ SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
 # examples/benchmarks/RESULTS.md.
 DECODE_TILE = replace(DECODE_TILE_IN_TRITON, warp_specialized=True)
 DECODE_TILE_MIN_K_TILES = {1: 16, 4: 6, 16: 6}  # by the largest M of the entry it replaces
-WARP_SPECIALIZED_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE, DECODE_TILE)}  # by activation rows
+WIDE_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE)}  # by activation rows
 WIDE_TILE_BUCKETS = (256, 512)  # the largest M of the entries they may replace
 WIDE_TILE_SM_FILL = 0.75
 EPILOGUE_BLOCK = 1024
@@ -837,8 +837,9 @@ def launch_nvfp4_gemm(
     (``sum_splits_in_gemm``, by default on real tensors outside tracing: it needs the stream's
     ``tile_counts``, which a traced graph cannot hold) or else by ``_epilogue_kernel``, or under
     tracing by ``epilogue_as_ops``; all three sum in the same order, so they give the same output.
-    The warp-specialized decode tile always sums in the GEMM: ``sum_splits_in_gemm=False`` gives
-    it counters of its own instead of the stream's (``launch_decode_gemm``)."""
+    A traced graph reaches the warp-specialized Gluon kernels, which Inductor cannot trace,
+    through ops: the wide tiles' product (``warp_specialized_nvfp4_gemm``), the decode tile's
+    partial products (``decode_gemm_partial_products``)."""
     K = 2 * weight_qdata.shape[1]
     if config is None:
         config = table_config(a.shape[0], None, weight_qdata.shape[0], K, a.device)
@@ -866,76 +867,33 @@ def launch_nvfp4_gemm(
     weight_qdata = weight_qdata.contiguous()
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
     eager = runs_eagerly(a)
-    if isinstance(config, GemmConfig) and config.warp_specialized and gemm_warp_specialized.available(a.device):
+    gluon = isinstance(config, GemmConfig) and config.warp_specialized and gemm_warp_specialized.available(a.device)
+    if gluon and config.block_m != DECODE_TILE.block_m:
         if not eager:
-            # Inductor cannot trace a Gluon kernel: the graph calls an op that launches it.
             product = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm(
                 a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out.dtype, config.block_m
             )
             out.copy_(product)
             return
-        if config.block_m == DECODE_TILE.block_m:
-            if gemm_decode_warp_specialized.takes(a, weight_qdata, weight_block_scales, out):
-                scales = (act_scale, weight_scale)
-                stream_counters = sum_splits_in_gemm is not False
-                launch_decode_gemm(a, weight_qdata, weight_block_scales, *scales, bias, out, config, stream_counters)
-                return
-        elif gemm_warp_specialized.takes(a, weight_qdata, out):
+        if gemm_warp_specialized.takes(a, weight_qdata, out):
             gemm_warp_specialized.launch_warp_specialized_gemm(
                 a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out, config.block_m
             )
             return
-    bias_or_unused = bias if bias is not None else act_scale
-    ptx = use_ptx_dequant(a.device)
     if isinstance(config, CublasAfterDequantize):
         split_k = 1
         weight = torch.empty((N, K), dtype=torch.float16, device=a.device)
         launch_weight_dequantize(weight_qdata, weight_block_scales, weight, config)
         partials = torch.mm(a, weight.t(), out_dtype=torch.float32)
+    elif gluon and not eager:
+        split_k = split_k_for(config, N, K, a.device)
+        partials = torch.ops.nvfp4_static.decode_gemm_partial_products(a, weight_qdata, weight_block_scales, split_k)
     else:
         split_k = split_k_for(config, N, K, a.device)
-        tiles = ceil_div(M, config.rows_per_tile) * ceil_div(N, config.block_n)
-        partials = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
+        partials = None if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
         sum_splits = split_k > 1 and (eager if sum_splits_in_gemm is None else sum_splits_in_gemm)
-        counts = tile_counts(a.device, tiles) if sum_splits else act_scale
-        KernelCall(
-            _nvfp4_gemm_kernel,
-            (tiles, split_k),
-            (
-                a,
-                weight_qdata,
-                weight_block_scales,
-                act_scale,
-                weight_scale,
-                bias_or_unused,
-                out,
-                partials,
-                counts,
-                M,
-                N,
-                K,
-                a.stride(0),
-                out.stride(0),
-                split_k,
-            ),
-            dict(
-                BLOCK_M=config.block_m,
-                BLOCK_N=config.block_n,
-                BLOCK_K=config.block_k,
-                WRITE_PARTIALS=split_k > 1,
-                SUM_SPLITS=sum_splits,
-                GROUP_N=config.group_n,
-                HAS_BIAS=bias is not None,
-                EVEN_K=K % config.block_k == 0,
-                PTX=ptx,
-                WEIGHT_AS_A=config.weight_as_mma_a,
-                QUANTIZE_ROWS=quantize_rows,
-                MMA_ORDER=config.mma_order,
-                num_warps=config.num_warps,
-                num_stages=config.num_stages,
-            ),
-            workspace=(counts,) if sum_splits else (),
-        ).launch()
+        scales = (act_scale, weight_scale)
+        launch_tiles(a, weight_qdata, weight_block_scales, *scales, bias, out, partials, sum_splits, config, split_k)
         if split_k == 1 or sum_splits:
             return
     if not eager:
@@ -944,12 +902,12 @@ def launch_nvfp4_gemm(
     KernelCall(
         _epilogue_kernel,
         (ceil_div(M * N, EPILOGUE_BLOCK),),
-        (partials, act_scale, weight_scale, bias_or_unused, out, M, N, out.stride(0), split_k),
+        (partials, act_scale, weight_scale, act_scale if bias is None else bias, out, M, N, out.stride(0), split_k),
         dict(BLOCK=EPILOGUE_BLOCK, HAS_BIAS=bias is not None),
     ).launch()
 
 
-def launch_decode_gemm(
+def launch_tiles(
     a: torch.Tensor,
     weight_qdata: torch.Tensor,
     scale_codes: torch.Tensor,
@@ -957,27 +915,73 @@ def launch_decode_gemm(
     weight_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
+    partials: Optional[torch.Tensor],
+    sum_splits: bool,
     config: GemmConfig,
-    stream_counters: bool,
+    split_k: int,
 ) -> None:
-    """``gemm_decode_warp_specialized``'s kernel in ``config``'s K split (``split_k_for``). The
-    program that sums the splits counts them in the stream's ``tile_counts`` or, without
-    ``stream_counters``, in counters zeroed for this call: the op a traced graph calls takes
-    those, since a CUDA graph may capture it under a memory pool that torch.compile's
-    ``reduce-overhead`` rewinds between graphs, which could hand a kept buffer to another tensor."""
-    N, K = weight_qdata.shape[0], a.shape[1]
-    split_k = split_k_for(config, N, K, a.device)
-    partials, counts = out, act_scale  # unused by a single split
-    if split_k > 1:
-        partials = torch.empty((split_k, N, gemm_decode_warp_specialized.TOKENS), dtype=torch.float32, device=a.device)
-        count = gemm_decode_warp_specialized.counters(N)
-        if stream_counters:
-            counts = tile_counts(a.device, count)
-        else:
-            counts = torch.zeros(count, dtype=torch.int32, device=a.device)
-    gemm_decode_warp_specialized.launch_decode_gemm(
-        a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k
+    """Launch ``config``'s GEMM kernel in ``split_k`` K splits: without ``partials`` (one split)
+    it writes ``out``, epilogue included; with ``partials`` (``[split_k, M, N]`` fp32) each
+    split's partial products, and with ``sum_splits`` the last program of each output tile sums
+    them into ``out``, counting arrivals in the stream's ``tile_counts``. The decode tile runs
+    ``gemm_decode_warp_specialized``'s kernel where the GPU and the tensors suit it, every other
+    case the Triton kernel. ``a``, ``scale_codes`` and the scales as ``launch_nvfp4_gemm`` has
+    prepared them."""
+    M, K = a.shape[0], 2 * weight_qdata.shape[1]
+    N = weight_qdata.shape[0]
+    decode_kernel = (
+        config.warp_specialized
+        and config.block_m == DECODE_TILE.block_m
+        and gemm_warp_specialized.available(a.device)
+        and gemm_decode_warp_specialized.takes(a, weight_qdata, scale_codes, out)
     )
+    if decode_kernel:
+        counts = tile_counts(a.device, gemm_decode_warp_specialized.counters(N)) if sum_splits else None
+        gemm_decode_warp_specialized.launch_decode_gemm(
+            a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k
+        )
+        return
+    tiles = ceil_div(M, config.rows_per_tile) * ceil_div(N, config.block_n)
+    counts = tile_counts(a.device, tiles) if sum_splits else None
+    unused = act_scale
+    KernelCall(
+        _nvfp4_gemm_kernel,
+        (tiles, split_k),
+        (
+            a,
+            weight_qdata,
+            scale_codes,
+            act_scale,
+            weight_scale,
+            unused if bias is None else bias,
+            out,
+            unused if partials is None else partials,
+            unused if counts is None else counts,
+            M,
+            N,
+            K,
+            a.stride(0),
+            out.stride(0),
+            split_k,
+        ),
+        dict(
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            WRITE_PARTIALS=partials is not None,
+            SUM_SPLITS=counts is not None,
+            GROUP_N=config.group_n,
+            HAS_BIAS=bias is not None,
+            EVEN_K=K % config.block_k == 0,
+            PTX=use_ptx_dequant(a.device),
+            WEIGHT_AS_A=config.weight_as_mma_a,
+            QUANTIZE_ROWS=config.activation_rows,
+            MMA_ORDER=config.mma_order,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        ),
+        workspace=() if counts is None else (counts,),
+    ).launch()
 
 
 def epilogue_as_ops(

@@ -13,8 +13,10 @@ against the read floor's 0.018, the whole linear (operand kernel, this GEMM and 
 
 The program that stores the last split of a column tile sums the splits' partial products in
 split order and applies the epilogue (both global scales, the bias), so one launch gives the
-output. The splits, their K ranges, the wgmmas and the order of the sums are
-``gemm.DECODE_TILE_IN_TRITON``'s: the same output bit for bit. ``gemm`` runs this kernel for
+output. In a traced graph the kernel writes the partial products only and the graph sums and
+scales them (``gemm.epilogue_as_ops``), in the kernel that reads the output. The splits, their K
+ranges, the wgmmas and the order of the sums are ``gemm.DECODE_TILE_IN_TRITON``'s: the same output
+bit for bit. ``gemm`` runs this kernel for
 ``gemm.DECODE_TILE`` on sm_90 where the tensors suit it (``takes``), and the Triton tile
 elsewhere.
 """
@@ -98,11 +100,12 @@ if HAS_GLUON_HOPPER:
     def _multiply_partition(a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr, bias_ptr,
                             out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n, k_tiles, split,
                             split_k, PART: gl.constexpr, TOKENS: gl.constexpr, BK: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT: gl.constexpr,
-                            HAS_BIAS: gl.constexpr):
+                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, WRITE_PARTIALS: gl.constexpr,
+                            SUM_SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr):
         """One consumer warpgroup: weight rows ``off_n + 64 * PART`` onwards over the split's K
-        tiles; then its part of the output, from this split alone or, where this program stores
-        the column tile's last split, from all of them."""
+        tiles; then its part of the output from this split alone, or its partial products (with
+        ``SUM_SPLITS``, where this program stores the column tile's last split, the output from
+        all of them)."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TOKENS, 16]
         )
@@ -134,34 +137,38 @@ if HAS_GLUON_HOPPER:
         rows = gl.expand_dims(off_n + PART * ROWS + row_in_tile, 2)
         tokens = gl.expand_dims(half, 2) * (TOKENS // 2) + within
         mask = (rows < N) & (tokens < M)
-        # Loaded before the splits are summed, so these loads wait alongside the counter's.
-        output_scale = gl.load(act_scale_ptr) * gl.load(weight_scale_ptr)
-        if HAS_BIAS:
-            bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-        if SPLIT:
-            at = rows * TOKENS + tokens  # in a split's [N, TOKENS] partial products
-            gl.store(partials_ptr + split * N * TOKENS + at, total, mask=rows < N)
-            counter_ptrs = counts_ptr + (column * CONSUMERS + PART) * (ROWS * 2) + row_in_tile * 2 + half
-            one = gl.full([ROWS, 2], 1, gl.int32, ROW_HALVES)
-            arrived = gl.atomic_add(counter_ptrs, one, sem="acq_rel", scope="gpu")
-            last = arrived == split_k - 1
-            mask = mask & gl.expand_dims(last, 2)
-            total = gl.zeros([ROWS, 2, TOKENS // 2], gl.float32, layout=BY_ROW)
-            for s in range(split_k):
-                total += gl.load(partials_ptr + s * N * TOKENS + at, mask=mask, other=0.0, cache_modifier=".cg")
-            # Left zero for the next launch.
-            gl.store(counter_ptrs, gl.zeros_like(arrived), mask=last)
-        total = total * output_scale
-        if HAS_BIAS:
-            total += bias
-        gl.store(out_ptr + tokens.to(gl.int64) * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=mask)
+        EPILOGUE: gl.constexpr = SUM_SPLITS or not WRITE_PARTIALS
+        if EPILOGUE:
+            # Loaded before the splits are summed, so these loads wait alongside the counter's.
+            output_scale = gl.load(act_scale_ptr) * gl.load(weight_scale_ptr)
+            if HAS_BIAS:
+                bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+        if WRITE_PARTIALS:
+            at = tokens * N + rows  # in a split's [M, N] partial products
+            gl.store(partials_ptr + split * M * N + at, total, mask=mask)
+            if SUM_SPLITS:
+                counter_ptrs = counts_ptr + (column * CONSUMERS + PART) * (ROWS * 2) + row_in_tile * 2 + half
+                one = gl.full([ROWS, 2], 1, gl.int32, ROW_HALVES)
+                arrived = gl.atomic_add(counter_ptrs, one, sem="acq_rel", scope="gpu")
+                last = arrived == split_k - 1
+                mask = mask & gl.expand_dims(last, 2)
+                total = gl.zeros([ROWS, 2, TOKENS // 2], gl.float32, layout=BY_ROW)
+                for s in range(split_k):
+                    total += gl.load(partials_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+                # Left zero for the next launch.
+                gl.store(counter_ptrs, gl.zeros_like(arrived), mask=last)
+        if EPILOGUE:
+            total = total * output_scale
+            if HAS_BIAS:
+                total += bias
+            gl.store(out_ptr + tokens.to(gl.int64) * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _decode_gemm_kernel(a_desc, w_desc, s_desc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, partials_ptr,
                             counts_ptr, M, N, K, stride_om, split_k,
                             TOKENS: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                            CONSUMERS: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                            REGISTERS: gl.constexpr):
+                            CONSUMERS: gl.constexpr, WRITE_PARTIALS: gl.constexpr, SUM_SPLITS: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, REGISTERS: gl.constexpr):
         column = gl.program_id(0)
         split = gl.program_id(1)
         off_n = column * (CONSUMERS * ROWS)
@@ -183,20 +190,20 @@ if HAS_GLUON_HOPPER:
                                    k_tiles, BK, NUM_STAGES, CONSUMERS)),
                 (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
                                        bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
-                                       k_tiles, split, split_k, 0, TOKENS, BK, NUM_STAGES, CONSUMERS, SPLIT,
-                                       HAS_BIAS)),
+                                       k_tiles, split, split_k, 0, TOKENS, BK, NUM_STAGES, CONSUMERS,
+                                       WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
                 (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
                                        bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
-                                       k_tiles, split, split_k, 1, TOKENS, BK, NUM_STAGES, CONSUMERS, SPLIT,
-                                       HAS_BIAS)),
+                                       k_tiles, split, split_k, 1, TOKENS, BK, NUM_STAGES, CONSUMERS,
+                                       WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
                 (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
                                        bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
-                                       k_tiles, split, split_k, 2, TOKENS, BK, NUM_STAGES, CONSUMERS, SPLIT,
-                                       HAS_BIAS)),
+                                       k_tiles, split, split_k, 2, TOKENS, BK, NUM_STAGES, CONSUMERS,
+                                       WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
                 (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
                                        bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
-                                       k_tiles, split, split_k, 3, TOKENS, BK, NUM_STAGES, CONSUMERS, SPLIT,
-                                       HAS_BIAS)),
+                                       k_tiles, split, split_k, 3, TOKENS, BK, NUM_STAGES, CONSUMERS,
+                                       WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
             ],
             [4, 4, 4, 4],
             [REGISTERS, REGISTERS, REGISTERS, REGISTERS],
@@ -211,27 +218,34 @@ def kernel_arguments(
     weight_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
-    partials: torch.Tensor,
-    counts: torch.Tensor,
+    partials: Optional[torch.Tensor],
+    counts: Optional[torch.Tensor],
     split_k: int,
 ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, meta)`` of the kernel's launch in ``split_k`` K splits (the TMA
-    descriptors built for these tensors); ``partials`` ``[split_k, N, 16]`` fp32 and ``counts``
-    (``counters(N)`` int32, zero) are used where ``split_k > 1``."""
+    descriptors built for these tensors). Without ``partials`` (one split only) the kernel writes
+    ``out``; with ``partials`` (``[split_k, M, N]`` fp32) it writes each split's partial products
+    there, and with ``counts`` too (``counters(N)`` int32, zero) the last split's program sums
+    them into ``out``."""
     M, K = a.shape
     N = weight_qdata.shape[0]
     if M > TOKENS:
         raise ValueError(f"nvfp4_static: the warp-specialized decode GEMM takes at most {TOKENS} rows, got {M}")
+    if partials is None and split_k > 1:
+        raise ValueError(f"nvfp4_static: the decode GEMM in {split_k} K splits needs a buffer for their partial products")
     a_layout, w_layout, s_layout = _shared_layouts()
     rows = gemm_warp_specialized.ROWS_PER_CONSUMER
     a_desc = TensorDescriptor(a, [M, K], [K, 1], [TOKENS, BLOCK_K], a_layout)
     w_desc = TensorDescriptor(weight_qdata, [N, K // 2], [K // 2, 1], [rows, BLOCK_K // 2], w_layout)
     s_desc = TensorDescriptor(scale_codes, [N, K // 16], [K // 16, 1], [rows, BLOCK_K // 16], s_layout)
     grid = (ceil_div(N, WEIGHT_ROWS_PER_PROGRAM), split_k, 1)
-    args = (a_desc, w_desc, s_desc, act_scale, weight_scale, bias if bias is not None else act_scale, out, partials,
-            counts, M, N, K, out.stride(0), split_k)
-    meta = dict(TOKENS=TOKENS, BK=BLOCK_K, NUM_STAGES=STAGES, CONSUMERS=CONSUMERS, SPLIT=split_k > 1,
-                HAS_BIAS=bias is not None, REGISTERS=CONSUMER_REGISTERS, num_warps=4)
+    unused = act_scale
+    args = (a_desc, w_desc, s_desc, act_scale, weight_scale, unused if bias is None else bias, out,
+            unused if partials is None else partials, unused if counts is None else counts, M, N, K, out.stride(0),
+            split_k)
+    meta = dict(TOKENS=TOKENS, BK=BLOCK_K, NUM_STAGES=STAGES, CONSUMERS=CONSUMERS, WRITE_PARTIALS=partials is not None,
+                SUM_SPLITS=partials is not None and counts is not None, HAS_BIAS=bias is not None,
+                REGISTERS=CONSUMER_REGISTERS, num_warps=4)
     return grid, args, meta
 
 
@@ -253,16 +267,17 @@ def launch_decode_gemm(
     weight_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
-    partials: torch.Tensor,
-    counts: torch.Tensor,
+    partials: Optional[torch.Tensor],
+    counts: Optional[torch.Tensor],
     split_k: int,
 ) -> None:
-    """``out [M, N] = (a @ dequant(W)^T) * act_scale * weight_scale + bias``: ``a`` the fp16
-    operand in the MMA order, ``scale_codes`` the block scales as bytes, both global scales fp32
-    ``[1]``; ``partials`` and ``counts`` as ``kernel_arguments`` takes them. The caller has
-    checked ``gemm_warp_specialized.available`` and ``takes``."""
+    """``out [M, N] = (a @ dequant(W)^T) * act_scale * weight_scale + bias``, or the partial
+    products of its ``split_k`` K splits only: ``a`` the fp16 operand in the MMA order,
+    ``scale_codes`` the block scales as bytes, both global scales fp32 ``[1]``; ``partials`` and
+    ``counts`` as ``kernel_arguments`` takes them. The caller has checked
+    ``gemm_warp_specialized.available`` and ``takes``."""
     grid, args, meta = kernel_arguments(
         a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k
     )
-    workspace = (counts,) if split_k > 1 else ()
+    workspace = () if counts is None else (counts,)
     gemm_warp_specialized.launch_prepared(KernelCall(_decode_gemm_kernel, grid, args, meta, workspace), a.device)

@@ -76,11 +76,14 @@ if HAS_TRITON:
     from nvfp4_static.kernels.act_quantize import launch_activation_quantize
     from nvfp4_static.kernels.block_hessian import launch_block_hessian
     from nvfp4_static.kernels.gemm import (
-        WARP_SPECIALIZED_TILES,
+        DECODE_TILE,
+        WIDE_TILES,
         check_operands,
+        config_for_width,
         cublas_with_fused_epilogue,
         fuses_epilogue_into_cublas,
         launch_nvfp4_gemm,
+        launch_tiles,
         table_config,
         taking_operand,
     )
@@ -97,8 +100,9 @@ else:
     launch_activation_quantize = _without_triton("NVFP4 activation quantization on a CUDA tensor")
     launch_nvfp4_gemm = _without_triton("the NVFP4 GEMM on a CUDA tensor")
     check_operands = cublas_with_fused_epilogue = fuses_epilogue_into_cublas = launch_nvfp4_gemm
-    table_config = taking_operand = launch_nvfp4_gemm
-    WARP_SPECIALIZED_TILES = {}
+    table_config = taking_operand = config_for_width = launch_tiles = launch_nvfp4_gemm
+    DECODE_TILE = None
+    WIDE_TILES = {}
     launch_grouped_nvfp4_gemm = _without_triton("the grouped NVFP4 GEMM of experts on a CUDA tensor")
 
 
@@ -437,26 +441,22 @@ def warp_specialized_nvfp4_gemm(
     out_dtype: torch.dtype,
     tokens_per_tile: int,
 ) -> torch.Tensor:
-    """``nvfp4_gemm`` with the warp-specialized tile of ``tokens_per_tile`` activation rows
-    (``gemm.TALL_TILE``: 256, ``gemm.SQUARE_TILE``: 128, ``gemm.DECODE_TILE``: 16; ``a`` its fp16
-    operand in the MMA order) as an op Inductor does not look into: a traced graph reaches the
-    warp-specialized Gluon kernels (``gemm_warp_specialized``, ``gemm_decode_warp_specialized``,
-    which tracing cannot see) through it. At run time the launcher
+    """``nvfp4_gemm`` with the wide warp-specialized tile of ``tokens_per_tile`` activation rows
+    (``gemm.TALL_TILE``: 256, ``gemm.SQUARE_TILE``: 128; ``a`` its fp16 operand in the MMA
+    order) as an op Inductor does not look into: a traced graph reaches the Gluon kernel
+    (``gemm_warp_specialized``, which tracing cannot see) through it. At run time the launcher
     runs that kernel where the GPU and the tensors suit it and the same tile in Triton otherwise;
     the two give the same output."""
     _require_cuda(a, "warp_specialized_nvfp4_gemm")
     require_triton("the NVFP4 GEMM on a CUDA tensor")
-    if tokens_per_tile not in WARP_SPECIALIZED_TILES:
+    if tokens_per_tile not in WIDE_TILES:
         raise ValueError(
-            f"nvfp4_static: warp_specialized_nvfp4_gemm has tiles of {sorted(WARP_SPECIALIZED_TILES)} activation rows, "
+            f"nvfp4_static: warp_specialized_nvfp4_gemm has tiles of {sorted(WIDE_TILES)} activation rows, "
             f"got tokens_per_tile = {tokens_per_tile}"
         )
-    tile = WARP_SPECIALIZED_TILES[tokens_per_tile]
     out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
     scales = (act_per_tensor_scale, weight_per_tensor_scale)
-    # A traced graph holds no stream's counters (launch_nvfp4_gemm): the decode tile counts its
-    # splits in counters of this call's own.
-    launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, *scales, bias, out, tile, sum_splits_in_gemm=False)
+    launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, *scales, bias, out, WIDE_TILES[tokens_per_tile])
     return out
 
 
@@ -465,6 +465,41 @@ def _warp_specialized_nvfp4_gemm_fake(
     a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out_dtype, tokens_per_tile
 ):
     return a.new_empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("nvfp4_static::decode_gemm_partial_products", mutates_args=())
+def decode_gemm_partial_products(
+    a: torch.Tensor, weight_qdata: torch.Tensor, scale_codes: torch.Tensor, split_k: int
+) -> torch.Tensor:
+    """The fp32 partial products ``[split_k, M, N]`` of ``a @ dequant(W)^T`` over ``split_k``
+    equal K ranges, with the decode tile (``gemm.DECODE_TILE``: ``a`` its fp16 operand in the
+    MMA order, at most 16 rows; ``scale_codes`` the block scales as bytes), as an op Inductor
+    does not look into: a traced graph reaches the Gluon kernel (``gemm_decode_warp_specialized``)
+    through it, then sums and scales the products in torch ops (``gemm.epilogue_as_ops``), which
+    Inductor fuses into the kernel reading the output. No counters, so a CUDA graph that
+    captures it keeps no buffer between calls. At run time the launcher runs the Gluon kernel
+    where the GPU and the tensors suit it and the same tile in Triton otherwise; the two give
+    the same products."""
+    _require_cuda(a, "decode_gemm_partial_products")
+    require_triton("the NVFP4 GEMM on a CUDA tensor")
+    M, N, K = a.shape[0], weight_qdata.shape[0], 2 * weight_qdata.shape[1]
+    if M > DECODE_TILE.block_m or split_k < 1:
+        raise ValueError(
+            f"nvfp4_static: decode_gemm_partial_products takes at most {DECODE_TILE.block_m} rows in one or more "
+            f"K splits, got {M} rows and split_k = {split_k}"
+        )
+    partials = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
+    # Only the partial products are written: the scales, bias and output are never read, and
+    # the partials buffer stands in for them.
+    unused = partials
+    config = config_for_width(DECODE_TILE, K)
+    launch_tiles(a, weight_qdata, scale_codes, unused, unused, None, partials[0], partials, False, config, split_k)
+    return partials
+
+
+@decode_gemm_partial_products.register_fake
+def _decode_gemm_partial_products_fake(a, weight_qdata, scale_codes, split_k):
+    return a.new_empty((split_k, a.shape[0], weight_qdata.shape[0]), dtype=torch.float32)
 
 
 def _grouped_static_nvfp4_linear_torch(
