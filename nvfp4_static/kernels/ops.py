@@ -17,7 +17,10 @@ Inference ops, ``torch.library.triton_op``s while ``torch.compile`` traces and p
 eager mode (``traced_op``): ``quantize_activation_nvfp4`` and ``gemm_activation_operand`` run the
 torch reference on non-CUDA tensors (a ``triton_op`` body is traced for every device, so the
 branch lives in the body); ``nvfp4_gemm`` and ``quantizing_nvfp4_gemm`` are CUDA only (the torch
-route of the same product is ``backends.cpu``). ``grouped_static_nvfp4_linear``, the experts of a
+route of the same product is ``backends.cpu``). Inside them, a traced graph reaches the Hopper
+Gluon GEMMs, which Inductor cannot trace, through two CUDA-only ``custom_op``s it does not look
+into: ``warp_specialized_nvfp4_gemm`` (the wide tiles) and ``decode_gemm_partial_products`` (the
+decode tile's K splits, which the graph sums). ``grouped_static_nvfp4_linear``, the experts of a
 mixture-of-experts layer, is a ``custom_op`` like the calibration ops: its torch fallback loops
 over the experts with data-dependent row counts, which a traced body could not;
 ``grouped_static_nvfp4_linear_reference`` is that fallback as an op on every device.
