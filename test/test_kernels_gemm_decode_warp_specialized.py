@@ -250,15 +250,34 @@ def test_the_partial_products_op_refuses_cpu_tensors_and_its_fake_gives_the_shap
         assert fake.shape == (split_k, M, N) and fake.dtype == torch.float32
 
 
-@pytest.mark.parametrize("M,split_k", [(17, 1), (64, 2), (4, 0), (4, -1)])
-def test_the_partial_products_op_refuses_more_than_16_rows_or_no_split(M, split_k, monkeypatch):
+@pytest.mark.parametrize("M,split_k", [(17, 1), (64, 2), (4, 0), (4, -1), (4, 5), (1, 64)])
+def test_the_partial_products_op_refuses_more_than_16_rows_or_splits_without_k_tiles(M, split_k, monkeypatch):
     monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
-    N, K = 64, 256
+    N, K = 64, 1024  # 4 K tiles
     a = torch.zeros(M, K, dtype=torch.float16)
     qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
     codes = torch.zeros(N, K // 16, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=rf"at most 16 rows in one or more K splits, got {M} rows and split_k = {split_k}"):
+    with pytest.raises(ValueError, match=rf"at most 16 rows in 1 to 4 K splits \(K = 1024\), got {M} rows and split_k = {split_k}"):
         torch.ops.nvfp4_static.decode_gemm_partial_products(a, qdata, codes, split_k)
+
+
+@pytest.mark.parametrize(
+    "operand,qdata,codes,message",
+    [
+        ((4, 256, torch.bfloat16), (64, 128, torch.uint8), (64, 16, torch.uint8), r"as torch.float16 \[M, K\] here"),
+        ((4, 256, torch.float32), (64, 128, torch.uint8), (64, 16, torch.uint8), r"as torch.float16 \[M, K\] here"),
+        ((4, 512, torch.float16), (64, 128, torch.uint8), (64, 16, torch.uint8), r"shapes do not match: activation \(4, 512\)"),
+        ((4, 256, torch.float16), (64, 128, torch.uint8), (64, 8, torch.uint8), r"block scales \(64, 8\) \(want \[N, 16\]\)"),
+        ((4, 256, torch.float16), (64, 128, torch.int8), (64, 16, torch.uint8), r"as uint8, got torch.int8 and torch.uint8"),
+        ((4, 256, torch.float16), (64, 128, torch.uint8), (64, 16, torch.float8_e4m3fn), r"got torch.uint8 and torch.float8_e4m3fn"),
+    ],
+    ids=["bf16-operand", "fp32-operand", "k-mismatch", "scales-shape", "qdata-dtype", "scales-as-fp8"],
+)
+def test_the_partial_products_op_refuses_operands_it_would_misread(operand, qdata, codes, message, monkeypatch):
+    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+    tensors = [torch.zeros(rows, cols).to(dtype) for rows, cols, dtype in (operand, qdata, codes)]
+    with pytest.raises(ValueError, match=message):
+        torch.ops.nvfp4_static.decode_gemm_partial_products(*tensors, 1)
 
 
 @pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])

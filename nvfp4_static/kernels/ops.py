@@ -485,11 +485,18 @@ def decode_gemm_partial_products(
     the same products."""
     _require_cuda(a, "decode_gemm_partial_products")
     require_triton("the NVFP4 GEMM on a CUDA tensor")
-    M, N, K = a.shape[0], weight_qdata.shape[0], 2 * weight_qdata.shape[1]
-    if M > DECODE_TILE.block_m or split_k < 1:
+    if weight_qdata.dtype != torch.uint8 or scale_codes.dtype != torch.uint8:
         raise ValueError(
-            f"nvfp4_static: decode_gemm_partial_products takes at most {DECODE_TILE.block_m} rows in one or more "
-            f"K splits, got {M} rows and split_k = {split_k}"
+            f"nvfp4_static: decode_gemm_partial_products takes the packed weight and its block scales' codes as "
+            f"uint8, got {weight_qdata.dtype} and {scale_codes.dtype}"
+        )
+    check_operands(a, weight_qdata, scale_codes, torch.float16)
+    M, N, K = a.shape[0], weight_qdata.shape[0], a.shape[1]
+    k_tiles = -(-K // DECODE_TILE.block_k)
+    if M > DECODE_TILE.block_m or not 1 <= split_k <= k_tiles:
+        raise ValueError(
+            f"nvfp4_static: decode_gemm_partial_products takes at most {DECODE_TILE.block_m} rows in 1 to {k_tiles} "
+            f"K splits (K = {K}), got {M} rows and split_k = {split_k}"
         )
     partials = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
     # Only the partial products are written: the scales, bias and output are never read, and
