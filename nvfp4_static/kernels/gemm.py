@@ -868,7 +868,7 @@ def launch_nvfp4_gemm(
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
     eager = runs_eagerly(a)
     gluon = isinstance(config, GemmConfig) and config.warp_specialized and gemm_warp_specialized.available(a.device)
-    if gluon and config.block_m != DECODE_TILE.block_m:
+    if gluon and config != DECODE_TILE:
         if not eager:
             product = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm(
                 a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out.dtype, config.block_m
@@ -930,8 +930,7 @@ def launch_tiles(
     M, K = a.shape[0], 2 * weight_qdata.shape[1]
     N = weight_qdata.shape[0]
     decode_kernel = (
-        config.warp_specialized
-        and config.block_m == DECODE_TILE.block_m
+        config == DECODE_TILE
         and gemm_warp_specialized.available(a.device)
         and gemm_decode_warp_specialized.takes(a, weight_qdata, scale_codes, out)
     )

@@ -252,9 +252,8 @@ def kernel_arguments(
 
 @lru_cache(maxsize=None)
 def _shared_layouts():
-    """The TMA tiles' shared-memory layouts: the operand's, the packed weight's, the scales'
-    (built once: building them took 22 of a launch's 32 us of argument preparation on a CPU
-    host)."""
+    """The TMA tiles' shared-memory layouts: the operand's, the packed weight's, the scales'.
+    Constants, built once: building them is most of a launch's argument preparation."""
     rows = gemm_warp_specialized.ROWS_PER_CONSUMER
     return (
         gl.NVMMASharedLayout.get_default_for([TOKENS, BLOCK_K], gl.float16),
