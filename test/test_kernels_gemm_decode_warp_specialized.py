@@ -193,7 +193,8 @@ def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, tmp_pat
     bias = torch.zeros(N, dtype=torch.bfloat16)
     partials = None if sums is False and split_k == 1 else torch.zeros(split_k, M, N)
     counts = torch.zeros(decode.counters(N), dtype=torch.int32) if sums else None
-    _, args, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, bias, out, partials, counts, split_k)
+    _, args, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, bias, out, partials, counts, split_k, True)
+    assert meta["launch_pdl"]
     kernel = decode._decode_gemm_kernel
     values = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
     options = {k: v for k, v in meta.items() if k not in kernel.arg_names}
@@ -208,6 +209,12 @@ def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, tmp_pat
     # The output is bf16 (16-bit stores), the partial products fp32.
     assert bool(re.search(r"st\.global(\.[a-z0-9]+)*\.b16", ptx)) == (partials is None or bool(sums))
     assert bool(re.search(r"st\.global(\.[a-z0-9]+)*\.(b32|f32)", ptx)) == (partials is not None)
+    # Launched to overlap the operand kernel: the loading warpgroup waits for that kernel after
+    # the first stage's weight and scale loads (one of each per consumer), before the operand's.
+    # (The compiler repeats the wait on the path of a split without K tiles.)
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx[:wait].count("cp.async.bulk.tensor") == 2 * decode.CONSUMERS
+    assert ptx.index("cp.async.bulk.tensor", wait) < ptx.index("mbarrier.try_wait", wait)
     stage_bytes = decode.TOKENS * decode.BLOCK_K * 2 + decode.WEIGHT_ROWS_PER_PROGRAM * (
         decode.BLOCK_K // 2 + decode.BLOCK_K // 16
     )
@@ -287,13 +294,14 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, with_bi
     Triton tile would run: eagerly with the stream's counters, so the kernel sums the splits
     into the output; under dispatch modes (as in tracing) through the partial-products op with
     no counters (a CUDA graph capturing it keeps no buffer), and the splits' sum, both global
-    scales and the bias come from torch ops after it. Stood in on the CPU: the launcher (which
+    scales and the bias come from torch ops after it. Only the eager launch overlaps the operand
+    kernel (which releases it early only when launched eagerly). Stood in on the CPU: the launcher (which
     writes split s's products as s + 1, or the output as 7), availability, the op's device check
     and the stream's counters are patched."""
     calls = []
 
-    def launcher(a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k):
-        calls.append((tuple(partials.shape), counts, split_k))
+    def launcher(a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap):
+        calls.append((tuple(partials.shape), counts, split_k, overlap))
         if counts is None:
             for split in range(split_k):
                 partials[split].fill_(split + 1.0)
@@ -316,7 +324,7 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, with_bi
         for _ in range(modes):
             stack.enter_context(PassThrough())
         launch_nvfp4_gemm(operand, qdata, scales, act_scale, weight_scale, bias, out, DECODE_TILE)
-    assert [(shape, split_k) for shape, _, split_k in calls] == [((split, M, N), split)]
+    assert [(shape, split_k, overlap) for shape, _, split_k, overlap in calls] == [((split, M, N), split, modes == 0)]
     if modes == 0:
         assert calls[0][1] is stream_counts
         assert torch.equal(out, torch.full_like(out, 7.0))

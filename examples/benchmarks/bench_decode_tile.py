@@ -5,8 +5,10 @@ For each weight shape (K x N) and M, GPU times from CUDA graphs (ms) of the whol
 bucket's Triton entry and with the decode tile (``gemm.DECODE_TILE``) forced in its place, the
 floor kernel that only reads the packed weight and its scales, and the decode tile's K split
 (``gemm.split_k_for``) with the K tiles each split runs. The table takes the decode tile where
-each split has the bucket's ``gemm.DECODE_TILE_MIN_K_TILES`` (last column). Before timing, the
-decode tile's output is checked equal, bit for bit, to its Triton twin's
+each split has the bucket's ``gemm.DECODE_TILE_MIN_K_TILES`` (last column). Column
+``no overlap``: the decode tile again, its operand kernel not letting it start before that kernel
+ends (``act_quantize.overlaps_kernels`` off), which shows what starting early saves. Before
+timing, the decode tile's output is checked equal, bit for bit, to its Triton twin's
 (``gemm.DECODE_TILE_IN_TRITON``).
 
 Usage: python bench_decode_tile.py [--m 1 4 16] [--shapes 8192x8192 ...]
@@ -19,7 +21,7 @@ from bench_linear import bare_read_ms, graph_ms
 from tune_gemm import make_weight
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
-from nvfp4_static.kernels import gemm, gemm_activation_operand
+from nvfp4_static.kernels import act_quantize, gemm, gemm_activation_operand
 from nvfp4_static.kernels.gemm import DECODE_TILE, DECODE_TILE_IN_TRITON
 
 SHAPES = (
@@ -43,6 +45,16 @@ def linear_ms(x, weight, act_scale, min_k_tiles) -> float:
         gemm.DECODE_TILE_MIN_K_TILES = table
 
 
+def without_overlap(measure):
+    """``measure()`` with the operand kernel never letting the kernel after it start early."""
+    overlaps = act_quantize.overlaps_kernels
+    act_quantize.overlaps_kernels = lambda device: False
+    try:
+        return measure()
+    finally:
+        act_quantize.overlaps_kernels = overlaps
+
+
 def same_as_the_triton_twin(x, weight, act_scale) -> bool:
     operand = gemm_activation_operand(x, act_scale, mma_order=True)
     outs = []
@@ -64,7 +76,7 @@ def main():
         raise SystemExit("bench_decode_tile.py needs a Hopper GPU and Gluon's Hopper API")
     print(f"device: {torch.cuda.get_device_name()}")
     print(f"{'K':>6} {'N':>6} {'M':>3} | {'split':>5} {'K tiles':>7} | {'read':>7} {'entry':>7} {'decode':>7} "
-          f"| {'entry/decode':>12} {'table takes':>11}")
+          f"{'no overlap':>10} | {'entry/decode':>12} {'table takes':>11}")
     everywhere = {max_m: 1 for max_m in gemm.DECODE_TILE_MIN_K_TILES}
     nowhere = {max_m: 1 << 30 for max_m in gemm.DECODE_TILE_MIN_K_TILES}
     for shape in args.shapes:
@@ -80,9 +92,10 @@ def main():
                 raise SystemExit(f"{K} x {N} at M = {M}: the decode tile's output differs from its Triton twin's")
             entry = linear_ms(x, weight, act_scale, nowhere)
             decode = linear_ms(x, weight, act_scale, everywhere)
+            apart = without_overlap(lambda: linear_ms(x, weight, act_scale, everywhere))
             takes = gemm.table_config(M, None, N, K, device) == DECODE_TILE
             print(f"{K:>6} {N:>6} {M:>3} | {split:>5} {k_tiles:>7.1f} | {read:>7.4f} {entry:>7.4f} {decode:>7.4f} "
-                  f"| {entry / decode:>12.2f} {'decode' if takes else 'entry':>11}")
+                  f"{apart:>10.4f} | {entry / decode:>12.2f} {'decode' if takes else 'entry':>11}")
 
 
 if __name__ == "__main__":

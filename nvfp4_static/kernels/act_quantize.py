@@ -30,8 +30,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from nvfp4_static.kernels.launch import KernelCall, ceil_div
+from nvfp4_static.kernels.launch import KernelCall, ceil_div, overlaps_kernels, runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, check_dtype
 
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
@@ -170,7 +171,12 @@ def _activation_quantize_kernel(
     WRITE_PACKED: tl.constexpr,
     SCALES_GIVEN: tl.constexpr,
     MMA_ORDER: tl.constexpr,
+    RELEASE_DEPENDENTS: tl.constexpr,
 ):
+    if RELEASE_DEPENDENTS:
+        # A kernel launched after this one to overlap it (the decode GEMM) may start now: it
+        # streams its weight meanwhile and waits for this kernel's end before reading its output.
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     GROUPS: tl.constexpr = BLOCK_K // 16
@@ -280,6 +286,9 @@ def launch_activation_quantize(
             WRITE_PACKED=write_packed,
             SCALES_GIVEN=scales_given,
             MMA_ORDER=mma_order,
+            # Eager launches only: the instruction is inline assembly, which the mutation analysis
+            # of a traced Triton kernel cannot read (it would take every input as written).
+            RELEASE_DEPENDENTS=overlaps_kernels(x.device) and runs_eagerly(x),
             num_warps=NUM_WARPS,
         ),
     ).launch()

@@ -893,7 +893,10 @@ def launch_nvfp4_gemm(
         partials = None if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
         sum_splits = split_k > 1 and (eager if sum_splits_in_gemm is None else sum_splits_in_gemm)
         scales = (act_scale, weight_scale)
-        launch_tiles(a, weight_qdata, weight_block_scales, *scales, bias, out, partials, sum_splits, config, split_k)
+        # Eagerly the operand kernel, launched just before, lets the GEMM start early.
+        launch_tiles(
+            a, weight_qdata, weight_block_scales, *scales, bias, out, partials, sum_splits, config, split_k, eager
+        )
         if split_k == 1 or sum_splits:
             return
     if not eager:
@@ -919,13 +922,16 @@ def launch_tiles(
     sum_splits: bool,
     config: GemmConfig,
     split_k: int,
+    overlap_operand_kernel: bool = False,
 ) -> None:
     """Launch ``config``'s GEMM kernel in ``split_k`` K splits: without ``partials`` (one split)
     it writes ``out``, epilogue included; with ``partials`` (``[split_k, M, N]`` fp32) each
     split's partial products, and with ``sum_splits`` the last program of each output tile sums
     them into ``out``, counting arrivals in the stream's ``tile_counts``. The decode tile runs
     ``gemm_decode_warp_specialized``'s kernel where the GPU and the tensors suit it, every other
-    case the Triton kernel. ``a``, ``scale_codes`` and the scales as ``launch_nvfp4_gemm`` has
+    case the Triton kernel; with ``overlap_operand_kernel`` the decode kernel starts streaming
+    its weight while the operand kernel launched just before it (eagerly, which lets it start
+    early) still runs. ``a``, ``scale_codes`` and the scales as ``launch_nvfp4_gemm`` has
     prepared them."""
     M, K = a.shape[0], 2 * weight_qdata.shape[1]
     N = weight_qdata.shape[0]
@@ -937,7 +943,8 @@ def launch_tiles(
     if decode_kernel:
         counts = tile_counts(a.device, gemm_decode_warp_specialized.counters(N)) if sum_splits else None
         gemm_decode_warp_specialized.launch_decode_gemm(
-            a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k
+            a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k,
+            overlap_operand_kernel,
         )
         return
     tiles = ceil_div(M, config.rows_per_tile) * ceil_div(N, config.block_n)

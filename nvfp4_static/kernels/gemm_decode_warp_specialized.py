@@ -9,7 +9,12 @@ its 64 weight rows into the wgmma's register operand and multiplies (m64n16k16, 
 a global load in the K loop, and four warpgroups dequantizing at once keep enough bytes in flight
 to stream the weight: on an H200, 8192 x 8192 at 16 rows, the K loop alone takes 0.021 ms
 against the read floor's 0.018, the whole linear (operand kernel, this GEMM and its split sum)
-0.0262 against the Triton entry's 0.0297 (``examples/benchmarks/RESULTS.md``).
+0.0255 against the Triton entry's 0.0300 (``examples/benchmarks/RESULTS.md``).
+
+Eagerly the kernel is launched to start while the operand kernel before it still runs
+(programmatic dependent launch; that kernel lets it start at once): the load warpgroup issues
+the first K tile's weight and scales, then waits for the operand kernel's end, then loads the
+operand, about 1 us less per linear.
 
 The program that stores the last split of a column tile sums the splits' partial products in
 split order and applies the epilogue (both global scales, the bias), so one launch gives the
@@ -79,23 +84,35 @@ if HAS_GLUON_HOPPER:
     )
 
     @gluon.jit
+    def _wait_for_previous_kernel():
+        """Wait until the kernel launched before this one has ended and its writes are visible
+        (a no-op unless this kernel was launched to overlap it)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _load_partition(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, off_n, k_first, k_tiles,
                         BK: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
         """Fill stage ``i % NUM_STAGES`` with the split's K tile ``i`` once every consumer handed
-        it back: the operand tile, then each consumer's packed weight rows and block scales."""
+        it back: each consumer's packed weight rows and block scales, then the operand tile. The
+        weight does not depend on the kernel before this one (the operand kernel, which may let
+        this one start while it runs), so the first tile's weight loads go out before waiting for
+        that kernel, and its operand load after."""
+        tile_bytes: gl.constexpr = a_desc.block_type.nbytes + CONSUMERS * (
+            w_desc.block_type.nbytes + s_desc.block_type.nbytes
+        )
         for i in range(k_tiles):
             stage = i % NUM_STAGES
             # A fresh barrier counts as having completed the phase before its first.
             mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
             bar = ready.index(stage)
-            mbarrier.expect(
-                bar, a_desc.block_type.nbytes + CONSUMERS * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
-            )
+            mbarrier.expect(bar, tile_bytes)
             k = (k_first + i) * BK
-            tma_load(a_desc, [0, k], bar, a_smem.index(stage))
             for c in gl.static_range(CONSUMERS):
                 tma_load(w_desc, [off_n + c * ROWS, k // 2], bar, w_smem.index(stage * CONSUMERS + c))
                 tma_load(s_desc, [off_n + c * ROWS, k // 16], bar, s_smem.index(stage * CONSUMERS + c))
+            if i == 0:
+                _wait_for_previous_kernel()
+            tma_load(a_desc, [0, k], bar, a_smem.index(stage))
 
     @gluon.jit
     def _multiply_partition(a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr, bias_ptr,
@@ -222,12 +239,14 @@ def kernel_arguments(
     partials: Optional[torch.Tensor],
     counts: Optional[torch.Tensor],
     split_k: int,
+    overlap: bool = False,
 ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, meta)`` of the kernel's launch in ``split_k`` K splits (the TMA
     descriptors built for these tensors). Without ``partials`` (one split only) the kernel writes
     ``out``; with ``partials`` (``[split_k, M, N]`` fp32) it writes each split's partial products
     there, and with ``counts`` too (``counters(N)`` int32, zero) the last split's program sums
-    them into ``out``."""
+    them into ``out``. With ``overlap`` the kernel is launched to start while the operand kernel
+    before it runs (programmatic dependent launch), its weight loads overlapping that kernel."""
     M, K = a.shape
     N = weight_qdata.shape[0]
     if M > TOKENS:
@@ -246,7 +265,7 @@ def kernel_arguments(
             split_k)
     meta = dict(TOKENS=TOKENS, BK=BLOCK_K, NUM_STAGES=STAGES, CONSUMERS=CONSUMERS, WRITE_PARTIALS=partials is not None,
                 SUM_SPLITS=partials is not None and counts is not None, HAS_BIAS=bias is not None,
-                REGISTERS=CONSUMER_REGISTERS, num_warps=4)
+                REGISTERS=CONSUMER_REGISTERS, num_warps=4, launch_pdl=overlap)
     return grid, args, meta
 
 
@@ -273,14 +292,15 @@ def launch_decode_gemm(
     partials: Optional[torch.Tensor],
     counts: Optional[torch.Tensor],
     split_k: int,
+    overlap: bool,
 ) -> None:
     """``out [M, N] = (a @ dequant(W)^T) * act_scale * weight_scale + bias``, or the partial
     products of its ``split_k`` K splits only: ``a`` the fp16 operand in the MMA order,
-    ``scale_codes`` the block scales as bytes, both global scales fp32 ``[1]``; ``partials`` and
-    ``counts`` as ``kernel_arguments`` takes them. The caller has checked
+    ``scale_codes`` the block scales as bytes, both global scales fp32 ``[1]``; ``partials``,
+    ``counts`` and ``overlap`` as ``kernel_arguments`` takes them. The caller has checked
     ``gemm_warp_specialized.available`` and ``takes``."""
     grid, args, meta = kernel_arguments(
-        a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k
+        a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap
     )
     workspace = () if counts is None else (counts,)
     gemm_warp_specialized.launch_prepared(KernelCall(_decode_gemm_kernel, grid, args, meta, workspace), a.device)

@@ -10,6 +10,7 @@ observed layer, so grids are computed with the plain-integer versions below (the
 import contextlib
 import os
 import threading
+from functools import lru_cache
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -159,6 +160,15 @@ def _calls_something(hook):
     """``hook``, or None where it would do nothing: Triton 3.6's hooks are chains, empty unless a
     profiler added to them, and a launch that passes an empty chain pays for calling it."""
     return hook if hook is not None and getattr(hook, "calls", True) else None
+
+
+@lru_cache(maxsize=None)
+def overlaps_kernels(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` may start while the one before it still runs (CUDA's
+    programmatic dependent launch, sm_90 onwards): Triton's ``launch_pdl``, with the earlier
+    kernel's ``griddepcontrol.launch_dependents`` and the later one's ``griddepcontrol.wait``
+    before it reads the earlier one's output. Never under Triton's interpreter."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def ceil_div(a, b):
