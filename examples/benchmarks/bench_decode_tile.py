@@ -9,12 +9,14 @@ each split has the bucket's ``gemm.DECODE_TILE_MIN_K_TILES`` (last column). Colu
 ``no overlap``: the decode tile again, its operand kernel not letting it start before that kernel
 ends (``act_quantize.overlaps_kernels`` off), which shows what starting early saves. Before
 timing, the decode tile's output is checked equal, bit for bit, to its Triton twin's
-(``gemm.DECODE_TILE_IN_TRITON``).
+(``gemm.DECODE_TILE_IN_TRITON``). With ``--rounds R`` each cell is the median of R rounds, the
+three columns interleaved in each, for differences under a microsecond.
 
-Usage: python bench_decode_tile.py [--m 1 4 16] [--shapes 8192x8192 ...]
+Usage: python bench_decode_tile.py [--m 1 4 16] [--shapes 8192x8192 ...] [--rounds 1]
 """
 
 import argparse
+import statistics
 
 import torch
 from bench_linear import bare_read_ms, graph_ms
@@ -70,6 +72,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--shapes", nargs="+", default=SHAPES.split(), help="K x N weight shapes")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds per cell (median)")
     args = parser.parse_args()
     device = torch.device("cuda")
     if not (torch.cuda.is_available() and gemm.gemm_warp_specialized.available(device)):
@@ -90,9 +93,15 @@ def main():
             act_scale = x.abs().max().float() / 2688
             if not same_as_the_triton_twin(x, weight, act_scale):
                 raise SystemExit(f"{K} x {N} at M = {M}: the decode tile's output differs from its Triton twin's")
-            entry = linear_ms(x, weight, act_scale, nowhere)
-            decode = linear_ms(x, weight, act_scale, everywhere)
-            apart = without_overlap(lambda: linear_ms(x, weight, act_scale, everywhere))
+            rounds = [
+                (
+                    linear_ms(x, weight, act_scale, nowhere),
+                    linear_ms(x, weight, act_scale, everywhere),
+                    without_overlap(lambda: linear_ms(x, weight, act_scale, everywhere)),
+                )
+                for _ in range(args.rounds)
+            ]
+            entry, decode, apart = (statistics.median(column) for column in zip(*rounds))
             takes = gemm.table_config(M, None, N, K, device) == DECODE_TILE
             print(f"{K:>6} {N:>6} {M:>3} | {split:>5} {k_tiles:>7.1f} | {read:>7.4f} {entry:>7.4f} {decode:>7.4f} "
                   f"{apart:>10.4f} | {entry / decode:>12.2f} {'decode' if takes else 'entry':>11}")
