@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchao.quantization import quantize_
 
 from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable
@@ -137,3 +138,11 @@ def quantized(model, dtype=torch.float32, batches=None, **config):
         for batch in calibration_batches(dtype=dtype) if batches is None else batches:
             model(batch)
     return convert(model, **config)
+
+
+class PassThrough(TorchDispatchMode):
+    """A dispatch mode that runs every op as it is: under it, launches are not eager (as under
+    functionalization and fake tensors, which is how a traced graph runs them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))

@@ -9,10 +9,8 @@ import contextlib
 
 import pytest
 import torch
-from conftest import DTYPE_IDS, DTYPES, requires_cuda, smallest_accepted_per_tensor_scale
+from conftest import DTYPE_IDS, DTYPES, PassThrough, requires_cuda, smallest_accepted_per_tensor_scale
 from triton_interpreter import run_interpreted
-
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nvfp4_static.kernels import act_quantize
 from nvfp4_static.kernels.act_quantize import _activation_quantize_kernel, launch_activation_quantize
@@ -470,13 +468,6 @@ def test_only_real_tensors_outside_of_tracing_skip_the_ops():
     assert seen == [False]
 
 
-class PassThrough(TorchDispatchMode):
-    """A dispatch mode that runs every op as it is: under it, launches are not eager."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "dispatch-mode"])
 def test_the_kernel_lets_the_next_one_start_early_only_eagerly_where_kernels_overlap(traced, monkeypatch):
     """Where kernels can overlap (sm_90 onwards), an eager launch lets the kernel after it start
@@ -504,7 +495,7 @@ def test_kernels_overlap_only_on_cuda_devices():
 def test_sm90a_build_lets_the_next_kernel_start_before_any_load(release, monkeypatch, tmp_path):
     """Built for sm_90a, the kernel asked to release the kernel after it does so once, before
     its first global load; otherwise never."""
-    from test_gemm_hopper_code import build_for_sm90
+    from test_gemm_hopper_code import ptxas_report_for_sm90
 
     launched = []
     monkeypatch.setattr(KernelCall, "launch", lambda call: launched.append(call))
@@ -512,11 +503,7 @@ def test_sm90a_build_lets_the_next_kernel_start_before_any_load(release, monkeyp
     x = torch.randn(16, 1024, dtype=torch.bfloat16)
     launch_activation_quantize(x, torch.ones(()), None, None, torch.empty(16, 1024, dtype=torch.float16), mma_order=True)
     (call,) = launched
-    kernel = call.kernel
-    values = dict(zip(kernel.arg_names, call.args))
-    values.update((name, value) for name, value in call.meta.items() if name in kernel.arg_names)
-    options = {name: value for name, value in call.meta.items() if name not in kernel.arg_names}
-    ptx = build_for_sm90(kernel, values, options, tmp_path).ptx
+    ptx = ptxas_report_for_sm90(call, tmp_path).ptx
     assert ptx.count("griddepcontrol.launch_dependents") == int(release)
     if release:
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")

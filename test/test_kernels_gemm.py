@@ -12,8 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import UNIT_ROUNDOFF, gpu_tolerance, linear_operands, relative_error, requires_cuda
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import UNIT_ROUNDOFF, PassThrough, gpu_tolerance, linear_operands, relative_error, requires_cuda
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.kernels import gemm
@@ -59,10 +58,6 @@ TRACED_LAUNCHER = "test_kernels_gemm:launch_as_traced"
 def launch_as_traced(*args):
     """``launch_nvfp4_gemm(*args)`` as a traced graph runs it: under a dispatch mode (as
     functionalization and fake tensors are), where its epilogue is torch ops."""
-
-    class PassThrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
 
     with PassThrough():
         launch_nvfp4_gemm(*args)

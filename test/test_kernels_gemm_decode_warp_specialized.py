@@ -13,11 +13,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import gpu_tolerance, relative_error, requires_cuda
+from conftest import PassThrough, gpu_tolerance, relative_error, requires_cuda
 from test_kernels_gemm import gemm_operands, reference_gemm
 from test_kernels_gemm_warp_specialized import (
     H100_SHARED_BYTES_PER_BLOCK,
-    PassThrough,
     counting_launches,
     needs_gluon_hopper,
     requires_hopper,
@@ -295,9 +294,9 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, with_bi
     into the output; under dispatch modes (as in tracing) through the partial-products op with
     no counters (a CUDA graph capturing it keeps no buffer), and the splits' sum, both global
     scales and the bias come from torch ops after it. Only the eager launch overlaps the operand
-    kernel (which releases it early only when launched eagerly). Stood in on the CPU: the launcher (which
-    writes split s's products as s + 1, or the output as 7), availability, the op's device check
-    and the stream's counters are patched."""
+    kernel (which releases it early only when launched eagerly). Stood in on the CPU: the
+    launcher (which writes split s's products as s + 1, or the output as 7), availability, the
+    op's device check and the stream's counters are patched."""
     calls = []
 
     def launcher(a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap):

@@ -14,8 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import gpu_tolerance, relative_error, requires_cuda
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import PassThrough, gpu_tolerance, relative_error, requires_cuda
 from test_kernels_gemm import gemm_operands, reference_gemm
 
 from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized, nvfp4_gemm, ops
@@ -313,13 +312,6 @@ def test_the_op_refuses_tiles_the_kernel_lacks(tokens, monkeypatch):
     op = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm.default
     with pytest.raises(ValueError, match=rf"tiles of \[128, 256\] activation rows, got tokens_per_tile = {tokens}"):
         op(operand, *weight, torch.bfloat16, tokens)
-
-
-class PassThrough(TorchDispatchMode):
-    """A dispatch mode that runs every op as it is: under it, launches are not eager."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])

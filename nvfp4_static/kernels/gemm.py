@@ -929,9 +929,9 @@ def launch_tiles(
     split's partial products, and with ``sum_splits`` the last program of each output tile sums
     them into ``out``, counting arrivals in the stream's ``tile_counts``. The decode tile runs
     ``gemm_decode_warp_specialized``'s kernel where the GPU and the tensors suit it, every other
-    case the Triton kernel; with ``overlap_operand_kernel`` the decode kernel starts streaming
-    its weight while the operand kernel launched just before it (eagerly, which lets it start
-    early) still runs. ``a``, ``scale_codes`` and the scales as ``launch_nvfp4_gemm`` has
+    case the Triton kernel; with ``overlap_operand_kernel`` the decode kernel is launched to
+    start streaming its weight while the operand kernel launched just before it still runs (that
+    kernel lets it start early where it was launched eagerly). ``a``, ``scale_codes`` and the scales as ``launch_nvfp4_gemm`` has
     prepared them."""
     M, K = a.shape[0], 2 * weight_qdata.shape[1]
     N = weight_qdata.shape[0]
