@@ -23,6 +23,7 @@ from test_kernels_gemm_warp_specialized import (
 )
 
 from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized, ops
+from nvfp4_static.kernels.act_quantize import launch_activation_quantize
 from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
     DECODE_TILE_IN_TRITON,
@@ -36,6 +37,7 @@ from nvfp4_static.kernels.gemm import (
     quantizes_activation_in_gemm,
     table_config,
 )
+from nvfp4_static.kernels.launch import KernelCall
 
 decode = gemm_decode_warp_specialized
 CUDA = torch.device("cuda", 0)
@@ -254,6 +256,81 @@ def test_the_partial_products_op_refuses_cpu_tensors_and_its_fake_gives_the_shap
     for split_k in (1, 3):
         fake = op(a.to("meta"), qdata.to("meta"), codes.to("meta"), split_k)
         assert fake.shape == (split_k, M, N) and fake.dtype == torch.float32
+    linear = torch.ops.nvfp4_static.decode_linear_partial_products.default
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="decode_linear_partial_products runs on CUDA tensors, got cpu"):
+        linear(x, torch.ones(1), qdata, codes, 2)
+    fake = linear(x.to("meta"), torch.ones(1, device="meta"), qdata.to("meta"), codes.to("meta"), 3)
+    assert fake.shape == (3, M, N) and fake.dtype == torch.float32
+
+
+class DecodeLaunchesStoodIn:
+    """The operand kernel's and the decode tile's launches on the CPU, recorded in order: the
+    first writes 1 into the operand, the second split s's products as s + 1."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
+        monkeypatch.setattr(decode, "takes", lambda a, qdata, scales, out: True)
+        monkeypatch.setattr(decode, "launch_decode_gemm", self.gemm)
+        monkeypatch.setattr(ops, "launch_activation_quantize", self.quantize)
+        monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+
+    def quantize(self, x, per_tensor_scale, qdata, block_scales, operand, mma_order=False):
+        self.calls.append(("quantize", x, per_tensor_scale, operand, mma_order))
+        operand.fill_(1.0)
+
+    def gemm(self, a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap):
+        self.calls.append(("gemm", a.clone(), counts, split_k, overlap))
+        for split in range(split_k):
+            partials[split].fill_(split + 1.0)
+
+
+def test_the_linear_op_quantizes_then_starts_the_decode_tile_overlapping_that_kernel(monkeypatch):
+    """``decode_linear_partial_products``: the operand kernel writes the decode tile's operand
+    (fp16, MMA order) from the activation itself, then the decode tile, launched to overlap it,
+    reads that operand and writes the splits' products, with no counters."""
+    launches = DecodeLaunchesStoodIn(monkeypatch)
+    M, N, K = 3, 64, 1024
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    scale = torch.full((1,), 0.5)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    codes = torch.zeros(N, K // 16, dtype=torch.uint8)
+    partials = torch.ops.nvfp4_static.decode_linear_partial_products(x, scale, qdata, codes, 4)
+    (kind, x_given, scale_given, operand, mma_order), (gemm_kind, gemm_operand, counts, split_k, overlap) = launches.calls
+    assert (kind, gemm_kind) == ("quantize", "gemm")
+    assert x_given is x and scale_given is scale and mma_order
+    assert operand.dtype == torch.float16 and operand.shape == (M, K)
+    assert torch.equal(gemm_operand, torch.ones(M, K, dtype=torch.float16))
+    assert (counts, split_k, overlap) == (None, 4, True)
+    assert torch.equal(partials, torch.arange(1.0, 5.0)[:, None, None].expand(4, M, N))
+
+
+@pytest.mark.parametrize(
+    "rows,K,x_dtype,qdata_dtype,split_k,message",
+    [
+        (17, 1024, torch.bfloat16, torch.uint8, 1, r"at most 16 rows in 1 to 4 K splits \(K = 1024\), got 17 rows"),
+        (4, 1024, torch.bfloat16, torch.uint8, 0, r"got 4 rows and split_k = 0"),
+        (4, 1024, torch.bfloat16, torch.uint8, 5, r"got 4 rows and split_k = 5"),
+        (4, 1024, torch.bfloat16, torch.int8, 1, r"decode_linear_partial_products takes the packed weight .* got torch.int8"),
+        (4, 512, torch.bfloat16, torch.uint8, 1, r"shapes do not match: activation \(4, 512\)"),
+        (4, 1024, torch.int32, torch.uint8, 1, r"the tensor to quantize"),
+    ],
+    ids=["rows", "no-split", "too-many-splits", "qdata-dtype", "k-mismatch", "int-activation"],
+)
+def test_the_linear_op_refuses_before_launching_anything(rows, K, x_dtype, qdata_dtype, split_k, message, monkeypatch):
+    """Refused arguments, the weight's or the activation's (which the operand kernel's own
+    launcher checks), stop the op before any kernel is launched (launches recorded, not run)."""
+    launches = DecodeLaunchesStoodIn(monkeypatch)
+    monkeypatch.setattr(ops, "launch_activation_quantize", launch_activation_quantize)
+    monkeypatch.setattr(KernelCall, "launch", lambda call: launches.calls.append(call))
+    N, weight_K = 64, 1024
+    x = torch.ones(rows, K).to(x_dtype)
+    qdata = torch.zeros(N, weight_K // 2).to(qdata_dtype)
+    codes = torch.zeros(N, weight_K // 16, dtype=torch.uint8)
+    with pytest.raises((ValueError, TypeError), match=message):
+        torch.ops.nvfp4_static.decode_linear_partial_products(x, torch.ones(1), qdata, codes, split_k)
+    assert launches.calls == []
 
 
 @pytest.mark.parametrize("M,split_k", [(17, 1), (64, 2), (4, 0), (4, -1), (4, 5), (1, 64)])
@@ -402,3 +479,59 @@ def test_gpu_partial_products_op_equals_the_triton_tiles_products_bit_for_bit(M,
     assert relative_error(product, reference_gemm(plain, qdata, scales, act_scale, weight_scale, None)) <= gpu_tolerance(
         K, torch.float32
     )
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_traced_route_hands_the_decode_tile_the_activation_itself(with_bias, monkeypatch):
+    """Traced (here under a dispatch mode), the route's decode-tile bucket runs the quantize
+    kernel and the decode tile as one op (``decode_linear_partial_products``), never the
+    operand op before it, and sums the splits' products, scales and biases them as the traced
+    ``nvfp4_gemm`` does, in the activation's dtype and leading shape. Stood in on the CPU as
+    above: the operand is 1, split s's products s + 1."""
+    from nvfp4_static.backends import triton_route
+
+    launches = DecodeLaunchesStoodIn(monkeypatch)
+    monkeypatch.setattr(triton_route, "operand_config", lambda bucket, N, K, device: DECODE_TILE)
+
+    def no_operand_op(*args, **kwargs):
+        raise AssertionError("the operand op ran before the decode tile's linear op")
+
+    monkeypatch.setattr(triton_route, "gemm_activation_operand", no_operand_op)
+    N, K = 64, 1024
+    x = torch.randn(2, 3, K, dtype=torch.bfloat16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    block_scales = torch.zeros(N, K // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    weight_scale, act_scale = torch.tensor(0.25), torch.tensor(3.0)
+    bias = torch.randn(N, dtype=torch.bfloat16) if with_bias else None
+    with PassThrough():
+        out = triton_route._linear_in_bucket(
+            gemm_bucket(6), None, x, (qdata, block_scales, weight_scale, act_scale), bias
+        )
+    split = gemm.split_k_for(config_for_width(DECODE_TILE, K), N, K, x.device)
+    assert split == 2
+    assert [call[0] for call in launches.calls] == ["quantize", "gemm"]
+    assert launches.calls[0][1].shape == (6, K) and launches.calls[1][3:] == (split, True)
+    expected = torch.full((6, N), 1.0 + 2.0) * (act_scale * weight_scale)
+    expected = expected if bias is None else expected + bias.float()
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, N)
+    assert torch.equal(out, expected.to(torch.bfloat16).reshape(2, 3, N))
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("M,N,K", [(16, 8192, 8192), (3, 4096, 14336), (1, 320, 1024)], ids=str)
+def test_gpu_linear_op_equals_the_operand_then_the_products_op_bit_for_bit(dtype, M, N, K):
+    """The traced pair as one op, the decode tile started while the quantize kernel runs: the
+    same products as the operand op followed by the products op (launched one after the other),
+    in 30 calls."""
+    x = torch.randn(M, K, device="cuda", generator=torch.Generator("cuda").manual_seed(M)).to(dtype)
+    act_scale = (x.abs().amax().float() / 2688).reshape(1)
+    _, qdata, scales, *_ = gemm_operands(M, N, K, seed=M, device="cuda", config=DECODE_TILE)
+    codes = scales.view(torch.uint8)
+    split = gemm.split_k_for(DECODE_TILE, N, K, x.device)
+    operand = ops.gemm_activation_operand(x, act_scale, torch.float16, True)
+    apart = torch.ops.nvfp4_static.decode_gemm_partial_products(operand, qdata, codes, split)
+    for _ in range(30):
+        together = torch.ops.nvfp4_static.decode_linear_partial_products(x, act_scale, qdata, codes, split)
+        assert torch.equal(together, apart)

@@ -5,7 +5,9 @@ operand ``q * s_b`` (the op ``gemm_activation_operand``, kernel in ``kernels.act
 the GEMM reads the packed weight, dequantizes it and applies both global scales and the bias in
 its epilogue (the op ``nvfp4_gemm``, kernel in ``kernels.gemm``;
 at large M cuBLAS does the product, with the epilogue fused where ``output_scale`` is known).
-At the smallest decode sizes the GEMM quantizes the activation itself: one launch.
+At the smallest decode sizes the GEMM quantizes the activation itself: one launch. Traced, where
+the table runs the Hopper decode tile, the two steps are one op (``decode_linear_partial_products``)
+that launches the GEMM to overlap the quantize kernel, as the eager route does.
 Numerically this is ``backends.cpu`` up to the order of fp32 sums.
 Non-CUDA tensors take the ``cpu`` route.
 
@@ -21,15 +23,21 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from nvfp4_static.backends import cpu
+from nvfp4_static.kernels import gemm_warp_specialized
 from nvfp4_static.kernels.gemm import (
+    DECODE_TILE,
     GEMM_CONFIGS,
     activation_operand_dtype,
+    config_for_width,
+    epilogue_as_ops,
     gemm_bucket,
     operand_config,
     operand_in_mma_order,
     quantizes_activation_in_gemm,
+    split_k_for,
 )
 from nvfp4_static.kernels.ops import (
+    decode_linear_partial_products,
     gemm_activation_operand,
     nvfp4_gemm,
     quantizing_nvfp4_gemm,
@@ -79,6 +87,8 @@ def _linear_in_bucket(
         out = quantizing_nvfp4_gemm(
             x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, bucket
         )
+    elif config == DECODE_TILE and not runs_eagerly(x) and gemm_warp_specialized.available(x.device):
+        out = _decode_tile_linear_traced(x, weights, bias)
     else:
         operand = gemm_activation_operand(
             x,
@@ -98,6 +108,24 @@ def _linear_in_bucket(
             bucket,
         )
     return out.reshape(*leading_shape, out.shape[-1])
+
+
+def _decode_tile_linear_traced(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Traced, the decode tile's linear of ``x [M, K]``: the activation's quantize kernel and the
+    decode tile as one op (``decode_linear_partial_products``, which starts the GEMM while the
+    quantize kernel runs, as the eager route does), then the K splits' sum, both global scales
+    and the bias as the torch ops ``nvfp4_gemm`` traces for this tile (``epilogue_as_ops``: the
+    same output), which Inductor fuses into the kernel reading the output."""
+    weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale = weights
+    N, K = weight_qdata.shape[0], 2 * weight_qdata.shape[1]
+    split_k = split_k_for(config_for_width(DECODE_TILE, K), N, K, x.device)
+    act_scale = act_per_tensor_scale.to(torch.float32).reshape(1)
+    weight_scale = weight_per_tensor_scale.to(torch.float32).reshape(1)
+    codes = weight_block_scales.contiguous().view(torch.uint8)
+    partials = decode_linear_partial_products(x, act_scale, weight_qdata.contiguous(), codes, split_k)
+    return epilogue_as_ops(partials, act_scale, weight_scale, bias).to(x.dtype)
 
 
 def _linear_branching_on_m(

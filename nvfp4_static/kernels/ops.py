@@ -20,7 +20,9 @@ branch lives in the body); ``nvfp4_gemm`` and ``quantizing_nvfp4_gemm`` are CUDA
 route of the same product is ``backends.cpu``). Inside them, a traced graph reaches the Hopper
 Gluon GEMMs, which Inductor cannot trace, through two CUDA-only ``custom_op``s it does not look
 into: ``warp_specialized_nvfp4_gemm`` (the wide tiles) and ``decode_gemm_partial_products`` (the
-decode tile's K splits, which the graph sums). ``grouped_static_nvfp4_linear``, the experts of a
+decode tile's K splits, which the graph sums), or ``decode_linear_partial_products``, the same
+from the activation itself, its quantize kernel and the decode tile launched as a pair that
+overlaps, which the route traces at the decode tile's token counts. ``grouped_static_nvfp4_linear``, the experts of a
 mixture-of-experts layer, is a ``custom_op`` like the calibration ops: its torch fallback loops
 over the experts with data-dependent row counts, which a traced body could not;
 ``grouped_static_nvfp4_linear_reference`` is that fallback as an op on every device.
@@ -37,7 +39,7 @@ inference ops are then plain ``custom_op``s, as ``triton_op`` logs a warning wit
 
 import functools
 import importlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch._library.triton import set_wrap_triton_enabled  # private; what triton_op uses
@@ -484,10 +486,24 @@ def decode_gemm_partial_products(
     where the GPU and the tensors suit it and the same tile in Triton otherwise; the two give
     the same products."""
     _require_cuda(a, "decode_gemm_partial_products")
+    return _decode_partial_products("decode_gemm_partial_products", a, weight_qdata, scale_codes, split_k)
+
+
+def _decode_partial_products(
+    op: str,
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    scale_codes: torch.Tensor,
+    split_k: int,
+    write_operand: Optional[Callable[[], None]] = None,
+) -> torch.Tensor:
+    """The decode ops' products of the operand ``a``, the arguments checked first (errors name
+    ``op``). ``write_operand``, if given, launches the kernel that writes ``a``; the decode tile
+    then starts while that kernel runs."""
     require_triton("the NVFP4 GEMM on a CUDA tensor")
     if weight_qdata.dtype != torch.uint8 or scale_codes.dtype != torch.uint8:
         raise ValueError(
-            f"nvfp4_static: decode_gemm_partial_products takes the packed weight and its block scales' codes as "
+            f"nvfp4_static: {op} takes the packed weight and its block scales' codes as "
             f"uint8, got {weight_qdata.dtype} and {scale_codes.dtype}"
         )
     check_operands(a, weight_qdata, scale_codes, torch.float16)
@@ -495,21 +511,53 @@ def decode_gemm_partial_products(
     k_tiles = -(-K // DECODE_TILE.block_k)
     if M > DECODE_TILE.block_m or not 1 <= split_k <= k_tiles:
         raise ValueError(
-            f"nvfp4_static: decode_gemm_partial_products takes at most {DECODE_TILE.block_m} rows in 1 to {k_tiles} "
+            f"nvfp4_static: {op} takes at most {DECODE_TILE.block_m} rows in 1 to {k_tiles} "
             f"K splits (K = {K}), got {M} rows and split_k = {split_k}"
         )
+    if write_operand is not None:
+        write_operand()
     partials = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
     # Only the partial products are written: the scales, bias and output are never read, and
     # the partials buffer stands in for them.
     unused = partials
     config = config_for_width(DECODE_TILE, K)
-    launch_tiles(a, weight_qdata, scale_codes, unused, unused, None, partials[0], partials, False, config, split_k)
+    overlap = write_operand is not None
+    launch_tiles(
+        a, weight_qdata, scale_codes, unused, unused, None, partials[0], partials, False, config, split_k, overlap
+    )
     return partials
 
 
 @decode_gemm_partial_products.register_fake
 def _decode_gemm_partial_products_fake(a, weight_qdata, scale_codes, split_k):
     return a.new_empty((split_k, a.shape[0], weight_qdata.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("nvfp4_static::decode_linear_partial_products", mutates_args=())
+def decode_linear_partial_products(
+    x: torch.Tensor, act_per_tensor_scale: torch.Tensor, weight_qdata: torch.Tensor, scale_codes: torch.Tensor,
+    split_k: int
+) -> torch.Tensor:
+    """``decode_gemm_partial_products`` of the activation ``x`` itself (``[M, K]``, bf16, fp16
+    or fp32): quantized under ``act_per_tensor_scale`` into the decode tile's operand (as
+    ``gemm_activation_operand(x, scale, torch.float16, mma_order=True)``), then the decode tile
+    started while that kernel runs, as an eager linear launches the pair. A traced graph takes
+    the two as one op, so that no other kernel runs between them: the operand kernel lets the
+    kernel after it start early, and only the decode tile waits for it before reading."""
+    _require_cuda(x, "decode_linear_partial_products")
+    operand = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+
+    def write_operand():
+        with set_wrap_triton_enabled(False):  # a launch, not an op: this op runs on real tensors
+            launch_activation_quantize(x, act_per_tensor_scale, None, None, operand, mma_order=True)
+
+    op = "decode_linear_partial_products"
+    return _decode_partial_products(op, operand, weight_qdata, scale_codes, split_k, write_operand)
+
+
+@decode_linear_partial_products.register_fake
+def _decode_linear_partial_products_fake(x, act_per_tensor_scale, weight_qdata, scale_codes, split_k):
+    return x.new_empty((split_k, x.shape[0], weight_qdata.shape[0]), dtype=torch.float32)
 
 
 def _grouped_static_nvfp4_linear_torch(
