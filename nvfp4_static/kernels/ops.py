@@ -18,13 +18,14 @@ eager mode (``traced_op``): ``quantize_activation_nvfp4`` and ``gemm_activation_
 torch reference on non-CUDA tensors (a ``triton_op`` body is traced for every device, so the
 branch lives in the body); ``nvfp4_gemm`` and ``quantizing_nvfp4_gemm`` are CUDA only (the torch
 route of the same product is ``backends.cpu``). Inside them, a traced graph reaches the Hopper
-Gluon GEMMs, which Inductor cannot trace, through two CUDA-only ``custom_op``s it does not look
-into: ``warp_specialized_nvfp4_gemm`` (the wide tiles) and ``decode_gemm_partial_products`` (the
-decode tile's K splits, which the graph sums), or ``decode_linear_partial_products``, the same
-from the activation itself, its quantize kernel and the decode tile launched as a pair that
-overlaps, which the route traces at the decode tile's token counts. ``grouped_static_nvfp4_linear``, the experts of a
-mixture-of-experts layer, is a ``custom_op`` like the calibration ops: its torch fallback loops
-over the experts with data-dependent row counts, which a traced body could not;
+Gluon GEMMs, which Inductor cannot trace, through three CUDA-only ``custom_op``s it does not look
+into: ``warp_specialized_nvfp4_gemm`` (the wide tiles), ``decode_gemm_partial_products`` (the
+decode tile's K splits, which the graph sums) and ``decode_linear_partial_products`` (the same
+from the activation itself: its quantize kernel and the decode tile launched as a pair that
+overlaps, which the route traces at the decode tile's token counts).
+``grouped_static_nvfp4_linear``, the experts of a mixture-of-experts layer, is a ``custom_op``
+like the calibration ops: its torch fallback loops over the experts with data-dependent row
+counts, which a traced body could not;
 ``grouped_static_nvfp4_linear_reference`` is that fallback as an op on every device.
 
 ``quantize_weight_nvfp4`` is a plain function, not an op: convert runs it eagerly, the activation
@@ -535,8 +536,11 @@ def _decode_gemm_partial_products_fake(a, weight_qdata, scale_codes, split_k):
 
 @torch.library.custom_op("nvfp4_static::decode_linear_partial_products", mutates_args=())
 def decode_linear_partial_products(
-    x: torch.Tensor, act_per_tensor_scale: torch.Tensor, weight_qdata: torch.Tensor, scale_codes: torch.Tensor,
-    split_k: int
+    x: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    scale_codes: torch.Tensor,
+    split_k: int,
 ) -> torch.Tensor:
     """``decode_gemm_partial_products`` of the activation ``x`` itself (``[M, K]``, bf16, fp16
     or fp32): quantized under ``act_per_tensor_scale`` into the decode tile's operand (as
