@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked, unpack_uint4
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
 from conftest import smallest_accepted_per_tensor_scale
@@ -221,3 +221,26 @@ def test_e2m1_table_equals_torchaos_decoding_of_every_code():
     ours = numerics.e2m1_values_by_code(torch.device("cpu"))
     theirs = f4_unpacked_to_f32(torch.arange(16, dtype=torch.uint8))
     assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))  # -0.0 included
+
+
+def test_byte_table_decodes_every_packed_byte_as_torchao_does():
+    """Every byte value, low nibble first, under leading dims (an expert stack's shape): the
+    bfloat16 values equal torchao's decoding of the unpacked nibbles, -0.0 included."""
+    qdata = torch.arange(256, dtype=torch.uint8).reshape(2, 8, 16).flip(-1)
+    theirs = f4_unpacked_to_f32(unpack_uint4(qdata.reshape(-1, 16))).reshape(2, 8, 32)
+    words = numerics.e2m1_byte_words(torch.device("cpu"))
+    for ours in (numerics.e2m1_values_by_byte(qdata), numerics.e2m1_values_by_byte(qdata, words)):
+        assert ours.dtype == torch.bfloat16 and ours.shape == (2, 8, 32)
+        assert torch.equal(ours.float().view(torch.int32), theirs.view(torch.int32))
+
+
+def test_dequantize_equals_the_codes_decoded_one_by_one_times_their_block_scales():
+    weight = torch.randn(3, 40, 64) * torch.rand(3, 40, 1)
+    qdata, block_scales = numerics.quantize_nvfp4(weight, torch.tensor(0.01))
+    codes = torch.stack((qdata & 0xF, qdata >> 4), dim=-1).reshape(3, 40, 64).to(torch.int64)
+    values = numerics.e2m1_values_by_code(torch.device("cpu"))[codes]
+    expected = (values.reshape(3, 40, 4, 16) * block_scales.to(torch.float32)[..., None]).reshape(3, 40, 64)
+    for output_dtype in (torch.float32, torch.bfloat16):
+        got = numerics.dequantize_nvfp4(qdata, block_scales, output_dtype=output_dtype)
+        assert got.dtype == output_dtype
+        assert torch.equal(got.float().view(torch.int32), expected.to(output_dtype).float().view(torch.int32))

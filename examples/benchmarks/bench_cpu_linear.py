@@ -1,0 +1,92 @@
+"""The static NVFP4 linear on a CPU (the ``cpu`` backend) against float ``F.linear``.
+
+    python examples/benchmarks/bench_cpu_linear.py [--m 1 16 256] [--shapes 576x1536 ...] [--rounds 3]
+
+For each weight shape (K x N) and token count M, wall time per call (ms) of: ``F.linear`` in
+float32 and in bfloat16 (the baselines), the converted layer (``NVFP4StaticLinear``, bfloat16
+activation, the ``cpu`` backend as an eager model runs it: the weight dequantized and multiplied
+in slices of ``backends.cpu._WEIGHT_SLICE_ELEMENTS`` weights), and the same route with the
+weight dequantized whole (the form a traced graph takes). Before timing, the two forms' outputs
+are checked equal bit for bit. Each cell is the best of ``--rounds`` rounds of repeated calls,
+the four columns interleaved in each round; the last column is the layer's time over the faster
+float baseline's.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from nvfp4_static.backends import cpu
+from nvfp4_static.linear import NVFP4StaticLinear
+from nvfp4_static.tensor import NVFP4StaticTensor
+
+# SmolLM2-135M's linears, and Llama-3-8B's attention and MLP widths at a quarter of their K
+SHAPES = "576x576 576x1536 1536x576 1024x4096 4096x1024 2048x8192"
+
+
+def seconds_per_call(fn, budget_s: float = 0.3) -> float:
+    """Wall time of one call of ``fn``, over as many calls as fit in about ``budget_s``."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    calls = max(1, int(budget_s / max(time.perf_counter() - start, 1e-6)))
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def whole_weight(fn):
+    """``fn`` run with the route dequantizing the weight in one slice."""
+
+    def run():
+        slice_elements = cpu._WEIGHT_SLICE_ELEMENTS
+        cpu._WEIGHT_SLICE_ELEMENTS = 1 << 62
+        try:
+            return fn()
+        finally:
+            cpu._WEIGHT_SLICE_ELEMENTS = slice_elements
+
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--shapes", nargs="+", default=SHAPES.split(), help="K x N weight shapes")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    names = ("fp32", "bf16", "nvfp4", "nvfp4 whole")
+    print(f"{'K':>5} {'N':>5} {'M':>4} | " + " ".join(f"{name:>11}" for name in names) + " (ms) | nvfp4/float")
+    with torch.no_grad():
+        for shape in args.shapes:
+            K, N = (int(size) for size in shape.split("x"))
+            weight = torch.randn(N, K)
+            weight_bf16 = weight.to(torch.bfloat16)
+            quantized = NVFP4StaticTensor.from_float(weight_bf16, torch.tensor(4.0), backend_override="cpu")
+            layer = NVFP4StaticLinear(quantized, None, recipe={}, layer_name="bench")
+            for M in args.m:
+                x = torch.randn(M, K)
+                x_bf16 = x.to(torch.bfloat16)
+                calls = {
+                    "fp32": lambda: F.linear(x, weight),
+                    "bf16": lambda: F.linear(x_bf16, weight_bf16),
+                    "nvfp4": lambda: layer(x_bf16),
+                    "nvfp4 whole": whole_weight(lambda: layer(x_bf16)),
+                }
+                if not torch.equal(calls["nvfp4"](), calls["nvfp4 whole"]()):
+                    raise AssertionError(f"{K} x {N}, M = {M}: the sliced product differs from the whole one")
+                best = {name: float("inf") for name in names}
+                for _ in range(args.rounds):
+                    for name in names:
+                        best[name] = min(best[name], seconds_per_call(calls[name]))
+                cells = " ".join(f"{best[name] * 1e3:11.3f}" for name in names)
+                print(f"{K:>5} {N:>5} {M:>4} | {cells}      | {best['nvfp4'] / min(best['fp32'], best['bf16']):11.1f}")
+
+
+if __name__ == "__main__":
+    main()
