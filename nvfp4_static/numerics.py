@@ -99,8 +99,7 @@ def e2m1_values_by_byte(qdata: torch.Tensor, byte_words: Optional[torch.Tensor] 
     ``e2m1_byte_words``, built anew; a caller decoding many pieces builds it once).
 
     One 4-byte word gathered per byte writes 8 bytes per byte (its index, its values), where
-    splitting the nibbles and gathering each from ``e2m1_values_by_code`` writes 20; on a CPU it
-    takes half the time.
+    splitting the nibbles and gathering each from ``e2m1_values_by_code`` writes 20.
     """
     if byte_words is None:
         byte_words = e2m1_byte_words(qdata.device)
@@ -243,13 +242,15 @@ def dequantize_nvfp4(
     block_scales_e4m3: torch.Tensor,
     per_tensor_scale: Optional[torch.Tensor] = None,
     output_dtype: torch.dtype = torch.float32,
+    byte_words: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Inverse of ``quantize_nvfp4``: ``q * (per_tensor_scale * s_b)``, computed in float32.
 
     With ``per_tensor_scale=None`` the result is ``q * s_b``, which is exact in bfloat16; the
-    faithful GEMM multiplies the global scales in afterwards.
+    faithful GEMM multiplies the global scales in afterwards. ``byte_words``: the lookup table
+    ``e2m1_values_by_byte`` takes, for a caller dequantizing many pieces.
     """
-    values = e2m1_values_by_byte(qdata)
+    values = e2m1_values_by_byte(qdata, byte_words)
     scales = block_scales_e4m3.to(torch.float32)
     if per_tensor_scale is not None:
         scales = per_tensor_scale.to(torch.float32) * scales

@@ -16,7 +16,7 @@ from torchao.prototype.mx_formats.utils import from_blocked
 from nvfp4_static.backends import BACKENDS, blackwell, cpu, linear_function
 from nvfp4_static.backends import triton_route as triton_backend
 from nvfp4_static.kernels.gemm import GEMM_CONFIGS, gemm_bucket
-from nvfp4_static.numerics import dequantize_nvfp4, e2m1_values_by_byte, quantize_nvfp4
+from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
 
 
 def linear_inputs(M, N, K, dtype, seed, device="cpu", with_bias=True):
@@ -39,6 +39,18 @@ def test_each_backend_name_gives_its_modules_linear():
         assert linear_function(name) is module.static_nvfp4_linear, name
 
 
+def dequantized_rows(monkeypatch) -> list:
+    """The row counts of the weight pieces the cpu route dequantizes from now on, in order."""
+    rows = []
+
+    def dequantize(qdata, block_scales, **options):
+        rows.append(qdata.shape[0])
+        return dequantize_nvfp4(qdata, block_scales, **options)
+
+    monkeypatch.setattr(cpu, "dequantize_nvfp4", dequantize)
+    return rows
+
+
 @pytest.mark.parametrize(
     "leading,N,K,slice_rows",
     [((1,), 48, 64, 5), ((7,), 48, 64, 16), ((2, 3), 40, 96, 7), ((16,), 33, 32, 1), ((3,), 24, 64, 24)],
@@ -53,16 +65,10 @@ def test_cpu_route_by_weight_slices_equals_the_whole_weight_bit_for_bit(monkeypa
     args = (ops.weight_qdata, ops.weight_block_scales, ops.weight_scale, ops.act_scale, ops.bias)
     monkeypatch.setattr(cpu, "_WEIGHT_SLICE_ELEMENTS", 1 << 40)
     whole = cpu.static_nvfp4_linear(x, *args)
-    decoded = []
-
-    def decode(qdata, byte_words):
-        decoded.append(qdata.shape[0])
-        return e2m1_values_by_byte(qdata, byte_words)
-
-    monkeypatch.setattr(cpu, "e2m1_values_by_byte", decode)
+    dequantized = dequantized_rows(monkeypatch)
     monkeypatch.setattr(cpu, "_WEIGHT_SLICE_ELEMENTS", slice_rows * K)
     sliced = cpu.static_nvfp4_linear(x, *args)
-    assert decoded == [min(slice_rows, N - first) for first in range(0, N, slice_rows)]
+    assert dequantized == [min(slice_rows, N - first) for first in range(0, N, slice_rows)]
     assert sliced.shape == (*leading, N) and sliced.dtype == torch.bfloat16
     assert torch.equal(sliced.view(torch.int16), whole.view(torch.int16))
 
@@ -73,13 +79,7 @@ def test_cpu_route_dequantizes_the_weight_whole_when_traced(monkeypatch):
     ops = linear_operands(3, 40, 64, seed=1)
     args = (ops.weight_qdata, ops.weight_block_scales, ops.weight_scale, ops.act_scale, ops.bias)
     eager = cpu.static_nvfp4_linear(ops.x, *args)
-    dequantized = []
-
-    def dequantize(qdata, block_scales):
-        dequantized.append(qdata.shape[0])
-        return dequantize_nvfp4(qdata, block_scales)
-
-    monkeypatch.setattr(cpu, "dequantize_nvfp4", dequantize)
+    dequantized = dequantized_rows(monkeypatch)
     monkeypatch.setattr(cpu, "_WEIGHT_SLICE_ELEMENTS", 8 * 64)
     with PassThrough():
         traced = cpu.static_nvfp4_linear(ops.x, *args)

@@ -10,13 +10,7 @@ from typing import Optional
 import torch
 
 from nvfp4_static.kernels.launch import runs_eagerly
-from nvfp4_static.numerics import (
-    dequantize_nvfp4,
-    e2m1_byte_words,
-    e2m1_values_by_byte,
-    quantize_nvfp4_unpacked,
-    times_block_scales,
-)
+from nvfp4_static.numerics import dequantize_nvfp4, e2m1_byte_words, quantize_nvfp4_unpacked, times_block_scales
 
 
 def static_nvfp4_linear(
@@ -54,8 +48,8 @@ def static_nvfp4_linear(
 # Eagerly on a CPU the weight is dequantized and multiplied this many weights at a time, so that
 # each dequantized slice (2 MiB of float32) is still in cache when the product reads it, and
 # the allocator reuses one slice's memory for the next instead of mapping fresh pages for a
-# whole layer's: a 2048 x 8192 layer at one token takes 28 ms against 226 dequantizing it whole
-# (2 cores; examples/benchmarks/bench_cpu_linear.py).
+# whole layer's: a 2048 x 8192 layer at one token takes 32 ms, 55 dequantizing it whole
+# (2 cores; examples/benchmarks/RESULTS.md, bench_cpu_linear.py).
 _WEIGHT_SLICE_ELEMENTS = 1 << 19
 
 
@@ -64,15 +58,16 @@ def _times_dequantized_weight(act: torch.Tensor, weight_qdata: torch.Tensor, wei
     output features eagerly on a CPU; each output is the same dot product either way. Traced,
     or on another device, the weight is dequantized whole (a graph would hold every slice)."""
     N, K = weight_qdata.shape[0], 2 * weight_qdata.shape[1]
-    if act.device.type != "cpu" or not runs_eagerly(act, weight_qdata):
+    eager_on_cpu = act.device.type == "cpu" and runs_eagerly(act, weight_qdata)
+    rows = max(1, _WEIGHT_SLICE_ELEMENTS // K) if eager_on_cpu else N
+    if rows >= N:
         return torch.matmul(act, dequantize_nvfp4(weight_qdata, weight_block_scales).t())
-    rows = max(1, _WEIGHT_SLICE_ELEMENTS // K)
     byte_words = e2m1_byte_words(act.device)
     out = act.new_empty((*act.shape[:-1], N), dtype=torch.float32)
     for first in range(0, N, rows):
-        values = e2m1_values_by_byte(weight_qdata[first : first + rows], byte_words)
-        weight = times_block_scales(values, weight_block_scales[first : first + rows])
-        out[..., first : first + rows] = torch.matmul(act, weight.t())
+        part = slice(first, first + rows)
+        weight = dequantize_nvfp4(weight_qdata[part], weight_block_scales[part], byte_words=byte_words)
+        out[..., part] = torch.matmul(act, weight.t())
     return out
 
 
