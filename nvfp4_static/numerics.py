@@ -32,6 +32,7 @@ __all__ = [
     "block_amax",
     "round_to_e2m1",
     "e2m1_values_by_code",
+    "e4m3_values_by_code",
     "e2m1_byte_words",
     "e2m1_values_by_byte",
     "compute_block_scales",
@@ -81,6 +82,13 @@ def e2m1_values_by_code(device: torch.device) -> torch.Tensor:
     normal = torch.exp2((exponent - 1).float()) * (1.0 + 0.5 * mantissa)
     magnitudes = torch.where(exponent == 0, 0.5 * mantissa, normal)
     return torch.cat((magnitudes, -magnitudes))
+
+
+def e4m3_values_by_code(device: torch.device) -> torch.Tensor:
+    """The float32 value of each FP8 E4M3 (fn) code, indexed by the code's byte (0x7F and 0xFF
+    are NaN). On a CPU, looking block scales up in this table takes about a third of the time of
+    torch's conversion of the FP8 tensor (0.066 against 0.19 ms for 32768 scales on 2 cores)."""
+    return torch.arange(256, device=device).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 def e2m1_byte_words(device: torch.device) -> torch.Tensor:
@@ -243,15 +251,22 @@ def dequantize_nvfp4(
     per_tensor_scale: Optional[torch.Tensor] = None,
     output_dtype: torch.dtype = torch.float32,
     byte_words: Optional[torch.Tensor] = None,
+    scale_values: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Inverse of ``quantize_nvfp4``: ``q * (per_tensor_scale * s_b)``, computed in float32.
 
     With ``per_tensor_scale=None`` the result is ``q * s_b``, which is exact in bfloat16; the
-    faithful GEMM multiplies the global scales in afterwards. ``byte_words``: the lookup table
-    ``e2m1_values_by_byte`` takes, for a caller dequantizing many pieces.
+    faithful GEMM multiplies the global scales in afterwards. For a caller dequantizing many
+    pieces, the lookup tables built once: ``byte_words`` (``e2m1_byte_words``) for the packed
+    codes, and ``scale_values`` (``e4m3_values_by_code``) to decode the block scales by lookup
+    rather than by conversion.
     """
     values = e2m1_values_by_byte(qdata, byte_words)
-    scales = block_scales_e4m3.to(torch.float32)
+    if scale_values is None:
+        scales = block_scales_e4m3.to(torch.float32)
+    else:
+        codes = block_scales_e4m3.view(torch.uint8)
+        scales = scale_values.index_select(0, codes.reshape(-1).to(torch.int32)).reshape(codes.shape)
     if per_tensor_scale is not None:
         scales = per_tensor_scale.to(torch.float32) * scales
     return times_block_scales(values, scales).to(output_dtype)

@@ -87,6 +87,22 @@ def test_cpu_route_dequantizes_the_weight_whole_when_traced(monkeypatch):
     assert torch.equal(traced, eager)
 
 
+def test_cpu_route_builds_its_decoding_tables_once_as_ordinary_tensors():
+    """Built on the first eager call, here under inference mode, the tables are kept as ordinary
+    tensors (a later call outside inference mode may use them in any op) and reused."""
+    ops = linear_operands(2, 32, 64, seed=3)
+    args = (ops.weight_qdata, ops.weight_block_scales, ops.weight_scale, ops.act_scale, ops.bias)
+    cpu._decoding_tables.cache_clear()
+    with torch.inference_mode():
+        first = cpu.static_nvfp4_linear(ops.x, *args)
+    tables = cpu._decoding_tables()
+    assert not any(table.is_inference() for table in tables)
+    second = cpu.static_nvfp4_linear(ops.x, *args)
+    assert cpu._decoding_tables.cache_info().misses == 1
+    assert all(kept is table for kept, table in zip(cpu._decoding_tables(), tables))
+    assert torch.equal(second, first)
+
+
 def test_triton_backend_sends_cpu_tensors_to_the_cpu_backend():
     inputs = linear_inputs(5, 32, 64, torch.bfloat16, seed=0)
     assert torch.equal(triton_backend.static_nvfp4_linear(*inputs), cpu.static_nvfp4_linear(*inputs))

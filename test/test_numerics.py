@@ -240,7 +240,20 @@ def test_dequantize_equals_the_codes_decoded_one_by_one_times_their_block_scales
     codes = torch.stack((qdata & 0xF, qdata >> 4), dim=-1).reshape(3, 40, 64).to(torch.int64)
     values = numerics.e2m1_values_by_code(torch.device("cpu"))[codes]
     expected = (values.reshape(3, 40, 4, 16) * block_scales.to(torch.float32)[..., None]).reshape(3, 40, 64)
+    cpu = torch.device("cpu")
+    tables = {"byte_words": numerics.e2m1_byte_words(cpu), "scale_values": numerics.e4m3_values_by_code(cpu)}
     for output_dtype in (torch.float32, torch.bfloat16):
-        got = numerics.dequantize_nvfp4(qdata, block_scales, output_dtype=output_dtype)
-        assert got.dtype == output_dtype
-        assert torch.equal(got.float().view(torch.int32), expected.to(output_dtype).float().view(torch.int32))
+        for given in ({}, tables):  # the tables built inside, or given
+            got = numerics.dequantize_nvfp4(qdata, block_scales, output_dtype=output_dtype, **given)
+            assert got.dtype == output_dtype and got.shape == (3, 40, 64)
+            assert torch.equal(got.float().view(torch.int32), expected.to(output_dtype).float().view(torch.int32))
+
+
+def test_e4m3_table_holds_torchs_value_of_every_fp8_code():
+    codes = torch.arange(256).to(torch.uint8)
+    theirs = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    ours = numerics.e4m3_values_by_code(torch.device("cpu"))
+    assert ours.dtype == torch.float32 and ours.shape == (256,)
+    nan = theirs.isnan()
+    assert nan.sum() == 2 and torch.equal(ours.isnan(), nan)  # 0x7F and 0xFF
+    assert torch.equal(ours[~nan].view(torch.int32), theirs[~nan].view(torch.int32))  # -0.0 included

@@ -5,8 +5,9 @@
 For each weight shape (K x N) and token count M, wall time per call (ms) of: ``F.linear`` in
 float32 and in bfloat16 (the baselines), the converted layer (``NVFP4StaticLinear``, bfloat16
 activation, the ``cpu`` backend as an eager model runs it: the weight dequantized and multiplied
-in slices of ``backends.cpu._WEIGHT_SLICE_ELEMENTS`` weights), and the same route with the
-weight dequantized whole (the form a traced graph takes). Before timing, the two forms' outputs
+in slices of ``backends.cpu._WEIGHT_SLICE_ELEMENTS`` weights, codes and scales decoded by lookup),
+and the same route with the weight dequantized in one piece (as a traced graph takes it, which
+decodes the scales by conversion instead). Before timing, the two forms' outputs
 are checked equal bit for bit. Each cell is the best of ``--rounds`` rounds of repeated calls,
 the four columns interleaved in each round; the last column is the layer's time over the faster
 float baseline's.

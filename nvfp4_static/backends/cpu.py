@@ -5,12 +5,19 @@ global scales (``q * s_b`` is exact in bf16 and fp32), multiplied with fp32 accu
 product of the two global scales and the bias are applied afterwards.
 """
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
 
 from nvfp4_static.kernels.launch import runs_eagerly
-from nvfp4_static.numerics import dequantize_nvfp4, e2m1_byte_words, quantize_nvfp4_unpacked, times_block_scales
+from nvfp4_static.numerics import (
+    dequantize_nvfp4,
+    e2m1_byte_words,
+    e4m3_values_by_code,
+    quantize_nvfp4_unpacked,
+    times_block_scales,
+)
 
 
 def static_nvfp4_linear(
@@ -48,27 +55,43 @@ def static_nvfp4_linear(
 # Eagerly on a CPU the weight is dequantized and multiplied this many weights at a time, so that
 # each dequantized slice (2 MiB of float32) is still in cache when the product reads it, and
 # the allocator reuses one slice's memory for the next instead of mapping fresh pages for a
-# whole layer's: a 2048 x 8192 layer at one token takes 32 ms, 55 dequantizing it whole
+# whole layer's: a 2048 x 8192 layer at one token took 17-26 ms, 35-123 dequantizing it whole
 # (2 cores; examples/benchmarks/RESULTS.md, bench_cpu_linear.py).
 _WEIGHT_SLICE_ELEMENTS = 1 << 19
 
 
 def _times_dequantized_weight(act: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torch.Tensor):
     """``act [..., K] @ W^T`` in float32 for the weight's ``q * s_b`` ``W [N, K]``, by slices of
-    output features eagerly on a CPU; each output is the same dot product either way. Traced,
-    or on another device, the weight is dequantized whole (a graph would hold every slice)."""
-    N, K = weight_qdata.shape[0], 2 * weight_qdata.shape[1]
-    eager_on_cpu = act.device.type == "cpu" and runs_eagerly(act, weight_qdata)
-    rows = max(1, _WEIGHT_SLICE_ELEMENTS // K) if eager_on_cpu else N
-    if rows >= N:
+    output features eagerly on a CPU, its codes and scales decoded by lookup in tables built
+    once; each output is the same dot product either way. Traced, or on another device, the
+    weight is dequantized whole (a graph would hold every slice)."""
+    if act.device.type != "cpu" or not runs_eagerly(act, weight_qdata):
         return torch.matmul(act, dequantize_nvfp4(weight_qdata, weight_block_scales).t())
-    byte_words = e2m1_byte_words(act.device)
+    N, K = weight_qdata.shape[0], 2 * weight_qdata.shape[1]
+    rows = max(1, _WEIGHT_SLICE_ELEMENTS // K)
+    byte_words, scale_values = _decoding_tables()
+
+    def dequantized(part: slice) -> torch.Tensor:
+        return dequantize_nvfp4(
+            weight_qdata[part], weight_block_scales[part], byte_words=byte_words, scale_values=scale_values
+        )
+
+    if rows >= N:
+        return torch.matmul(act, dequantized(slice(None)).t())
     out = act.new_empty((*act.shape[:-1], N), dtype=torch.float32)
     for first in range(0, N, rows):
         part = slice(first, first + rows)
-        weight = dequantize_nvfp4(weight_qdata[part], weight_block_scales[part], byte_words=byte_words)
-        out[..., part] = torch.matmul(act, weight.t())
+        out[..., part] = torch.matmul(act, dequantized(part).t())
     return out
+
+
+@lru_cache(maxsize=None)
+def _decoding_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU's lookup tables for dequantizing (``e2m1_byte_words``, ``e4m3_values_by_code``),
+    built once, as ordinary tensors even when first asked for under inference mode."""
+    with torch.inference_mode(False):
+        device = torch.device("cpu")
+        return e2m1_byte_words(device), e4m3_values_by_code(device)
 
 
 def grouped_static_nvfp4_linear(
