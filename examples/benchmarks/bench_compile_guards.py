@@ -1,0 +1,93 @@
+"""Decode under CUDA graphs with and without dynamo's guards on the NVFP4 weights
+(``nvfp4_static.skip_nvfp4_weight_guards``), against bf16, in one run.
+
+    python examples/benchmarks/bench_compile_guards.py [--layers 8] [--tokens 1]
+
+The Llama-8B-shaped stack of ``bench_decode.py`` (its layers, conversion and input), compiled
+with CUDA graphs each of these ways, one after another, each alone (``torch._dynamo.reset()``
+first: stacks of one structure compiled by equal backends would otherwise share dynamo's compiled
+entries):
+
+- ``bf16``: the float stack, ``mode="reduce-overhead"``, first and again last (the host's drift);
+- ``nvfp4``: the converted stack, ``mode="reduce-overhead"``;
+- ``nvfp4, no weight guards``: the same through ``options`` with ``skip_nvfp4_weight_guards``;
+- ``nvfp4 unwrapped``: after torchao's ``unwrap_tensor_subclass``, ``mode="reduce-overhead"``;
+- ``siblings`` and ``siblings, no weight guards``: after ``fuse_sibling_linears``, through
+  ``sibling_gemm_backend("reduce-overhead")``, without and with the filter.
+
+Each row: wall time per call of the compiled stack (the least of 3 rounds of 200 calls, the GPU
+synchronised after each round), which is the host's time where that exceeds the GPU's, and the
+relative difference of its output from the eager converted stack's (a compiled graph rounds
+some ops differently, and across the layers that moves activations to other E2M1 codes).
+"""
+
+import argparse
+import copy
+import time
+
+import torch
+from torchao.utils import unwrap_tensor_subclass
+
+from bench_decode import DIM, converted, stack
+from nvfp4_static import fuse_sibling_linears, sibling_gemm_backend, skip_nvfp4_weight_guards
+
+
+def ms_per_call(fn, calls: int = 200, rounds: int = 3) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e3)
+    return best
+
+
+def without_weight_guards(**options) -> dict:
+    """``torch.compile``'s options with the filter; a new dict each time (``torch.compile`` takes
+    the filter out of the dict it is given)."""
+    return {**options, "guard_filter_fn": skip_nvfp4_weight_guards}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=1, help="tokens per step (sequences decoded together)")
+    args = parser.parse_args()
+    token = torch.randn(args.tokens, DIM, device="cuda", dtype=torch.bfloat16)
+    bf16 = stack(args.layers)
+    nvfp4 = converted(bf16)
+    siblings = copy.deepcopy(nvfp4)
+    fuse_sibling_linears(siblings)
+    variants = [
+        ("bf16", bf16, dict(mode="reduce-overhead")),
+        ("nvfp4", nvfp4, dict(mode="reduce-overhead")),
+        ("nvfp4, no weight guards", nvfp4, dict(options=without_weight_guards(**{"triton.cudagraphs": True}))),
+        ("nvfp4 unwrapped", unwrap_tensor_subclass(copy.deepcopy(nvfp4)), dict(mode="reduce-overhead")),
+        ("siblings", siblings, dict(backend=sibling_gemm_backend("reduce-overhead"))),
+        ("siblings, no weight guards", siblings,
+         dict(backend=sibling_gemm_backend("reduce-overhead"), options=without_weight_guards())),
+        ("bf16 again", bf16, dict(mode="reduce-overhead")),
+    ]
+    print(f"device: {torch.cuda.get_device_name()}; {args.layers} layers, {args.tokens} token(s) per step")
+    print(f"{'stack':<28} {'ms per call':>11} {'compile s':>9} {'vs eager':>9}")
+    with torch.no_grad():
+        eager = nvfp4(token).float()
+        for name, model, how in variants:
+            torch._dynamo.reset()
+            start = time.perf_counter()
+            compiled = torch.compile(model, fullgraph=True, **how)
+            for _ in range(3):
+                out = compiled(token)
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - start
+            ms = ms_per_call(lambda: compiled(token))
+            difference = "" if name.startswith("bf16") else f"{((out.float() - eager).norm() / eager.norm()).item():9.1e}"
+            print(f"{name:<28} {ms:>11.3f} {compile_s:>9.0f} {difference:>9}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
