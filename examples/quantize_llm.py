@@ -75,8 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: the config's)")
     parser.add_argument("--text-file", default=None, help="UTF-8 text (default: pydoc_data.topics)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile each model; generation then uses a static cache, whose "
-                             "decoding step transformers compiles on CUDA")
+                        help="torch.compile each model without dynamo's guards on its NVFP4 weights "
+                             "(skip_nvfp4_weight_guards); generation then uses a static cache, whose "
+                             "decoding step transformers compiles on CUDA, under CUDA graphs")
     parser.add_argument("--generate-tokens", type=int, default=32,
                         help="greedy tokens generated per model for the generation tokens/s (0: skip)")
     parser.add_argument("--num-layers", type=int, default=None,
@@ -117,6 +118,7 @@ from nvfp4_static import (  # noqa: E402
     fuse_sibling_linears,
     is_quantizable,
     sibling_gemm_backend,
+    skip_nvfp4_weight_guards,
     smooth_norm_inputs,
     tie_fused_layers,
 )
@@ -283,6 +285,18 @@ def generation_speed(model, prompt: torch.Tensor, new_tokens: int, compiled: boo
     return new_tokens / seconds
 
 
+def decoding_step_compile_config(fuse_siblings: bool) -> CompileConfig:
+    """How transformers compiles a static cache's decoding step: under CUDA graphs, as its default
+    ``mode="reduce-overhead"`` does, without dynamo's guards on the NVFP4 weights, whose host time
+    would exceed the step's GPU work (``skip_nvfp4_weight_guards``); through
+    ``sibling_gemm_backend`` with fused siblings. ``torch.compile`` takes a mode or options, not
+    both, so the mode goes into the options or the backend."""
+    without_weight_guards = {"guard_filter_fn": skip_nvfp4_weight_guards}
+    if fuse_siblings:
+        return CompileConfig(backend=sibling_gemm_backend("reduce-overhead"), mode=None, options=without_weight_guards)
+    return CompileConfig(mode=None, options={"triton.cudagraphs": True, **without_weight_guards})
+
+
 @torch.no_grad()
 def calibrate(model, calib_batches, desc: str) -> None:
     for ids in tqdm(calib_batches, desc=desc, leave=False):
@@ -376,15 +390,16 @@ def main(argv=None) -> None:
     def run(model):
         if not args.compile:
             return model
-        return torch.compile(model, backend=sibling_gemm_backend()) if args.fuse_siblings else torch.compile(model)
+        backend = sibling_gemm_backend() if args.fuse_siblings else "inductor"
+        return torch.compile(model, backend=backend, options={"guard_filter_fn": skip_nvfp4_weight_guards})
 
     prompt = held_out[:1, : min(32, args.seq_len)].to(args.device)
 
     def generated_per_s(model):
         if args.generate_tokens <= 0:
             return None
-        if args.fuse_siblings:  # transformers compiles the decoding step with this config
-            model.generation_config.compile_config = CompileConfig(backend=sibling_gemm_backend())
+        if args.compile:  # transformers compiles the decoding step with this config
+            model.generation_config.compile_config = decoding_step_compile_config(args.fuse_siblings)
         return generation_speed(model, prompt, args.generate_tokens, args.compile, tokenizer.eos_token_id)
 
     def row(name, model, desc):
