@@ -14,8 +14,8 @@ default recipe), and ``calibrate_layer_by_layer`` does the same for models bigge
 
 from nvfp4_static.calibrate_model import calibrate_model
 from nvfp4_static.checkpoint import load_quantized
-from nvfp4_static.compile_guards import skip_nvfp4_weight_guards
 from nvfp4_static.clip_monitor import ClipCounts, clip_counts, disable_clip_monitor, enable_clip_monitor
+from nvfp4_static.compile_guards import skip_nvfp4_weight_guards
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.data_parallel_convert import convert_data_parallel
 from nvfp4_static.diagnostics import LayerDiagnostics, format_diagnostics, layer_diagnostics
