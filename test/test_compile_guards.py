@@ -31,17 +31,13 @@ def compiled(model, backend="aot_eager", guard_filter_fn=None):
     return torch.compile(model, backend=backend, fullgraph=True, options=options)
 
 
-def converted_layers(model) -> int:
-    return sum(isinstance(module, NVFP4StaticLinear) for module in model.modules())
-
-
 def test_the_filter_leaves_out_every_guard_on_a_converted_weight_and_no_other():
     model = converted_llama()
     recording = RecordingFilter()
     logits(compiled(model, backend="eager", guard_filter_fn=recording))
     weights = [entry for entry in recording.left_out if isinstance(entry.value, NVFP4StaticTensor)]
     weight_names = {entry.name for entry in weights}
-    assert len(weight_names) == converted_layers(model) == 14
+    assert len(weight_names) == sum(isinstance(m, NVFP4StaticLinear) for m in model.modules()) == 14
     # Each weight's own tensor guard and its inner tensors'.
     tensor_guards = [entry for entry in recording.left_out if entry.guard_type == "TENSOR_MATCH"]
     assert len(tensor_guards) == len(weight_names) * (1 + INNER_TENSORS)
