@@ -94,7 +94,9 @@ def sibling_gemm_backend(
         merges = merge_sibling_linears(gm, example_inputs)
         if not merges:
             return compiler(gm, example_inputs)
-        return _CheckedMerge(compiler(gm, example_inputs), merges, unmerged, compiler)
+        reduced, kept = without_unused_member_inputs(gm, merges)
+        merged = compiler(reduced, [example_inputs[position] for position in kept])
+        return _CheckedMerge(merged, merges, kept, unmerged, compiler)
 
     return merging_backend
 
@@ -146,17 +148,26 @@ class _CheckedMerge:
     model does: the group calls ``release``), the groups are dissolved, the merged graph and what
     it holds of the model are dropped, and the graph compiled without the merge runs. The check
     reads all groups' inputs at once (C-level ``itemgetter`` and ``map``) rather than looping over
-    them in Python: a 32-layer model has 64 groups, checked at every call."""
+    them in Python: a 32-layer model has 64 groups, checked at every call. The merged graph is
+    given the inputs it still takes (``kept``, positions in dynamo's inputs)."""
 
     # No instance dict: dynamo wraps the compiled callable with functools.wraps, which copies an
     # instance dict into the wrapper, where release() could not drop what it holds.
     __slots__ = (
-        "_merged", "_unmerged", "_compile_graph", "_unmerged_compiled", "_inputs", "_compiled_from", "_gemms",
-        "__weakref__",
+        "_merged", "_kept", "_unmerged", "_compile_graph", "_unmerged_compiled", "_inputs", "_compiled_from",
+        "_gemms", "__weakref__",
     )
 
-    def __init__(self, merged: Callable, groups: list[MergedGroup], unmerged: fx.GraphModule, compile_graph: Callable):
+    def __init__(
+        self,
+        merged: Callable,
+        groups: list[MergedGroup],
+        kept: tuple[int, ...],
+        unmerged: fx.GraphModule,
+        compile_graph: Callable,
+    ):
         self._merged = merged
+        self._kept = _items_at(kept)
         self._unmerged = unmerged
         self._compile_graph = compile_graph
         self._unmerged_compiled: Optional[Callable] = None
@@ -184,12 +195,45 @@ class _CheckedMerge:
     def __call__(self, *args):
         if self._merged is not None:
             if self._holds(args):
-                return self._merged(*args)
+                return self._merged(*self._kept(args))
             self.release()
         if self._unmerged_compiled is None:
             self._unmerged_compiled = self._compile_graph(self._unmerged, list(args))
         return self._unmerged_compiled(*args)
 
+
+
+def _items_at(positions: tuple[int, ...]) -> Callable[[tuple], tuple]:
+    """``args -> tuple(args[p] for p in positions)`` in C (``itemgetter`` of one position gives
+    the item itself, not a tuple of it)."""
+    if len(positions) == 1:
+        return operator.itemgetter(slice(positions[0], positions[0] + 1))
+    return operator.itemgetter(*positions)
+
+
+def without_unused_member_inputs(
+    gm: fx.GraphModule, groups: list[MergedGroup]
+) -> tuple[fx.GraphModule, tuple[int, ...]]:
+    """The merged ``gm`` without the inputs of merged members that no node reads any more
+    (their weights, which the group's linear replaced), and the positions, in dynamo's inputs,
+    of those it keeps. A copy: dynamo calls the compiled graph with the inputs of its own.
+
+    Each input costs host time at every call of the compiled graph; a subclass weight the most:
+    under torch 2.11 AOTAutograd's runtime wrapper unwraps it in Python (about 10 us per weight on
+    an H200's host), though the merged graph no longer reads it. The call still checks the
+    removed inputs' identity (``_CheckedMerge``)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    checked = {position for group in groups for position, _ in group.inputs}
+    dropped = {position for position in checked if not placeholders[position].users}
+    if not dropped:
+        return gm, tuple(range(len(placeholders)))
+    reduced = _copy_of(gm)
+    for position, node in enumerate(list(reduced.graph.find_nodes(op="placeholder"))):
+        if position in dropped:
+            reduced.graph.erase_node(node)
+    reduced.graph.lint()
+    reduced.recompile()
+    return reduced, tuple(position for position in range(len(placeholders)) if position not in dropped)
 
 
 def _copy_of(gm: fx.GraphModule) -> fx.GraphModule:

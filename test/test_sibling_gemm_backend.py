@@ -20,6 +20,7 @@ from test_sibling_linears import CHANGES, QKV, biased_llama, fused_copy, members
 HIDDEN = 64
 LINEARS_UNFUSED = 2 * 7 + 1  # two layers of q, k, v, o, gate, up, down; lm_head
 LINEARS_MERGED = 2 * 4 + 1  # two layers of q/k/v, o, gate/up, down; lm_head
+MEMBER_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,25 @@ def test_each_group_is_one_linear_in_the_graph_and_the_logits_are_the_eager_ones
     torch.testing.assert_close(out, logits(reference), rtol=1e-6, atol=1e-6)
     # Eager calls of an unwrapped member run alone and keep the group for compiled graphs.
     assert all(m.sibling_gemm is not None for m in members(fused))
+
+
+@pytest.mark.parametrize("unwrap", [False, True], ids=["subclass weights", "unwrapped weights"])
+def test_the_merged_graph_takes_no_input_of_the_members_it_merged(reference, unwrap):
+    fused, alone = fused_copy(reference), unfused(reference)
+    if unwrap:
+        unwrap_tensor_subclass(fused)
+        unwrap_tensor_subclass(alone)
+    merged, unmerged = GraphRecorder(), GraphRecorder()
+    logits(compiled(fused, merged))
+    logits(compiled(alone, unmerged))
+    (merged_graph,), (unmerged_graph,) = merged.graphs, unmerged.graphs
+    inputs = [len(gm.graph.find_nodes(op="placeholder")) for gm in (merged_graph, unmerged_graph)]
+    # Two layers of q/k/v and gate/up: 10 member weights, each one subclass input or, unwrapped,
+    # its 4 inner tensors.
+    assert inputs[1] - inputs[0] == 10 * (4 if unwrap else 1)
+    sources = [repr(node._dynamo_source) for node in merged_graph.graph.find_nodes(op="placeholder")]
+    assert not [source for source in sources if any(f"'{name}'" in source for name in MEMBER_NAMES)]
+    assert [source for source in sources if "'o_proj'" in source]
 
 
 @pytest.mark.parametrize("unwrap", [False, True], ids=["subclass weights", "unwrapped weights"])
