@@ -3,10 +3,10 @@
 On every call of a compiled model, dynamo checks its guards before running the graph, and a
 converted weight carries many: its type, its metadata (a Python call into the weight's
 ``__tensor_flatten__``), its shape, dtype and device, and the same for each of its four inner
-tensors. At decode under CUDA graphs that host work is more than the GPU's: on an H200, 8
-Llama-8B-shaped layers (56 weights) compiled with ``mode="reduce-overhead"`` took 1.56 ms per
-call for 0.81 ms of GPU work, and 0.82 ms without the guards on modules
-(``examples/benchmarks/RESULTS.md``). Pass the filter with CUDA graphs through ``options``
+tensors. At decode under CUDA graphs the host's work can be more than the GPU's: on an H200,
+4 Llama-8B-shaped layers (28 weights) compiled with ``mode="reduce-overhead"`` took 0.791 ms per
+call for 0.407 ms of GPU work, and 0.423 with this filter (``examples/benchmarks/RESULTS.md``,
+where the host's time varies from run to run). Pass the filter with CUDA graphs through ``options``
 (``torch.compile`` takes a mode or options, not both)::
 
     model = torch.compile(
