@@ -62,8 +62,39 @@ class KernelCall(NamedTuple):
 
     def launch(self) -> None:
         """Launch it (visible to tracing), and add it to the list ``recording_launches`` fills."""
-        traceable(self.kernel)[self.grid](*self.args, **self.meta)
+        kernel, meta = self.kernel, self.meta
+        options = {name: meta[name] for name in LAUNCH_OPTIONS if name in meta}
+        if options and not interpreting() and traced_by_a_dispatch_mode():
+            kernel = with_launch_options(kernel, **options)
+            meta = {name: value for name, value in meta.items() if name not in options}
+        traceable(kernel)[self.grid](*self.args, **meta)
         record_launch(self)
+
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+def traced_by_a_dispatch_mode() -> bool:
+    """Whether a launch here runs under a dispatch mode that records it, as Inductor traces a
+    ``triton_op``'s body (make_fx, fake tensors, functionalization); not while dynamo reads the
+    bytecode (which reads ``is_compiling()`` as True and leaves the rest of the test unread)."""
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() > 0
+
+
+@lru_cache(maxsize=None)
+def with_launch_options(kernel, **options):
+    """``kernel`` as a one-config ``triton.autotune`` holding the launch ``options``, one object
+    per kernel and options.
+
+    A traced launch that passes ``num_warps`` or ``num_stages`` as arguments gets a new
+    one-config autotuner from torch at every trace, each added to torch's global Triton kernel
+    side table, which Inductor walks (parsing each kernel's source) at every graph it compiles,
+    so that a compile would slow with the model's linears and with every compile before it.
+    This object is added once.
+    """
+    import triton
+
+    return triton.autotune(configs=[triton.Config({}, **options)], key=[])(kernel)
 
 
 def record_launch(call: KernelCall) -> None:
