@@ -117,7 +117,7 @@ import transformers  # noqa: E402
 from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
 
 from nvfp4_static import (  # noqa: E402
     NVFP4StaticActivationConfig,
@@ -174,10 +174,10 @@ def _float32_smollm2():
     root = pathlib.Path(os.environ.get(CACHE_ENV_VAR) or pathlib.Path.home() / ".cache" / "nvfp4_static")
     folder = root / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
     if (folder / "model.safetensors").exists():
+        # from_pretrained builds the model without initialising weights it then loads
+        # (from_config would initialise all of them first: most of a cached load's time).
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
-        safetensors.torch.load_model(model, folder / "model.safetensors")
-        return tokenizer, model
+        return tokenizer, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     try:

@@ -24,11 +24,30 @@ missing_encoder_deps = [name for name in ENCODER_DEPS if importlib.util.find_spe
 
 @pytest.fixture(scope="module", autouse=True)
 def example_cache(tmp_path_factory):
-    """One cache folder for the module's runs of the LLM examples: the first reads SmolLM2's
-    GGUF file (about 40 s), the others its float32 copy (``quantize_llm.load_model``)."""
+    """One cache folder for the module's runs of the LLM examples (``quantize_llm.load_model``),
+    never the user's."""
+    folder = tmp_path_factory.mktemp("example_cache")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("NVFP4_STATIC_EXAMPLE_CACHE", str(tmp_path_factory.mktemp("example_cache")))
-        yield
+        patch.setenv("NVFP4_STATIC_EXAMPLE_CACHE", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def smollm2_from_file(example_cache):
+    """SmolLM2's tokenizer and first 2 layers read from its GGUF file (about 40 s), once per
+    module: that read fills the module's cache, which every example run then reads instead."""
+    return llm_example().load_model(torch.bfloat16, "cpu", num_layers=2)
+
+
+needs_llm_deps = pytest.mark.skipif(
+    bool(missing_llm_deps),
+    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
+)
+
+
+def runs_llm_example(test):
+    """A test that runs the LLM example on SmolLM2: after the module's one read of its GGUF file."""
+    return needs_llm_deps(pytest.mark.usefixtures("smollm2_from_file")(test))
 
 
 def run_script(*args: str, timeout: float) -> str:
@@ -55,10 +74,7 @@ def results_table(stdout: str, column: int = 1) -> dict[str, float]:
     return {line.split()[0]: float(line.split()[column]) for line in lines[2:] if line.strip()}
 
 
-@pytest.mark.skipif(
-    bool(missing_llm_deps),
-    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
-)
+@runs_llm_example
 def test_llm_example_reports_every_recipe_with_finite_perplexity():
     recipes = ["torchao", "b_min+mse", "b_min+hessian_mse", "w4a16"]
     # One of SmolLM2's 30 decoder layers keeps the MSE sweeps to seconds; the perplexity of a
@@ -81,10 +97,7 @@ def test_llm_example_reports_every_recipe_with_finite_perplexity():
     assert "g_amax set by: rho*B_min" in stdout  # the diagnostics summary of the B_min recipes
 
 
-@pytest.mark.skipif(
-    bool(missing_llm_deps),
-    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
-)
+@runs_llm_example
 def test_llm_example_with_fused_siblings_compiled_scores_what_the_tied_model_scores():
     """``--fuse-siblings --compile`` (one GEMM per q/k/v and gate/up, through
     ``sibling_gemm_backend``) changes only the order of fp32 sums against the tied model."""
@@ -99,19 +112,14 @@ def test_llm_example_with_fused_siblings_compiled_scores_what_the_tied_model_sco
         assert results_table(fused)[row] == pytest.approx(results_table(tied)[row], rel=1e-5)
 
 
-@pytest.mark.skipif(
-    bool(missing_llm_deps),
-    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
-)
-def test_llm_example_loads_from_its_cache_the_model_the_gguf_file_gives(tmp_path, monkeypatch):
-    monkeypatch.setenv("NVFP4_STATIC_EXAMPLE_CACHE", str(tmp_path))
-    example = llm_example()
-    from_file = example.load_model(torch.bfloat16, "cpu", num_layers=2)
-    (kept,) = tmp_path.iterdir()
+@runs_llm_example
+def test_llm_example_loads_from_its_cache_the_model_the_gguf_file_gives(example_cache, smollm2_from_file):
+    """The module's cache held nothing before ``smollm2_from_file`` read the GGUF file."""
+    (kept,) = example_cache.iterdir()
     assert (kept / "model.safetensors").exists()
-    from_cache = example.load_model(torch.bfloat16, "cpu", num_layers=2)
-    assert list(tmp_path.iterdir()) == [kept]
-    (tokenizer, model), (cached_tokenizer, cached_model) = from_file, from_cache
+    cached_tokenizer, cached_model = llm_example().load_model(torch.bfloat16, "cpu", num_layers=2)
+    assert list(example_cache.iterdir()) == [kept]
+    tokenizer, model = smollm2_from_file
     assert len(cached_model.model.layers) == 2 and cached_model.dtype == torch.bfloat16
     expected = dict(model.state_dict(), **dict(model.named_buffers()))
     got = dict(cached_model.state_dict(), **dict(cached_model.named_buffers()))
@@ -126,10 +134,7 @@ def test_llm_example_loads_from_its_cache_the_model_the_gguf_file_gives(tmp_path
         assert torch.equal(cached_model(token_ids).logits, model(token_ids).logits)
 
 
-@pytest.mark.skipif(
-    bool(missing_llm_deps),
-    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
-)
+@needs_llm_deps
 def test_llm_example_calibration_window_moves_and_never_overlaps_the_held_out_text():
     example = llm_example()
     token_ids = torch.arange(10 * 4)  # ten sequences of four tokens
@@ -139,10 +144,7 @@ def test_llm_example_calibration_window_moves_and_never_overlaps_the_held_out_te
         example.split_sequences(token_ids, 4, n_calib=2, n_eval=3, calib_start=6)
 
 
-@pytest.mark.skipif(
-    bool(missing_llm_deps),
-    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
-)
+@runs_llm_example
 def test_perplexity_over_draws_matches_the_llm_example_draw_by_draw():
     """The study builds its converted layers by hand (one weight sweep for every draw); each draw
     must score what ``quantize_llm.py`` scores when calibrated on that draw through quantize_."""
@@ -170,10 +172,7 @@ def test_perplexity_over_draws_matches_the_llm_example_draw_by_draw():
     assert float(per_draw[1]["b_min+mse (B_max p99.99)"]) == example["b_min+mse"]
 
 
-@pytest.mark.skipif(
-    bool(missing_llm_deps),
-    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
-)
+@runs_llm_example
 @pytest.mark.parametrize("recipe", ["b_min+max", "b_min+max+smooth"])
 def test_propagation_study_without_propagation_scores_what_the_llm_example_scores(recipe):
     """Layer-by-layer calibration without propagation gives the whole-model scales (smoothed
@@ -191,10 +190,7 @@ def test_propagation_study_without_propagation_scores_what_the_llm_example_score
     assert float(draw["quantized layer inputs"]) != example[recipe]
 
 
-@pytest.mark.skipif(
-    bool(missing_llm_deps),
-    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
-)
+@runs_llm_example
 def test_compare_recipes_summarises_its_draws_and_each_draw_is_the_llm_example_run():
     """The table's means, standard errors and paired differences are those of the per-draw
     values; a draw scores what ``quantize_llm.py`` scores on those calibration sequences (the
@@ -276,10 +272,7 @@ def test_example_help_answers_before_the_slow_imports(script):
     assert stdout.startswith("usage:") and stdout.splitlines()[-1] == "[]"
 
 
-@pytest.mark.skipif(
-    bool(missing_llm_deps),
-    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
-)
+@needs_llm_deps
 def test_llm_example_offers_the_export_formats_of_the_package():
     """The example names the formats for ``--format`` itself, so that ``--help`` needs no import."""
     assert llm_example().EXPORT_FORMATS == FORMATS
@@ -331,10 +324,7 @@ def test_calibration_study_quick_mode_runs_under_a_minute(tmp_path):
     assert seconds < 60, f"--quick took {seconds:.0f} s"
 
 
-@pytest.mark.skipif(
-    bool(missing_llm_deps),
-    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
-)
+@needs_llm_deps
 def test_weight_only_rows_with_our_weight_scales_keep_activations_float():
     """``w4a16+mse`` holds exactly the weights ``max+mse`` converts to, and runs them on float inputs."""
     example = llm_example()
@@ -364,10 +354,7 @@ def test_weight_only_rows_with_our_weight_scales_keep_activations_float():
         example.parse_recipe("w4a16+nonsense", {})
 
 
-@pytest.mark.skipif(
-    bool(missing_llm_deps),
-    reason=f"the LLM example needs pip install -e '.[examples]' (missing: {', '.join(missing_llm_deps)})",
-)
+@needs_llm_deps
 def test_smooth_recipes_fold_scales_into_the_norms_of_the_copy_they_quantize():
     from tiny_llama import tiny_llama, token_ids
 
