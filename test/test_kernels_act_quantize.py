@@ -57,7 +57,8 @@ def rounding_ties() -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 blocks whose scale, or whose scaled elements, fall exactly halfway between two
     representable values (per-tensor scale 1, so the arithmetic is exact): one block per pair of
     neighbouring normal FP8 scales, then one block of every E2M1 midpoint, both signs, and one of
-    the fp32 values next to each midpoint, below it and above it."""
+    the fp32 values next to each midpoint, below it and above it. The 120 blocks lie in two rows
+    of 60, each one program of the kernel (which takes a row of up to 64 blocks per program)."""
     normals = e4m3_positive_values()[7:]
     midpoints = (normals[:-1] + normals[1:]) / 2
     scale_ties = torch.zeros(len(midpoints), 16)
@@ -68,7 +69,8 @@ def rounding_ties() -> tuple[torch.Tensor, torch.Tensor]:
     below = torch.nextafter(e2m1_midpoints, torch.zeros(()))
     above = torch.nextafter(e2m1_midpoints, torch.tensor(float("inf")))
     neighbours = torch.cat([torch.tensor([6.0]), below, -above, torch.tensor([0.0])])
-    return torch.cat([scale_ties, element_ties[None, :], neighbours[None, :]]), torch.tensor(1.0)
+    blocks = torch.cat([scale_ties, element_ties[None, :], neighbours[None, :]])
+    return blocks.reshape(2, -1), torch.tensor(1.0)
 
 
 OPERAND_DTYPES = (torch.float16, torch.bfloat16)

@@ -150,7 +150,7 @@ def interpreter_shapes(config_name: str) -> list:
         return ROW_TILE_SPLIT_SHAPES
     if config_name.startswith(("table-", "tall-tile", "decode-tile")):
         return TABLE_SHAPES
-    return [(3, 40, 48), (INTERPRETER_CONFIGS[config_name].rows_per_tile + 1, 70, 224), (2, 24, 16)]
+    return [(3, 40, 48), (INTERPRETER_CONFIGS[config_name].rows_per_tile + 1, 40, 224), (2, 24, 16)]
 
 
 # The output dtype, which is the activation's: a quantizing config reads the raw activation in it.
