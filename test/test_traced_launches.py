@@ -1,4 +1,5 @@
-"""kernels/launch.py: a traced launch adds its kernel to torch's Triton kernel side table once.
+"""kernels/launch.py: a traced launch adds its kernel to torch's Triton kernel side table once,
+and a launch on real tensors never does.
 
 Inductor walks that global table, parsing every kernel's source, at each graph it compiles, so
 an entry per traced launch would make a model's compile slower with its number of linears and
@@ -9,11 +10,13 @@ body (make_fx over fake tensors): no kernel runs, so CPU tensors do.
 import pytest
 import torch
 from conftest import linear_operands
-from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from torch._higher_order_ops.triton_kernel_wrap import TraceableTritonKernelWrapper, kernel_side_table
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from nvfp4_static.kernels.act_quantize import NUM_WARPS, launch_activation_quantize
 from nvfp4_static.kernels.gemm import GemmConfig, launch_nvfp4_gemm
+from nvfp4_static.kernels.launch import traceable
 
 CONFIGS = [GemmConfig(16, 32, 64, num_warps=4, num_stages=2), GemmConfig(32, 64, 64, num_warps=8, num_stages=3)]
 
@@ -68,3 +71,16 @@ def test_each_traced_launch_carries_its_own_launch_options(inputs):
     (quantize_a, gemm_a), (quantize_b, gemm_b) = seen.values()
     assert quantize_a is quantize_b
     assert gemm_a is not gemm_b
+
+
+
+def test_a_launch_on_real_tensors_hands_triton_the_kernel_itself():
+    """Outside tracing, torch's wrapper would route each launch through its tracing machinery,
+    adding a kernel object to the side table at every launch (each weight quantized at convert,
+    an opaque op's kernels at every call of a compiled graph)."""
+    from nvfp4_static.kernels.act_quantize import _activation_quantize_kernel as kernel
+
+    assert traceable(kernel) is kernel
+    with FakeTensorMode():
+        assert isinstance(traceable(kernel), TraceableTritonKernelWrapper)
+    assert traceable(kernel) is kernel

@@ -23,14 +23,24 @@ def interpreting() -> bool:
 
 
 def traceable(kernel):
-    """``wrap_triton(kernel)``, or the kernel itself under Triton's interpreter.
+    """``wrap_triton(kernel)`` where the launch is being traced, else the kernel itself.
 
-    torch 2.11's ``wrap_triton`` rejects the interpreter's kernel objects (2.13 accepts them);
-    interpreted kernels only run eagerly on CPU tensors, where tracing does not matter.
+    On real tensors (an eager call, an opaque op's body, a compiled graph's run) torch's
+    wrapper would route each launch through its tracing machinery, which wraps a launch with
+    options in a new one-config autotuner and adds it to torch's global Triton kernel side
+    table, one entry per launch. torch 2.11's ``wrap_triton`` also rejects the interpreter's
+    kernel objects, which only run on CPU tensors outside tracing.
     """
-    if interpreting():
+    if interpreting() or not traced():
         return kernel
     return wrap_triton(kernel)
+
+
+def traced() -> bool:
+    """Whether a launch here is being traced: dynamo reading the bytecode, or a dispatch mode
+    recording it (make_fx, fake tensors, functionalization: how Inductor traces a
+    ``triton_op``'s body)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 _recorder = threading.local()
@@ -41,11 +51,7 @@ def runs_eagerly(*args) -> bool:
     launch kernels directly: not under dynamo, no dispatch mode (fake tensors, make_fx,
     functionalization, which is also how dynamo runs a tensor subclass's ops), and every tensor
     argument a plain ``torch.Tensor``."""
-    return (
-        not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and all(type(arg) is torch.Tensor for arg in args if isinstance(arg, torch.Tensor))
-    )
+    return not traced() and all(type(arg) is torch.Tensor for arg in args if isinstance(arg, torch.Tensor))
 
 
 class KernelCall(NamedTuple):
@@ -75,9 +81,8 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
 def traced_by_a_dispatch_mode() -> bool:
-    """Whether a launch here runs under a dispatch mode that records it, as Inductor traces a
-    ``triton_op``'s body (make_fx, fake tensors, functionalization); not while dynamo reads the
-    bytecode (which reads ``is_compiling()`` as True and leaves the rest of the test unread)."""
+    """``traced()`` by a dispatch mode, not while dynamo reads the bytecode (which reads
+    ``is_compiling()`` as True and leaves the rest of the test unread)."""
     return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() > 0
 
 
