@@ -43,7 +43,6 @@ import importlib
 from typing import Callable, Optional
 
 import torch
-from torch._library.triton import set_wrap_triton_enabled  # private; what triton_op uses
 from torch.library import triton_op
 
 from nvfp4_static import references
@@ -146,10 +145,7 @@ def traced_op(name: str):
         def call(*args, **kwargs):
             if not runs_eagerly(*args):
                 return op(*args, **kwargs)
-            # As the op's own eager kernel does: with real tensors, wrap_triton hands back the
-            # bare kernel (its traceable wrapper would dispatch each launch as an operator).
-            with set_wrap_triton_enabled(False):
-                return body(*args, **kwargs)
+            return body(*args, **kwargs)  # real tensors: the body, without the op's dispatch
 
         call.op = op
         return call
@@ -552,8 +548,7 @@ def decode_linear_partial_products(
     operand = torch.empty(x.shape, dtype=torch.float16, device=x.device)
 
     def write_operand():
-        with set_wrap_triton_enabled(False):  # a launch, not an op: this op runs on real tensors
-            launch_activation_quantize(x, act_per_tensor_scale, None, None, operand, mma_order=True)
+        launch_activation_quantize(x, act_per_tensor_scale, None, None, operand, mma_order=True)
 
     op = "decode_linear_partial_products"
     return _decode_partial_products(op, operand, weight_qdata, scale_codes, split_k, write_operand)
@@ -643,10 +638,8 @@ def grouped_static_nvfp4_linear(
         source_rows,
     )
     if x.is_cuda and runs_eagerly(*operands):
-        # Skip the op's dispatch, as the collect ops do, and launch the bare kernels (their
-        # traceable wrappers would dispatch each launch as an operator).
-        with set_wrap_triton_enabled(False):
-            return _grouped_static_nvfp4_linear_cuda(*operands)
+        # Skip the op's dispatch, as the collect ops do.
+        return _grouped_static_nvfp4_linear_cuda(*operands)
     return _grouped_static_nvfp4_linear_op(*operands)
 
 
