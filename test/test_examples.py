@@ -1,5 +1,6 @@
 """Smoke runs of the example scripts and the calibration-study tutorial, as a user runs them."""
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -7,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -51,13 +53,38 @@ def runs_llm_example(test):
 
 
 def run_script(*args: str, timeout: float) -> str:
+    (stdout,) = run_scripts(args, timeout=timeout)
+    return stdout
+
+
+def run_scripts(*commands: tuple, timeout: float) -> list[str]:
+    """Each command (a script or ``-c`` and its arguments) in its own Python process, all at
+    once (independent runs share the cores); their stdouts, in order. Output goes to files, so
+    that a process never waits for its reader."""
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=environment, capture_output=True, text=True,
-        timeout=timeout,
-    )
-    assert result.returncode == 0, f"{args[0]} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return result.stdout
+    with contextlib.ExitStack() as files:
+        outputs = [(files.enter_context(tempfile.TemporaryFile("w+")), files.enter_context(tempfile.TemporaryFile("w+")))
+                   for _ in commands]
+        processes = [
+            subprocess.Popen([sys.executable, *args], cwd=ROOT, env=environment, stdout=stdout, stderr=stderr, text=True)
+            for args, (stdout, stderr) in zip(commands, outputs)
+        ]
+        try:
+            for process in processes:
+                process.wait(timeout=timeout)
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        stdouts = []
+        for args, process, (stdout, stderr) in zip(commands, processes, outputs):
+            stdout.seek(0)
+            stderr.seek(0)
+            out, err = stdout.read(), stderr.read()
+            assert process.returncode == 0, f"{args[0]} failed:\n{out[-3000:]}\n{err[-3000:]}"
+            stdouts.append(out)
+    return stdouts
 
 
 def llm_example():
@@ -103,9 +130,11 @@ def test_llm_example_with_fused_siblings_compiled_scores_what_the_tied_model_sco
     ``sibling_gemm_backend``) changes only the order of fp32 sums against the tied model."""
     tiny = ["--num-layers", "1", "--n-calib", "1", "--n-eval", "2", "--seq-len", "32", "--batch-size", "2",
             "--recipes", "b_min+max", "--diagnostics-rows", "0"]
-    tied = run_script("examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--tie-fused-layers", timeout=600)
-    fused = run_script("examples/quantize_llm.py", *tiny, "--generate-tokens", "2", "--fuse-siblings", "--compile",
-                       timeout=600)
+    tied, fused = run_scripts(
+        ("examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--tie-fused-layers"),
+        ("examples/quantize_llm.py", *tiny, "--generate-tokens", "2", "--fuse-siblings", "--compile"),
+        timeout=600,
+    )
     assert "b_min+max: 2 sibling groups (q/k/v, gate/up) run as one GEMM each" in fused
     # (A one-layer model's perplexity is in the millions: compare relatively.)
     for row in ("float", "b_min+max"):
@@ -149,8 +178,10 @@ def test_perplexity_over_draws_matches_the_llm_example_draw_by_draw():
     """The study builds its converted layers by hand (one weight sweep for every draw); each draw
     must score what ``quantize_llm.py`` scores when calibrated on that draw through quantize_."""
     tiny = ["--num-layers", "1", "--n-calib", "1", "--n-eval", "2", "--seq-len", "32", "--batch-size", "2"]
-    stdout = run_script(
-        "examples/perplexity_over_draws.py", *tiny, "--draws", "2", "--b-max-percentiles", "99.99,100",
+    stdout, example_stdout = run_scripts(
+        ("examples/perplexity_over_draws.py", *tiny, "--draws", "2", "--b-max-percentiles", "99.99,100"),
+        ("examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--calib-start", "1", "--recipes",
+         "torchao,b_min+mse", "--b-max-percentile", "99.99", "--diagnostics-rows", "0"),
         timeout=600,
     )
     draw_lines = [line for line in stdout.splitlines() if line.startswith("draw ")]
@@ -164,10 +195,7 @@ def test_perplexity_over_draws_matches_the_llm_example_draw_by_draw():
     mean_torchao = float(table[0].split()[1])
     assert mean_torchao == pytest.approx(sum(float(d["torchao"]) for d in per_draw) / 2, abs=1.5e-3)
 
-    example = results_table(run_script(
-        "examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--calib-start", "1", "--recipes", "torchao,b_min+mse",
-        "--b-max-percentile", "99.99", "--diagnostics-rows", "0", timeout=600,
-    ))
+    example = results_table(example_stdout)
     assert float(per_draw[1]["torchao"]) == example["torchao"]
     assert float(per_draw[1]["b_min+mse (B_max p99.99)"]) == example["b_min+mse"]
 
@@ -180,12 +208,13 @@ def test_propagation_study_without_propagation_scores_what_the_llm_example_score
     propagation changes the second layer's scales. Block-max weight scales keep it to seconds."""
     tiny = ["--num-layers", "2", "--n-calib", "1", "--n-eval", "2", "--seq-len", "32", "--batch-size", "2",
             "--calib-start", "1"]
-    stdout = run_script("examples/perplexity_over_draws.py", *tiny, "--draws", "1", "--propagation", recipe,
-                        timeout=600)
+    stdout, example_stdout = run_scripts(
+        ("examples/perplexity_over_draws.py", *tiny, "--draws", "1", "--propagation", recipe),
+        ("examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--recipes", recipe, "--diagnostics-rows", "0"),
+        timeout=600,
+    )
     draw = dict(item.rsplit(" ", 1) for item in stdout.split("draw 0 (sequences 1-1): ", 1)[1].splitlines()[0].split(", "))
-    example = results_table(run_script(
-        "examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--recipes", recipe, "--diagnostics-rows", "0", timeout=600,
-    ))
+    example = results_table(example_stdout)
     assert float(draw["float layer inputs"]) == example[recipe]
     assert float(draw["quantized layer inputs"]) != example[recipe]
 
@@ -197,10 +226,12 @@ def test_compare_recipes_summarises_its_draws_and_each_draw_is_the_llm_example_r
     Hessian pass and tying included); ModelOpt's recipes are listed as skipped without CUDA."""
     tiny = ["--num-layers", "1", "--n-eval", "2", "--seq-len", "32", "--batch-size", "2"]
     ours = ["torchao", "max+hessian_mse@upstream"]
-    stdout = run_script(
-        "examples/compare_recipes.py", *tiny, "--draws", "2", "--draw-sizes", "1",
-        "--recipes", ",".join(["w4a16", *ours, "modelopt:local_hessian"]), "--tie-fused-layers",
-        "--device", "cpu", timeout=900,
+    stdout, example_stdout = run_scripts(
+        ("examples/compare_recipes.py", *tiny, "--draws", "2", "--draw-sizes", "1",
+         "--recipes", ",".join(["w4a16", *ours, "modelopt:local_hessian"]), "--tie-fused-layers", "--device", "cpu"),
+        ("examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--n-calib", "1", "--calib-start", "1",
+         "--recipes", ",".join(ours), "--tie-fused-layers", "--diagnostics-rows", "0"),
+        timeout=900,
     )
     assert "skipped: modelopt:local_hessian: ModelOpt's NVFP4 fake quantization needs CUDA" in stdout
     draws = [
@@ -222,10 +253,7 @@ def test_compare_recipes_summarises_its_draws_and_each_draw_is_the_llm_example_r
             gaps = [v - float(draw["torchao"]) for v, draw in zip(values, draws)]
             assert float(summary[name][3]) == pytest.approx(sum(gaps) / 2, rel=1e-6, abs=1e-3)
 
-    example = results_table(run_script(
-        "examples/quantize_llm.py", *tiny, "--generate-tokens", "0", "--n-calib", "1", "--calib-start", "1",
-        "--recipes", ",".join(ours), "--tie-fused-layers", "--diagnostics-rows", "0", timeout=600,
-    ))
+    example = results_table(example_stdout)
     for name in ours:
         assert float(draws[1][name + " tied"]) == example[name]
 
