@@ -38,9 +38,8 @@ def traceable(kernel):
 
 def traced() -> bool:
     """Whether a launch here is being traced: dynamo reading the bytecode, or a dispatch mode
-    recording it (make_fx, fake tensors, functionalization: how Inductor traces a
-    ``triton_op``'s body)."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+    recording it (``traced_by_a_dispatch_mode``)."""
+    return torch.compiler.is_compiling() or traced_by_a_dispatch_mode()
 
 
 _recorder = threading.local()
@@ -81,8 +80,9 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
 def traced_by_a_dispatch_mode() -> bool:
-    """``traced()`` by a dispatch mode, not while dynamo reads the bytecode (which reads
-    ``is_compiling()`` as True and leaves the rest of the test unread)."""
+    """Whether a dispatch mode records a launch here (make_fx, fake tensors, functionalization:
+    how Inductor traces a ``triton_op``'s body); False while dynamo reads the bytecode, which
+    reads ``is_compiling()`` as True and leaves the rest of the test unread."""
     return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() > 0
 
 
