@@ -1,16 +1,12 @@
 """The clip monitor counts, per converted layer, the inputs above its act_global_amax: eagerly
 and compiled, equal to a count made outside the model."""
 
-import os
-
 import pytest
 import torch
 
 from conftest import calibration_batches, make, quantized
 from models import MLP
 from nvfp4_static import clip_counts, disable_clip_monitor, enable_clip_monitor
-
-os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
 
 
 def inputs_of(model, x):

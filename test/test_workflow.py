@@ -32,8 +32,6 @@ from nvfp4_static import (
 )
 from nvfp4_static.numerics import dequantize_nvfp4
 
-os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("model_cls", [MLP, TransformerBlock], ids=["mlp", "block"])
