@@ -51,6 +51,18 @@ class GraphRecorder:
 AOT_EAGER = "aot_eager"
 
 
+class AotEagerRecorder:
+    """``aot_eager``, keeping a weak reference to each graph it compiles."""
+
+    def __init__(self):
+        self.compiled = []
+
+    def __call__(self, gm, example_inputs):
+        graph = torch._dynamo.lookup_backend(AOT_EAGER)(gm, example_inputs)
+        self.compiled.append(weakref.ref(graph))
+        return graph
+
+
 def compiled(model, backend="inductor", **options):
     torch._dynamo.reset()
     return torch.compile(model, backend=sibling_gemm_backend(backend=backend, **options), fullgraph=True)
@@ -246,13 +258,16 @@ def test_moving_after_compiling_releases_the_merged_graph_and_gives_the_moved_mo
     state references it weakly; the layer then takes a new parameter.) The compiled model then
     gives the moved model's outputs (aot_eager rounds as eager does)."""
     fused = fused_copy(reference)
-    model = compiled(fused, AOT_EAGER)
+    recorder = AotEagerRecorder()
+    model = compiled(fused, recorder)
     logits(model)
     group_weights = [weakref.ref(m.sibling_gemm.weight) for m in fused.modules() if getattr(m, "sibling_gemm", None)]
     assert len(group_weights) == 2 * 5  # two layers of q/k/v and gate/up members
+    assert len(recorder.compiled) == 1 and recorder.compiled[0]() is not None
     move(fused)
     gc.collect()
     assert [ref() for ref in group_weights] == [None] * len(group_weights)
+    assert recorder.compiled[0]() is None  # the merged graph, which holds the group's memory
     torch.testing.assert_close(logits(model), logits(unfused(fused)), rtol=1e-5, atol=1e-5)
 
 
@@ -326,6 +341,7 @@ def test_a_copied_model_compiles_merged(reference):
 
 
 def test_a_checkpoint_loaded_into_the_members_reaches_the_compiled_group(reference):
+    """(Another model's global scales change the weights' metadata, so dynamo recompiles.)"""
     fused = fused_copy(reference)
     model = compiled(fused, AOT_EAGER)
     logits(model)
@@ -333,6 +349,33 @@ def test_a_checkpoint_loaded_into_the_members_reaches_the_compiled_group(referen
     fused.load_state_dict(other.state_dict())
     torch.testing.assert_close(logits(model), logits(other), rtol=1e-5, atol=1e-5)
     assert all(m.sibling_gemm is not None for m in members(fused))
+
+
+def negated(state_dict: dict) -> dict:
+    """``state_dict`` with every NVFP4 weight negated in its packed values alone (each E2M1
+    code's sign bit flipped): the scales, and so the weights' metadata, stay."""
+    changed = {}
+    for key, value in state_dict.items():
+        if isinstance(value, nvfp4_static.tensor.NVFP4StaticTensor):
+            value = copy.deepcopy(value)
+            value.qdata.bitwise_xor_(0x88)
+        changed[key] = value
+    return changed
+
+
+def test_the_compiled_merged_graph_reads_a_checkpoint_loaded_into_the_members(reference):
+    """No recompile: the graph compiled with the merge reads the group's memory, which the
+    members' weights are row slices of."""
+    fused = fused_copy(reference)
+    recorder = AotEagerRecorder()
+    model = compiled(fused, recorder)
+    before = logits(model)
+    fused.load_state_dict(negated(fused.state_dict()))
+    after = logits(model)
+    assert len(recorder.compiled) == 1
+    assert all(m.sibling_gemm is not None for m in members(fused))
+    torch.testing.assert_close(after, logits(unfused(fused)), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(after, before, rtol=1e-2, atol=1e-2)
 
 
 BAD_ARGUMENTS = {
