@@ -12,6 +12,7 @@ Times are medians of ``triton.testing.do_bench`` (the histogram also from a CUDA
 reference too slow to repeat is timed once.
 """
 
+import argparse
 import time
 
 import torch
@@ -221,6 +222,7 @@ def calibration_overhead(x):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}")

@@ -15,6 +15,7 @@ graphs after the first call at each of eight token counts from 1 to 300 (each ou
 against the eager block's); ``first calls`` is their wall time, compiles included.
 """
 
+import argparse
 import time
 
 import torch
@@ -28,6 +29,7 @@ TIMED_TOKENS = (1, 16, 64)
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     _, quantized = bf16_and_converted_blocks(4096, 32, 14336)
     print(f"device: {torch.cuda.get_device_name()}, package: {nvfp4_static.__file__}")
     print(f"{'mode':>8} {'tokens':>7} {'python ms':>10} {'host cpu ms':>12} {'graph ms':>9}")

@@ -8,6 +8,8 @@ sweep's block scales and under block scales computed from block maxes: whether
 kernel) give the same codes and scales, the median time of each (CUDA events around each call,
 20 calls after 3 warm-up ones, L2 not flushed), and the GPU memory each takes beyond its inputs.
 """
+import argparse
+
 import torch
 
 from nvfp4_static.kernels.ops import fp8_scale_sweep, quantize_weight_nvfp4
@@ -40,6 +42,7 @@ def extra_peak_mib(fn):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     print(torch.cuda.get_device_name())
     for N, K in [(14336, 4096), (4096, 14336)]:
         measure(N, K)
