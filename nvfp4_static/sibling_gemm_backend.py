@@ -11,7 +11,8 @@ its output per member. Then Inductor compiles the graph, with the ``mode`` and `
 ``torch.compile`` would take, or another backend does.
 
 The graph reads the group's memory, which the members' weights are row slices of: a checkpoint
-loaded into the members reaches it. Works on the subclass weights and on weights that torchao's
+loaded into the members reaches it (one with other global scales dissolves the groups, and the
+graph compiled without the merge runs). Works on the subclass weights and on weights that torchao's
 ``unwrap_tensor_subclass`` holds as plain tensors. Each call checks that the members' weights
 and biases are still the objects the graph was compiled with (a member's weight replaced
 fails it); otherwise the group is dissolved and the call runs, from then on, the graph compiled

@@ -8,6 +8,9 @@ ramp-up on the GPU) that one GEMM over the members' concatenated weight rows pay
 ``fuse_sibling_linears(model)`` gives each converted, tied fusion group (``tie_fused_layers``
 before convert) one weight holding the members' rows; each member's weight (and bias) becomes
 its row slice, the same memory, so a checkpoint loaded into the members updates the group.
+The members also share the group's two global-scale tensors: a checkpoint that gives a member
+other global scales dissolves the group before it is copied, and each member takes its own
+(``fuse_sibling_linears`` again fuses them where the loaded scales are tied).
 Eagerly, the first member called on an input runs the group's GEMM and keeps the other members'
 parts of its output; each of them, called next on that same input (the same tensor, not changed
 in place since), takes its part instead of running; a call on another input, or a member's
@@ -17,7 +20,8 @@ of the group's output: a strided view, as ``Tensor.split`` gives. Calls on infer
 weight torchao's ``unwrap_tensor_subclass`` holds as plain tensors, and calls under
 ``torch.compile`` run the member alone; ``sibling_gemm_backend`` merges the group in a compiled
 graph instead. Moving the model (``.to()``, ``.cuda()``), replacing a member's weight or bias,
-or loading one with ``assign=True`` dissolves the group: the members run alone from then on. A
+or loading one with ``assign=True`` dissolves the group: the members run alone from then on,
+each with global-scale tensors of its own. A
 copy of the model (``copy.deepcopy``, or saved whole and loaded) holds its members' weights as
 rows of the copy's group weight, and so keeps working groups.
 """
@@ -105,10 +109,33 @@ class SiblingGemm:
         for member in self.members:
             if member.sibling_gemm is self:
                 member.sibling_gemm = None
+        self._give_members_their_own_global_scales()
         self.weight = self.bias = self._pending = None
         for graph in list(self._merged_graphs):
             graph.release()
         self._merged_graphs.clear()
+
+    def before_member_load(self, weight) -> None:
+        """Before a checkpoint's ``weight`` is copied into a member: the members share the
+        group's two global-scale tensors, so a checkpoint that gives one of them other global
+        scales first dissolves the group, and each member then takes its own (the others' in
+        the checkpoint may differ; fuse again after the load where they do not)."""
+        if isinstance(weight, NVFP4StaticTensor) and not _same_global_scales(weight, self.weight):
+            self.dissolve()
+
+    def _give_members_their_own_global_scales(self) -> None:
+        """Fused, the members hold the group's global-scale tensors; apart, each holds a copy of
+        its own, so that a checkpoint loaded later can give them different values."""
+        if self.weight is None:
+            return
+        group = (self.weight.per_tensor_scale.data_ptr(), self.weight.act_per_tensor_scale.data_ptr())
+        for member in self.members:
+            weight = member._parameters.get("weight")
+            if not isinstance(weight, NVFP4StaticTensor):
+                continue
+            if (weight.per_tensor_scale.data_ptr(), weight.act_per_tensor_scale.data_ptr()) == group:
+                weight.per_tensor_scale = weight.per_tensor_scale.clone()
+                weight.act_per_tensor_scale = weight.act_per_tensor_scale.clone()
 
     def _intact(self) -> bool:
         """Whether each member still holds the row slices it was given (the same parameters),
@@ -148,6 +175,15 @@ def live_sibling_gemms() -> Iterator[SiblingGemm]:
     """Every group not dissolved, of every model in this process (what a compiler backend
     matches a graph's weights against)."""
     return (gemm for gemm in list(_GEMMS) if gemm.weight is not None)
+
+
+def _same_global_scales(a: NVFP4StaticTensor, b: NVFP4StaticTensor) -> bool:
+    """Whether two weights have the same activation and weight global scales (compared on the
+    CPU: a checkpoint's may be elsewhere than the model's)."""
+    pairs = [(a.act_per_tensor_scale, b.act_per_tensor_scale), (a.per_tensor_scale, b.per_tensor_scale)]
+    if any(t.is_meta for pair in pairs for t in pair):
+        return True  # no values to compare (the copy refuses what it cannot take)
+    return all(torch.equal(x.detach().cpu(), y.detach().cpu()) for x, y in pairs)
 
 
 def _addresses(parameters: list[tuple]) -> list[tuple]:

@@ -16,7 +16,7 @@ from torchao.utils import unwrap_tensor_subclass
 
 import nvfp4_static.tensor
 from nvfp4_static import NVFP4StaticLinear, sibling_gemm_backend
-from test_sibling_linears import CHANGES, QKV, biased_llama, fused_copy, members, other_llama
+from test_sibling_linears import CHANGES, QKV, biased_llama, fused_copy, members, negated, other_llama, unfused_copy
 
 HIDDEN = 64
 LINEARS_UNFUSED = 2 * 7 + 1  # two layers of q, k, v, o, gate, up, down; lm_head
@@ -68,15 +68,6 @@ def compiled(model, backend="inductor", **options):
     return torch.compile(model, backend=sibling_gemm_backend(backend=backend, **options), fullgraph=True)
 
 
-def unfused(model):
-    """A copy of ``model`` whose members run alone."""
-    copied = copy.deepcopy(model)
-    for module in copied.modules():
-        if isinstance(module, NVFP4StaticLinear):
-            module.sibling_gemm = None
-    return copied
-
-
 class Merged(NamedTuple):
     unwrap: bool
     model: torch.nn.Module
@@ -104,7 +95,7 @@ def test_each_group_is_one_linear_in_the_graph_and_the_logits_are_the_eager_ones
 
 def test_the_merged_graph_takes_no_input_of_the_members_it_merged(reference, merged):
     unwrap = merged.unwrap
-    alone = unfused(reference)
+    alone = unfused_copy(reference)
     if unwrap:
         unwrap_tensor_subclass(alone)
     unmerged = GraphRecorder()
@@ -139,7 +130,7 @@ def test_inductor_runs_the_groups_gemms(reference, unwrap, monkeypatch):
     out = logits(compiled(fused, inductor_counting_its_linears))
     # q/k/v: 64 + 32 + 32 rows; gate/up: 2 x 128; k and v (32 rows) never alone.
     assert 256 in widths and 32 not in widths
-    torch.testing.assert_close(out, logits(unfused(reference)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, logits(unfused_copy(reference)), rtol=1e-5, atol=1e-5)
 
 
 def test_biased_groups_merge_with_the_groups_bias():
@@ -241,7 +232,7 @@ def test_a_change_after_compiling_gives_the_changed_models_outputs(reference, ch
     changed = change(fused)
     if isinstance(changed, torch.nn.Module) and changed is not fused:
         model, fused = compiled(changed, AOT_EAGER), changed
-    torch.testing.assert_close(logits(model), logits(unfused(fused)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(model), logits(unfused_copy(fused)), rtol=1e-5, atol=1e-5)
 
 
 MOVES = {
@@ -268,7 +259,7 @@ def test_moving_after_compiling_releases_the_merged_graph_and_gives_the_moved_mo
     gc.collect()
     assert [ref() for ref in group_weights] == [None] * len(group_weights)
     assert recorder.compiled[0]() is None  # the merged graph, which holds the group's memory
-    torch.testing.assert_close(logits(model), logits(unfused(fused)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(model), logits(unfused_copy(fused)), rtol=1e-5, atol=1e-5)
 
 
 def test_inductor_compiles_the_graph_without_the_merge_for_moved_members(reference):
@@ -340,27 +331,18 @@ def test_a_copied_model_compiles_merged(reference):
     assert recorder.linears() == LINEARS_MERGED
 
 
-def test_a_checkpoint_loaded_into_the_members_reaches_the_compiled_group(reference):
-    """(Another model's global scales change the weights' metadata, so dynamo recompiles.)"""
+def test_a_checkpoint_with_other_global_scales_reaches_the_compiled_model_unmerged(reference):
+    """(The load dissolves the groups, which drops the merged graph.)"""
     fused = fused_copy(reference)
-    model = compiled(fused, AOT_EAGER)
+    recorder = AotEagerRecorder()
+    model = compiled(fused, recorder)
     logits(model)
     other = other_llama()
     fused.load_state_dict(other.state_dict())
+    gc.collect()
+    assert recorder.compiled[0]() is None
+    assert all(m.sibling_gemm is None for m in members(fused))
     torch.testing.assert_close(logits(model), logits(other), rtol=1e-5, atol=1e-5)
-    assert all(m.sibling_gemm is not None for m in members(fused))
-
-
-def negated(state_dict: dict) -> dict:
-    """``state_dict`` with every NVFP4 weight negated in its packed values alone (each E2M1
-    code's sign bit flipped): the scales, and so the weights' metadata, stay."""
-    changed = {}
-    for key, value in state_dict.items():
-        if isinstance(value, nvfp4_static.tensor.NVFP4StaticTensor):
-            value = copy.deepcopy(value)
-            value.qdata.bitwise_xor_(0x88)
-        changed[key] = value
-    return changed
 
 
 def test_the_compiled_merged_graph_reads_a_checkpoint_loaded_into_the_members(reference):
@@ -374,7 +356,7 @@ def test_the_compiled_merged_graph_reads_a_checkpoint_loaded_into_the_members(re
     after = logits(model)
     assert len(recorder.compiled) == 1
     assert all(m.sibling_gemm is not None for m in members(fused))
-    torch.testing.assert_close(after, logits(unfused(fused)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, logits(unfused_copy(fused)), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(after, before, rtol=1e-2, atol=1e-2)
 
 
@@ -507,4 +489,4 @@ def test_gpu_a_compiled_fused_model_moved_to_the_cpu_leaves_none_of_its_weights_
     gc.collect()
     assert before - torch.cuda.memory_allocated() >= weight_bytes > 0
     moved = logits(model)
-    torch.testing.assert_close(moved, logits(torch.compile(unfused(fused), fullgraph=True)), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(moved, logits(torch.compile(unfused_copy(fused), fullgraph=True)), rtol=1e-2, atol=1e-2)

@@ -12,9 +12,11 @@ from tiny_llama import convert_llama, converted_llama, logits, prepared_and_cali
 
 import nvfp4_static.tensor
 from nvfp4_static import NVFP4StaticLinear, export_checkpoint, fuse_sibling_linears, tie_fused_layers
+from nvfp4_static.tensor import NVFP4StaticTensor
 
 ATTENTION = "model.layers.0.self_attn"
 QKV = tuple(f"{ATTENTION}.{name}" for name in ("q_proj", "k_proj", "v_proj"))
+GATE_UP = tuple(f"model.layers.0.mlp.{name}" for name in ("gate_proj", "up_proj"))
 HIDDEN = 64
 
 
@@ -130,12 +132,66 @@ def test_under_inference_mode_the_members_run_alone(reference, monkeypatch):
         torch.testing.assert_close(out, reference(tokens).logits, rtol=1e-6, atol=1e-6)
 
 
-def test_a_checkpoint_loaded_into_the_members_reaches_the_group(reference):
+def negated(state_dict: dict) -> dict:
+    """``state_dict`` with every NVFP4 weight negated in its packed values alone (each E2M1
+    code's sign bit flipped): the scales, and so the weights' metadata, stay."""
+    changed = {}
+    for key, value in state_dict.items():
+        if isinstance(value, NVFP4StaticTensor):
+            value = copy.deepcopy(value)
+            value.qdata.bitwise_xor_(0x88)
+        changed[key] = value
+    return changed
+
+
+def unfused_copy(model):
+    """A copy of ``model`` whose members run alone (the reference for its outputs)."""
+    copied = copy.deepcopy(model)
+    for module in copied.modules():
+        if isinstance(module, NVFP4StaticLinear):
+            module.sibling_gemm = None
+    return copied
+
+
+def test_a_checkpoint_with_the_groups_global_scales_loads_into_the_group(reference):
     fused = fused_copy(reference)
-    other = other_llama()
-    fused.load_state_dict(other.state_dict())
+    loaded = negated(fused.state_dict())
+    before = logits(fused)
+    fused.load_state_dict(loaded)
     assert all(m.sibling_gemm is not None for m in members(fused))
+    after = logits(fused)
+    torch.testing.assert_close(after, logits(unfused_copy(fused)), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(after, before, rtol=1e-2, atol=1e-2)
+
+
+CHECKPOINTS_WITH_OTHER_SCALES = {
+    "tied": lambda: other_llama(),
+    "untied": lambda: converted_llama(tie=False),  # q/k/v and gate/up each with their own scales
+}
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS_WITH_OTHER_SCALES.values(), ids=CHECKPOINTS_WITH_OTHER_SCALES.keys())
+def test_a_checkpoint_with_other_global_scales_dissolves_the_group_and_each_member_takes_its_own(reference, checkpoint):
+    """The members share the group's global-scale tensors: loaded into them in place, an untied
+    checkpoint's scales would overwrite one another."""
+    fused, other = fused_copy(reference), checkpoint()
+    fused.load_state_dict(other.state_dict())
+    assert all(m.sibling_gemm is None for m in members(fused) + members(fused, GATE_UP))
+    for name in QKV + GATE_UP:
+        got, want = fused.get_submodule(name).weight, other.get_submodule(name).weight
+        assert torch.equal(got.per_tensor_scale, want.per_tensor_scale), name
+        assert torch.equal(got.act_per_tensor_scale, want.act_per_tensor_scale), name
     torch.testing.assert_close(logits(fused), logits(other), rtol=1e-6, atol=1e-6)
+
+
+def test_members_of_a_dissolved_group_take_their_own_global_scales_from_a_checkpoint(reference):
+    fused = fused_copy(reference)
+    replace_k_weight(fused)  # dissolves the group; q and v still hold its rows
+    untied = converted_llama(tie=False)
+    fused.load_state_dict(untied.state_dict())
+    for name in QKV:
+        assert torch.equal(fused.get_submodule(name).weight.per_tensor_scale, untied.get_submodule(name).weight.per_tensor_scale)
+    torch.testing.assert_close(logits(fused), logits(untied), rtol=1e-6, atol=1e-6)
 
 
 def test_a_fused_models_checkpoint_loads_into_an_unfused_one(reference):
@@ -179,11 +235,7 @@ def test_a_member_no_longer_holding_its_slice_runs_alone(reference, change):
     fused = fused_copy(reference)
     changed = change(fused)
     model = changed if isinstance(changed, torch.nn.Module) and changed is not fused else fused
-    expected = copy.deepcopy(model)
-    for module in expected.modules():
-        if isinstance(module, NVFP4StaticLinear):
-            module.sibling_gemm = None
-    torch.testing.assert_close(logits(model), logits(expected), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits(model), logits(unfused_copy(model)), rtol=1e-6, atol=1e-6)
     assert all(m.sibling_gemm is None for m in members(model))
 
 
