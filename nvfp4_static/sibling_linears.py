@@ -21,9 +21,9 @@ weight torchao's ``unwrap_tensor_subclass`` holds as plain tensors, and calls un
 ``torch.compile`` run the member alone; ``sibling_gemm_backend`` merges the group in a compiled
 graph instead. Moving the model (``.to()``, ``.cuda()``), replacing a member's weight or bias,
 or loading one with ``assign=True`` dissolves the group: the members run alone from then on,
-each with global-scale tensors of its own. A
-copy of the model (``copy.deepcopy``, or saved whole and loaded) holds its members' weights as
-rows of the copy's group weight, and so keeps working groups.
+each with global-scale tensors of its own. A copy of the model (``copy.deepcopy``, or saved
+whole and loaded) holds its members' weights as rows of the copy's group weight, and so keeps
+working groups.
 """
 
 import weakref

@@ -14,7 +14,7 @@ from torch._higher_order_ops.triton_kernel_wrap import TraceableTritonKernelWrap
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from nvfp4_static.kernels.act_quantize import NUM_WARPS, launch_activation_quantize
+from nvfp4_static.kernels.act_quantize import NUM_WARPS, _activation_quantize_kernel, launch_activation_quantize
 from nvfp4_static.kernels.gemm import GemmConfig, launch_nvfp4_gemm
 from nvfp4_static.kernels.launch import traceable
 
@@ -73,13 +73,11 @@ def test_each_traced_launch_carries_its_own_launch_options(inputs):
     assert gemm_a is not gemm_b
 
 
-
 def test_a_launch_on_real_tensors_hands_triton_the_kernel_itself():
     """Outside tracing, torch's wrapper would route each launch through its tracing machinery,
     adding a kernel object to the side table at every launch (each weight quantized at convert,
     an opaque op's kernels at every call of a compiled graph)."""
-    from nvfp4_static.kernels.act_quantize import _activation_quantize_kernel as kernel
-
+    kernel = _activation_quantize_kernel
     assert traceable(kernel) is kernel
     with FakeTensorMode():
         assert isinstance(traceable(kernel), TraceableTritonKernelWrapper)
