@@ -17,14 +17,11 @@ where the host's time varies from run to run). Pass the filter with CUDA graphs 
 
 Every other guard stays: the inputs' shapes, dtypes and devices (a model moved to another device
 or dtype takes inputs there, which recompiles), the modules' types and attributes, other
-parameters. The graph still reads each weight from its module on every call, so values loaded
-into the weights in place (``load_state_dict``) reach it, but for one number: the product of a
-weight's two global scales, which the graph holds as a constant where cuBLAS multiplies by it
-(the Triton route above 512 tokens); the weight's metadata guard, left out here, is what
-recompiles for a change of it. What goes unchecked, then, is a checkpoint loaded in place with
-other global scales, and a converted weight replaced after compiling by another (another shape,
-dtype, device, recipe or global scales; also a graph shared by several layers): compile again
-after either (``torch._dynamo.reset()``).
+parameters. The graph still reads each weight's tensors from its module on every call, global
+scales included (a traced weight holds no number of its own), so values loaded into the weights
+in place (``load_state_dict``) reach it, whatever their global scales. What goes unchecked is a
+converted weight replaced after compiling by one of another shape, dtype, device or backend:
+compile again after that (``torch._dynamo.reset()``).
 """
 
 from nvfp4_static.tensor import NVFP4StaticTensor

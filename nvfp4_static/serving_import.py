@@ -43,7 +43,7 @@ from nvfp4_static.export import (
 )
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.numerics import BLOCK_SIZE, E2M1_MAX, E4M3_MAX
-from nvfp4_static.tensor import NVFP4StaticTensor
+from nvfp4_static.tensor import NVFP4StaticTensor, host_scale_product
 
 __all__ = ["import_checkpoint"]
 
@@ -405,6 +405,7 @@ def _layer_from_checkpoint(
         weight_scale,
         input_scale,
         backend_override=backend,
+        output_scale=host_scale_product(input_scale, weight_scale),
     )
     act_global_amax = float(input_scale) * E4M3_MAX * E2M1_MAX
     stats = {"g_amax": act_global_amax, "set_by": f"{format} checkpoint"}

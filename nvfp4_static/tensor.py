@@ -36,10 +36,14 @@ class NVFP4StaticTensor(NVFP4Tensor):
     Attributes beyond ``NVFP4Tensor``'s:
         backend_override: backend forced by the config (None: choose by device).
         linear_backend: the backend this tensor's linear runs on (derived, shown in ``repr``).
-        output_scale: ``act_per_tensor_scale * per_tensor_scale`` as a Python float, read once
-            when the tensor is built (None while the scales are fake or on ``meta``). The scales
-            are fixed after convert; a host copy lets the large-M GEMM give the scale to cuBLAS
-            as ``alpha`` without a device sync per call.
+        output_scale: ``act_per_tensor_scale * per_tensor_scale`` as a Python float
+            (``host_scale_product``), or None where unknown. ``from_float`` and an in-place copy
+            read it from the scales (one device sync), the constructor takes it as given and
+            never reads a device. A host copy lets the eager large-M GEMM give the scale to
+            cuBLAS as ``alpha`` without a sync per call. It is not part of the flatten metadata,
+            so a traced graph never holds it as a constant: traced, the weight is rebuilt with
+            it None and the graph scales by the global-scale tensors, which it reads on every
+            call like the packed values.
     """
 
     optional_tensor_attribute_names = NVFP4Tensor.optional_tensor_attribute_names + [
@@ -74,7 +78,7 @@ class NVFP4StaticTensor(NVFP4Tensor):
             act_quant_kwargs,
         )
         self.backend_override = backend_override
-        self.output_scale = output_scale if output_scale is not None else _host_output_scale(self)
+        self.output_scale = output_scale
         self.linear_backend = resolve_backend(qdata.device, backend_override)
         linear_function(self.linear_backend)  # import now, outside any compiled region
         return self
@@ -89,9 +93,18 @@ class NVFP4StaticTensor(NVFP4Tensor):
         flattened = self.__dict__.get(_FLATTENED)
         if flattened is None:
             names, metadata = super().__tensor_flatten__()
+            metadata = {name: value for name, value in metadata.items() if name != "output_scale"}
             flattened = self.__dict__[_FLATTENED] = (tuple(names), metadata)
         names, metadata = flattened
         return list(names), metadata
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, metadata, outer_size, outer_stride):
+        """torchao's rebuild, with ``output_scale`` unknown: a rebuild is traced (the scales
+        fake) or, in a model torchao's ``unwrap_tensor_subclass`` unwrapped, runs on every
+        call, where reading the scales would sync the device."""
+        metadata = {**metadata, "output_scale": None}
+        return super().__tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride)
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -148,12 +161,12 @@ class NVFP4StaticTensor(NVFP4Tensor):
             weight_per_tensor_scale,
             act_per_tensor_scale,
             backend_override=backend_override,
+            output_scale=host_scale_product(act_per_tensor_scale, weight_per_tensor_scale),
         )
 
     def _stable_hash_for_caching(self) -> str:
-        """What an AOTAutograd cache key needs of this weight: its class, shape and the
-        attributes a compiled graph bakes in (``output_scale`` becomes a cuBLAS constant), and
-        the layout of its inner tensors, whose values are graph inputs."""
+        """What an AOTAutograd cache key needs of this weight: its class, shape and flatten
+        attributes, and the layout of its inner tensors, whose values are graph inputs."""
         inner_names, attributes = self.__tensor_flatten__()
         layouts = [
             (name, tuple(t.shape), t.stride(), str(t.dtype), str(t.device))
@@ -192,10 +205,12 @@ class NVFP4StaticTensor(NVFP4Tensor):
         )
 
 
-def _host_output_scale(weight: NVFP4StaticTensor) -> Optional[float]:
-    """``act_per_tensor_scale * per_tensor_scale`` in fp32, as a float; None if it cannot be read
-    (a scale missing, fake or on ``meta``). Syncs once, when a tensor is built from data."""
-    scales = (weight.act_per_tensor_scale, weight.per_tensor_scale)
+def host_scale_product(
+    act_per_tensor_scale: Optional[torch.Tensor], per_tensor_scale: Optional[torch.Tensor]
+) -> Optional[float]:
+    """The ``output_scale`` of a weight with these global scales: their product in fp32, as a
+    float; None if it cannot be read (a scale missing, fake or on ``meta``). Syncs the device."""
+    scales = (act_per_tensor_scale, per_tensor_scale)
     if any(s is None or not _holds_values(s) for s in scales):
         return None
     return float(scales[0].to(torch.float32) * scales[1].to(torch.float32))
@@ -396,7 +411,7 @@ def _copy_(func, types, args, kwargs):
         )
     for name in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale"):
         getattr(dst, name).copy_(getattr(src, name))
-    dst.output_scale = _host_output_scale(dst)
+    dst.output_scale = host_scale_product(dst.act_per_tensor_scale, dst.per_tensor_scale)
     return dst
 
 
@@ -409,4 +424,4 @@ _FLATTENED_FIELDS = frozenset(
     + NVFP4StaticTensor.optional_tensor_data_names
     + NVFP4StaticTensor.tensor_attribute_names
     + NVFP4StaticTensor.optional_tensor_attribute_names
-)
+) - {"output_scale"}

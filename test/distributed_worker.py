@@ -36,7 +36,7 @@ from nvfp4_static.layer_mover import LayerMover  # noqa: E402
 from nvfp4_static.layerwise import calibrate_layer_by_layer  # noqa: E402
 from nvfp4_static.experts import NVFP4StaticExperts  # noqa: E402
 from nvfp4_static.linear import NVFP4StaticLinear  # noqa: E402
-from nvfp4_static.tensor import _host_output_scale  # noqa: E402
+from nvfp4_static.tensor import host_scale_product  # noqa: E402
 
 ACT_RECIPES = ("b_min", "max", "percentile", "mse")
 WEIGHT_RECIPES = ("mse", "hessian_mse")
@@ -149,7 +149,10 @@ def split_convert_run(batches, weight, fail_on_rank=None, filter_fn=all_but_lm_h
     linears = [m for m in model.modules() if isinstance(m, NVFP4StaticLinear)]
     stats = {m.layer_name: m.calibration_stats for m in linears}
     # The host copy of each weight's scale product, against one read from its scales here.
-    output_scales_hold = [m.weight.output_scale == _host_output_scale(m.weight) for m in linears]
+    output_scales_hold = [
+        m.weight.output_scale == host_scale_product(m.weight.act_per_tensor_scale, m.weight.per_tensor_scale)
+        for m in linears
+    ]
     return {**result, "swept": swept, "converted": converted, "stats": stats,
             "output_scales_hold": output_scales_hold}
 

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torchao.utils import unwrap_tensor_subclass
 from conftest import requires_cuda, sqnr_db
 from test_sibling_linears import other_llama
 from tiny_llama import converted_llama, logits, tiny_llama, token_ids
@@ -125,3 +127,73 @@ def test_cuda_graphs_without_weight_guards_give_the_eager_outputs():
         run = torch.compile(model, fullgraph=True, options=options)
         for _ in range(3):
             assert sqnr_db(expected, run(ids).logits) > 40
+
+
+def test_decoder_layers_compiled_one_by_one_share_one_graph():
+    """Regional compilation: each layer's converted weights differ only in values (their global
+    scales included), which the graph takes as inputs, so every guard passes for the next
+    layer and one graph serves them all. (Without the KV cache, whose layer index each layer's
+    graph would hold.)"""
+    model = converted_llama()
+    ids = token_ids(5)
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        for layer in model.model.layers:
+            layer.compile(backend=counter, fullgraph=True)
+        assert len(model.model.layers) > 1
+        assert torch.equal(model(ids, use_cache=False).logits, expected)
+    assert counter.frame_count == 1
+
+
+# Rows of a batch the Triton route runs as dequantize + cuBLAS, which eagerly takes the product of
+# the global scales as its alpha (bf16 and fp16 outputs, above GEMM_CONFIGS' last Triton bucket of
+# 512 rows).
+CUBLAS_BATCH, CUBLAS_LENGTH = 2, 300
+# bf16 logits of the compiled tiny Llama against its eager ones (the compiled epilogue rounds
+# elsewhere, which can flip an activation's E2M1 code): 28.8-29.6 dB on an H200; a layer
+# scaled by another's global scales gave 13-19.
+BF16_COMPILED_SQNR_DB = 24
+
+
+@requires_cuda
+def test_gpu_other_global_scales_loaded_after_compiling_reach_the_graph_above_512_tokens():
+    """The weights' guards left out, a checkpoint with other global scales loaded in place gives
+    the loaded model's outputs at a size where the product of the scales scales cuBLAS's result."""
+    model, other = converted_llama(torch.bfloat16).cuda(), other_llama().to(torch.bfloat16).cuda()
+    ids = token_ids(3, CUBLAS_BATCH, CUBLAS_LENGTH).cuda()
+    with torch.no_grad():
+        torch._dynamo.reset()
+        run = torch.compile(model, fullgraph=True, options={"guard_filter_fn": skip_nvfp4_weight_guards})
+        assert sqnr_db(model(ids).logits, run(ids).logits) > BF16_COMPILED_SQNR_DB
+        model.load_state_dict(other.state_dict())
+        assert sqnr_db(model(ids).logits, run(ids).logits) > BF16_COMPILED_SQNR_DB
+
+
+@requires_cuda
+@pytest.mark.parametrize("guard_filter_fn", [None, skip_nvfp4_weight_guards], ids=["every guard", "filter"])
+def test_gpu_decoder_layers_compiled_one_by_one_give_the_eager_outputs_above_512_tokens(guard_filter_fn):
+    """One graph for every layer, each layer's global scales read from its own weights."""
+    model = converted_llama(torch.bfloat16).cuda()
+    ids = token_ids(4, CUBLAS_BATCH, CUBLAS_LENGTH).cuda()
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        torch._dynamo.reset()
+        options = None if guard_filter_fn is None else {"guard_filter_fn": guard_filter_fn}
+        for layer in model.model.layers:
+            layer.compile(fullgraph=True, options=options)
+        assert sqnr_db(expected, model(ids, use_cache=False).logits) > BF16_COMPILED_SQNR_DB
+
+
+@requires_cuda
+def test_gpu_a_model_unwrapped_by_torchao_compiles_to_the_eager_outputs_above_512_tokens():
+    """torchao's ``unwrap_tensor_subclass`` rebuilds each weight inside the graph from its inner
+    tensors and flatten metadata; the rebuilt weight scales by its global-scale tensors."""
+    model = converted_llama(torch.bfloat16).cuda()
+    ids = token_ids(5, CUBLAS_BATCH, CUBLAS_LENGTH).cuda()
+    with torch.no_grad():
+        expected = model(ids).logits
+        unwrap_tensor_subclass(model)
+        torch._dynamo.reset()
+        assert sqnr_db(expected, torch.compile(model, fullgraph=True)(ids).logits) > BF16_COMPILED_SQNR_DB

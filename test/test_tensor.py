@@ -122,11 +122,17 @@ def test_flatten_unflatten_round_trip():
     assert torch.equal(reshaped.dequantize(), q.dequantize())
 
 
+def torchaos_flatten(q):
+    """torchao's flatten of ``q`` less ``output_scale``, which ours leaves out."""
+    names, metadata = TorchAOBaseTensor.__tensor_flatten__(q)
+    return names, {name: value for name, value in metadata.items() if name != "output_scale"}
+
+
 FIELD_SETS = {
-    "copy_ of other scales": lambda q: q.copy_(NVFP4StaticTensor.from_float(make_weight(seed=1), ACT_AMAX * 3)),
     "backend_override": lambda q: setattr(q, "backend_override", "cpu"),
     "per_tensor_scale dropped": lambda q: setattr(q, "per_tensor_scale", None),
     "block_size": lambda q: setattr(q, "block_size", 32),
+    "orig_dtype": lambda q: setattr(q, "orig_dtype", torch.float16),
 }
 
 
@@ -136,12 +142,37 @@ def test_flatten_is_torchaos_after_a_field_is_set(set_field):
     guard holding it tells the old metadata from the new."""
     q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
     names, metadata = q.__tensor_flatten__()
-    assert (names, metadata) == TorchAOBaseTensor.__tensor_flatten__(q)
+    assert (names, metadata) == torchaos_flatten(q)
     kept = dict(metadata)
     set_field(q)
-    assert q.__tensor_flatten__() == TorchAOBaseTensor.__tensor_flatten__(q)
+    assert q.__tensor_flatten__() == torchaos_flatten(q)
     assert q.__tensor_flatten__() != (names, kept)
     assert metadata == kept
+
+
+def test_the_flatten_leaves_out_the_host_copy_of_the_scales_product():
+    """A traced graph is built from the flatten: without ``output_scale`` it cannot hold the
+    product as a constant, and other global scales copied in place leave the metadata as it was."""
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    before = q.output_scale
+    names, metadata = q.__tensor_flatten__()
+    assert "output_scale" not in metadata and before not in metadata.values()
+    q.copy_(NVFP4StaticTensor.from_float(make_weight(seed=1), ACT_AMAX * 3))
+    assert q.output_scale != before
+    assert q.__tensor_flatten__() == (names, metadata)
+
+
+def test_a_weight_rebuilt_from_its_flatten_leaves_the_product_unread():
+    """A rebuild (tracing, or each call of a model torchao unwrapped) does not read the scales,
+    which would sync a GPU; its linear scales by the scale tensors and gives the same output."""
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    names, metadata = q.__tensor_flatten__()
+    inner = {name: getattr(q, name) for name in names}
+    rebuilt = NVFP4StaticTensor.__tensor_unflatten__(inner, metadata, q.shape, q.stride())
+    assert rebuilt.output_scale is None and q.output_scale is not None
+    assert all(getattr(rebuilt, name) is getattr(q, name) for name in names)
+    x = make_weight(shape=(4, 128), seed=2)
+    assert torch.equal(F.linear(x, rebuilt), F.linear(x, q))
 
 
 def test_a_compiled_call_recompiles_when_the_weights_metadata_changes():
@@ -152,9 +183,21 @@ def test_a_compiled_call_recompiles_when_the_weights_metadata_changes():
     compiled(x, q)
     compiled(x, q)
     assert counter.frame_count == 1
+    q.backend_override = "cpu"
+    compiled(x, q)
+    assert counter.frame_count == 2
+
+
+def test_a_compiled_call_takes_other_global_scales_copied_in_place_without_recompiling():
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    counter = CompileCounter()
+    compiled = torch.compile(lambda x, w: F.linear(x, w), backend=counter, fullgraph=True)
+    x = make_weight(shape=(4, 128), seed=2)
+    before = compiled(x, q)
     q.copy_(NVFP4StaticTensor.from_float(make_weight(seed=1), ACT_AMAX * 3))
     out = compiled(x, q)
-    assert counter.frame_count == 2
+    assert counter.frame_count == 1
+    assert not torch.equal(out, before)
     assert torch.equal(out, F.linear(x, q))
 
 
@@ -165,7 +208,7 @@ def test_a_pickled_weight_carries_no_flatten_cache():
     torch.save(q, buffer)
     assert b"_flattened" not in buffer.getvalue()
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    assert loaded.__tensor_flatten__() == TorchAOBaseTensor.__tensor_flatten__(q)
+    assert loaded.__tensor_flatten__() == torchaos_flatten(q)
 
 
 def reference_linear(x, q, bias):

@@ -4,7 +4,8 @@ Two steps: the activation is quantized under its static global scale and written
 operand ``q * s_b`` (the op ``gemm_activation_operand``, kernel in ``kernels.act_quantize``), then
 the GEMM reads the packed weight, dequantizes it and applies both global scales and the bias in
 its epilogue (the op ``nvfp4_gemm``, kernel in ``kernels.gemm``;
-at large M cuBLAS does the product, with the epilogue fused where ``output_scale`` is known).
+at large M cuBLAS does the product, with the epilogue fused where ``output_scale`` is known:
+eagerly, never in a traced graph).
 At the smallest decode sizes the GEMM quantizes the activation itself: one launch. Traced, where
 the table runs the Hopper decode tile, the two steps are one op (``decode_linear_partial_products``)
 that launches the GEMM to overlap the quantize kernel, as the eager route does.

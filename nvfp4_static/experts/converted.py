@@ -15,7 +15,7 @@ from nvfp4_static.kernels.ops import (
 )
 from nvfp4_static.linear import NVFP4StaticLinear, _InferenceOnly, check_checkpoint_scale_values
 from nvfp4_static.numerics import BLOCK_SIZE
-from nvfp4_static.tensor import NVFP4StaticTensor
+from nvfp4_static.tensor import NVFP4StaticTensor, host_scale_product
 
 __all__ = ["NVFP4StaticGroupedLinear", "NVFP4StaticExperts", "experts_backend"]
 
@@ -160,13 +160,16 @@ class NVFP4StaticGroupedLinear(torch.nn.Module):
         """Rows ``rows`` of expert ``expert``'s weight, as the weight of an ``NVFP4StaticLinear``:
         views of the codes and block scales, copies of the two global scales (the gate and the
         up rows of an expert share them, and a file may not hold one tensor twice)."""
+        weight_scale = self.per_tensor_scale[expert].clone()
+        act_scale = self.act_per_tensor_scale[expert].clone()
         return NVFP4StaticTensor(
             self.qdata[expert, rows],
             self.scale[expert, rows],
             BLOCK_SIZE,
             orig_dtype,
-            self.per_tensor_scale[expert].clone(),
-            self.act_per_tensor_scale[expert].clone(),
+            weight_scale,
+            act_scale,
+            output_scale=host_scale_product(act_scale, weight_scale),
         )
 
     def _apply(self, fn, recurse=True):

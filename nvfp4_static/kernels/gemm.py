@@ -23,7 +23,10 @@ dequantize the weight once and hand the product to cuBLAS (``CublasAfterDequanti
 numerics are the same. There, when the caller knows the scale product on the host
 (``output_scale``) and the output is bf16 or fp16, both operands take the output's dtype (``q *
 s_b`` is exact in either) and cuBLAS applies the scale as its ``alpha`` and adds the bias before
-its one rounding, so no fp32 product travels through memory. At M = 1 the kernel takes the raw
+its one rounding, so no fp32 product travels through memory. That is the eager route: a
+traced weight has no host copy (a graph must read the scales from their tensors, as a checkpoint
+loaded in place may change them), so a compiled graph takes the fp32 product and scales it in
+torch ops that Inductor fuses into the output's reader. At M = 1 the kernel takes the raw
 activation instead and quantizes it in its K loop (``GemmConfig.activation_rows``) with
 ``act_quantize``'s arithmetic, so no operand kernel runs before it.
 
