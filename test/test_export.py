@@ -177,6 +177,8 @@ def test_export_then_import_is_bit_identical(format, dtype, tmp_path, llama_fp32
     for name, layer in layers.items():
         for field in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale"):
             assert torch.equal(getattr(imported.get_submodule(name).weight, field), getattr(layer.weight, field))
+        # The host copy of the scales' product, which the eager large-M GEMM gives cuBLAS.
+        assert imported.get_submodule(name).weight.output_scale == layer.weight.output_scale is not None
     floats = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in layers}
     assert all(torch.equal(imported.state_dict()[k], v) for k, v in floats.items())
     assert torch.equal(logits(imported), logits(model))
