@@ -206,8 +206,6 @@ class NVFP4StaticLinear(torch.nn.Linear):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         weight = state_dict.get(prefix + "weight")
         check_checkpoint_scales(weight, self.layer_name or prefix[:-1])
-        if self.sibling_gemm is not None:
-            self.sibling_gemm.before_member_load(weight)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def set_extra_state(self, state: dict) -> None:

@@ -9,8 +9,9 @@ ramp-up on the GPU) that one GEMM over the members' concatenated weight rows pay
 before convert) one weight holding the members' rows; each member's weight (and bias) becomes
 its row slice, the same memory, so a checkpoint loaded into the members updates the group.
 The members also share the group's two global-scale tensors: a checkpoint that gives a member
-other global scales dissolves the group before it is copied, and each member takes its own
-(``fuse_sibling_linears`` again fuses them where the loaded scales are tied).
+other global scales (or a ``copy_`` of such a weight into a member's) dissolves the group before
+it is copied, and each member takes its own (``fuse_sibling_linears`` again fuses them where the
+loaded scales are tied).
 Eagerly, the first member called on an input runs the group's GEMM and keeps the other members'
 parts of its output; each of them, called next on that same input (the same tensor, not changed
 in place since), takes its part instead of running; a call on another input, or a member's
@@ -36,7 +37,7 @@ from torch.nn.utils import parametrize
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups
 from nvfp4_static.linear import NVFP4StaticLinear
-from nvfp4_static.tensor import NVFP4StaticTensor
+from nvfp4_static.tensor import BEFORE_COPY, NVFP4StaticTensor
 
 __all__ = ["SiblingGemm", "fuse_sibling_linears", "live_sibling_gemms"]
 
@@ -115,12 +116,12 @@ class SiblingGemm:
             graph.release()
         self._merged_graphs.clear()
 
-    def before_member_load(self, weight) -> None:
-        """Before a checkpoint's ``weight`` is copied into a member: the members share the
-        group's two global-scale tensors, so a checkpoint that gives one of them other global
-        scales first dissolves the group, and each member then takes its own (the others' in
-        the checkpoint may differ; fuse again after the load where they do not)."""
-        if isinstance(weight, NVFP4StaticTensor) and not _same_global_scales(weight, self.weight):
+    def before_member_copy(self, weight: NVFP4StaticTensor) -> None:
+        """Before ``weight`` is copied into a member (``load_state_dict``, or ``copy_`` on the
+        member's weight): the members share the group's two global-scale tensors, so a weight
+        with other global scales first dissolves the group, and each member then takes its own
+        (a checkpoint's other members may differ; fuse again after the load where they do not)."""
+        if not _same_global_scales(weight, self.weight):
             self.dissolve()
 
     def _give_members_their_own_global_scales(self) -> None:
@@ -169,6 +170,17 @@ class SiblingGemm:
         ``unwrap_tensor_subclass``): it runs alone eagerly, rebuilding its weight, while a
         compiled graph can still merge the group (``sibling_gemm_backend``)."""
         return any(parametrize.is_parametrized(member, "weight") for member in self.members)
+
+
+def _before_copy_into_a_member(destination: NVFP4StaticTensor, source: NVFP4StaticTensor) -> None:
+    """``tensor.BEFORE_COPY``'s check for fused groups: a copy into a member's weight goes
+    through its group's ``before_member_copy``."""
+    for gemm in live_sibling_gemms():
+        if any(member._parameters.get("weight") is destination for member in gemm.members):
+            gemm.before_member_copy(source)
+
+
+BEFORE_COPY.append(_before_copy_into_a_member)
 
 
 def live_sibling_gemms() -> Iterator[SiblingGemm]:

@@ -393,6 +393,12 @@ def _pin_memory(func, types, args, kwargs):
     )
 
 
+# Called with (destination, source) before ``copy_`` writes into an NVFP4StaticTensor, once the
+# copy is known to fit, by what shares a weight's tensors with other weights: it may give the
+# destination tensors of its own first (``sibling_linears``).
+BEFORE_COPY: list = []
+
+
 @implements([aten.copy_.default])
 def _copy_(func, types, args, kwargs):
     dst, src = args[0], args[1]
@@ -409,6 +415,8 @@ def _copy_(func, types, args, kwargs):
             f"nvfp4_static: cannot copy NVFP4 weight of shape {tuple(src.shape)} into one of shape "
             f"{tuple(dst.shape)}"
         )
+    for before_copy in BEFORE_COPY:
+        before_copy(dst, src)
     for name in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale"):
         getattr(dst, name).copy_(getattr(src, name))
     dst.output_scale = host_scale_product(dst.act_per_tensor_scale, dst.per_tensor_scale)

@@ -184,6 +184,34 @@ def test_a_checkpoint_with_other_global_scales_dissolves_the_group_and_each_memb
     torch.testing.assert_close(logits(fused), logits(other), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("member", [QKV[1], GATE_UP[1]], ids=["k_proj", "up_proj"])
+def test_a_weight_with_other_global_scales_copied_into_a_member_changes_that_member_alone(reference, member):
+    """``copy_`` on a member's weight, not through ``load_state_dict``: its siblings keep their
+    scales and outputs, and the member gives the copied weight's."""
+    fused, other = fused_copy(reference), other_llama()
+    expected = copy.deepcopy(reference)  # unfused: each member holds scale tensors of its own
+    with torch.no_grad():
+        expected.get_submodule(member).weight.copy_(other.get_submodule(member).weight)
+        fused.get_submodule(member).weight.copy_(other.get_submodule(member).weight)
+    assert fused.get_submodule(member).sibling_gemm is None
+    siblings = [name for name in QKV + GATE_UP if name != member and name.rpartition(".")[0] == member.rpartition(".")[0]]
+    assert siblings
+    for name in siblings + [member]:
+        got, want = fused.get_submodule(name).weight, expected.get_submodule(name).weight
+        assert torch.equal(got.per_tensor_scale, want.per_tensor_scale), name
+        assert torch.equal(got.act_per_tensor_scale, want.act_per_tensor_scale), name
+    torch.testing.assert_close(logits(fused), logits(expected), rtol=1e-6, atol=1e-6)
+
+
+def test_a_weight_with_the_groups_global_scales_copied_into_a_member_keeps_the_group(reference):
+    fused = fused_copy(reference)
+    source = negated({"w": fused.get_submodule(QKV[1]).weight})["w"]
+    with torch.no_grad():
+        fused.get_submodule(QKV[1]).weight.copy_(source)
+    assert all(m.sibling_gemm is not None for m in members(fused))
+    torch.testing.assert_close(logits(fused), logits(unfused_copy(fused)), rtol=1e-6, atol=1e-6)
+
+
 def test_members_of_a_dissolved_group_take_their_own_global_scales_from_a_checkpoint(reference):
     fused = fused_copy(reference)
     replace_k_weight(fused)  # dissolves the group; q and v still hold its rows
