@@ -204,8 +204,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
         return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **self.recipe}
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        weight = state_dict.get(prefix + "weight")
-        check_checkpoint_scales(weight, self.layer_name or prefix[:-1])
+        check_checkpoint_scales(state_dict.get(prefix + "weight"), self.layer_name or prefix[:-1])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def set_extra_state(self, state: dict) -> None:

@@ -153,6 +153,14 @@ def unfused_copy(model):
     return copied
 
 
+def assert_same_global_scales(model, other, names):
+    """Each named linear of ``model`` has the global scales of ``other``'s."""
+    for name in names:
+        got, want = model.get_submodule(name).weight, other.get_submodule(name).weight
+        assert torch.equal(got.per_tensor_scale, want.per_tensor_scale), name
+        assert torch.equal(got.act_per_tensor_scale, want.act_per_tensor_scale), name
+
+
 def test_a_checkpoint_with_the_groups_global_scales_loads_into_the_group(reference):
     fused = fused_copy(reference)
     loaded = negated(fused.state_dict())
@@ -177,10 +185,7 @@ def test_a_checkpoint_with_other_global_scales_dissolves_the_group_and_each_memb
     fused, other = fused_copy(reference), checkpoint()
     fused.load_state_dict(other.state_dict())
     assert all(m.sibling_gemm is None for m in members(fused) + members(fused, GATE_UP))
-    for name in QKV + GATE_UP:
-        got, want = fused.get_submodule(name).weight, other.get_submodule(name).weight
-        assert torch.equal(got.per_tensor_scale, want.per_tensor_scale), name
-        assert torch.equal(got.act_per_tensor_scale, want.act_per_tensor_scale), name
+    assert_same_global_scales(fused, other, QKV + GATE_UP)
     torch.testing.assert_close(logits(fused), logits(other), rtol=1e-6, atol=1e-6)
 
 
@@ -196,10 +201,7 @@ def test_a_weight_with_other_global_scales_copied_into_a_member_changes_that_mem
     assert fused.get_submodule(member).sibling_gemm is None
     siblings = [name for name in QKV + GATE_UP if name != member and name.rpartition(".")[0] == member.rpartition(".")[0]]
     assert siblings
-    for name in siblings + [member]:
-        got, want = fused.get_submodule(name).weight, expected.get_submodule(name).weight
-        assert torch.equal(got.per_tensor_scale, want.per_tensor_scale), name
-        assert torch.equal(got.act_per_tensor_scale, want.act_per_tensor_scale), name
+    assert_same_global_scales(fused, expected, siblings + [member])
     torch.testing.assert_close(logits(fused), logits(expected), rtol=1e-6, atol=1e-6)
 
 

@@ -8,9 +8,10 @@ before each, as a serving process that compiles several models or shapes does), 
 ``fullgraph=True``; each time the first call, which compiles, is timed to its end. With
 ``--regional`` each layer is compiled on its own instead (``layer.compile()``, PyTorch's
 regional compilation): the layers differ in their weights' values only, so one graph serves
-them all. Also printed: the graphs dynamo compiled, the entries of torch's Triton kernel side table after each compile (Inductor walks that
-global table at every graph it compiles, so it must not grow with the compiles before), and
-whether each compiled stack's output equals the first one of its kind bit for bit.
+them all. Also printed: the graphs dynamo compiled, the entries of torch's Triton kernel side
+table after each compile (Inductor walks that global table at every graph it compiles, so it
+must not grow with the compiles before), and whether each compiled stack's output equals the
+first one of its kind bit for bit.
 """
 
 import argparse
@@ -23,7 +24,9 @@ from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from bench_decode import DIM, converted, stack
 
 
-def compile_seconds(model: torch.nn.Sequential, x: torch.Tensor, regional: bool) -> tuple[float, int, torch.Tensor]:
+def compile_seconds(
+    model: torch.nn.Sequential, x: torch.Tensor, regional: bool
+) -> tuple[float, int, torch.Tensor]:
     """Seconds from ``torch.compile`` (of the stack, or with ``regional`` of each layer) to the
     end of the first call, the graphs dynamo compiled, and that call's output."""
     torch._dynamo.reset()
