@@ -137,8 +137,8 @@ def build_for_sm90(kernel, values: dict, options: dict, tmp_path, source_class=A
         [ptxas, "-arch=sm_90a", "-v", str(ptx_path), "-o", str(tmp_path / "gemm.cubin")],
         capture_output=True,
         text=True,
-        check=True,
     )
+    assert report.returncode == 0, f"ptxas exited with {report.returncode}:\n{report.stderr}"
     return HopperBuild(ptx, report.stdout + report.stderr, compiled.metadata.shared, compiled.metadata.num_warps)
 
 
