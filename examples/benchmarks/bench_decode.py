@@ -29,6 +29,9 @@ linears are all the work: what a decode step spends on weights. Rows:
 - ``compiled, graph replay`` and ``compiled siblings, graph replay``: the default-mode compiled
   stack (the second through ``sibling_gemm_backend()``) captured into a CUDA graph by hand and
   replayed: GPU time alone, whatever the compiled call costs on the host.
+- ``compiled each layer, graph replay``: the same with each layer compiled on its own
+  (``layer.compile()``, PyTorch's regional compilation: one graph serves every layer, so
+  compiling does not grow with depth), NVFP4 with ``skip_nvfp4_weight_guards``, bf16 alike.
 
 Times are medians of ``triton.testing.do_bench``; the host-bound rows (every row but the graph
 replay) are measured in ``--rounds`` interleaved rounds, bf16 then NVFP4, and the median round is
@@ -59,6 +62,7 @@ from nvfp4_static import (
     fuse_sibling_linears,
     is_quantizable,
     sibling_gemm_backend,
+    skip_nvfp4_weight_guards,
     tie_fused_layers,
 )
 
@@ -102,6 +106,13 @@ def converted(model: torch.nn.Module) -> torch.nn.Module:
     tie_fused_layers(quantized)
     quantize_(quantized, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
     return quantized
+
+
+def each_layer_compiled(model: torch.nn.Sequential, **how) -> torch.nn.Sequential:
+    """``model`` with each layer compiled on its own, in place."""
+    for layer in model:
+        layer.compile(fullgraph=True, **how)
+    return model
 
 
 def through_f_linear(layer: NVFP4StaticLinear, x: torch.Tensor) -> torch.Tensor:
@@ -212,6 +223,10 @@ def main():
             "bf16": torch.compile(bf16, fullgraph=True),
             "nvfp4": torch.compile(nvfp4, fullgraph=True),
             "nvfp4 siblings": torch.compile(siblings, fullgraph=True, backend=sibling_gemm_backend()),
+            "bf16 each layer": each_layer_compiled(copy.deepcopy(bf16)),
+            "nvfp4 each layer": each_layer_compiled(
+                copy.deepcopy(nvfp4), options={"guard_filter_fn": skip_nvfp4_weight_guards}
+            ),
         }
         with torch.no_grad():
             replayed = {name: graph_ms(lambda fn=fn: fn(token)) for name, fn in default_modes.items()}
@@ -230,6 +245,12 @@ def main():
         rows.append(
             ("compiled siblings, graph replay", args.compiled_layers, replayed["bf16"], replayed["nvfp4 siblings"])
         )
+        rows.append((
+            "compiled each layer, graph replay",
+            args.compiled_layers,
+            replayed["bf16 each layer"],
+            replayed["nvfp4 each layer"],
+        ))
 
     print(f"\n{args.tokens} token(s) per step")
     print(f"{'mode':<38} {'layers':>6} {'bf16 ms':>8} {'nvfp4 ms':>9} {'bf16 tok/s':>10} "
