@@ -27,6 +27,10 @@ from nvfp4_static.numerics import BLOCK_SIZE, per_tensor_amax_to_scale, scale_re
 
 __all__ = ["NVFP4StaticTensor", "static_linear"]
 
+# Attributes held on the host only: left out of the flatten metadata (a traced graph would hold
+# them as constants) and unknown (None) in a rebuilt tensor.
+_HOST_ONLY = ("output_scale",)
+
 aten = torch.ops.aten
 
 
@@ -93,7 +97,7 @@ class NVFP4StaticTensor(NVFP4Tensor):
         flattened = self.__dict__.get(_FLATTENED)
         if flattened is None:
             names, metadata = super().__tensor_flatten__()
-            metadata = {name: value for name, value in metadata.items() if name != "output_scale"}
+            metadata = {name: value for name, value in metadata.items() if name not in _HOST_ONLY}
             flattened = self.__dict__[_FLATTENED] = (tuple(names), metadata)
         names, metadata = flattened
         return list(names), metadata
@@ -103,7 +107,7 @@ class NVFP4StaticTensor(NVFP4Tensor):
         """torchao's rebuild, with ``output_scale`` unknown: a rebuild is traced (the scales
         fake) or, in a model torchao's ``unwrap_tensor_subclass`` unwrapped, runs on every
         call, where reading the scales would sync the device."""
-        metadata = {**metadata, "output_scale": None}
+        metadata = {**metadata, **dict.fromkeys(_HOST_ONLY)}
         return super().__tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride)
 
     def __setattr__(self, name, value):
@@ -432,4 +436,4 @@ _FLATTENED_FIELDS = frozenset(
     + NVFP4StaticTensor.optional_tensor_data_names
     + NVFP4StaticTensor.tensor_attribute_names
     + NVFP4StaticTensor.optional_tensor_attribute_names
-) - {"output_scale"}
+) - set(_HOST_ONLY)
