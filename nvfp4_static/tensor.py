@@ -69,6 +69,7 @@ class NVFP4StaticTensor(NVFP4Tensor):
         backend_override=None,
         output_scale=None,
     ):
+        _check_layout(block_size, is_swizzled_scales)
         self = super().__new__(
             cls,
             qdata,
@@ -395,6 +396,21 @@ def _pin_memory(func, types, args, kwargs):
         per_tensor_scale=old.per_tensor_scale.pin_memory(),
         act_per_tensor_scale=old.act_per_tensor_scale.pin_memory(),
     )
+
+
+def _check_layout(block_size: int, is_swizzled_scales: bool) -> None:
+    """Refuse a layout that torchao's ``NVFP4Tensor`` allows but the backends here do not read:
+    they take 16-element blocks and row-major ``[N, K/16]`` block scales, and would misread any
+    other with no error."""
+    if block_size != BLOCK_SIZE:
+        raise ValueError(
+            f"nvfp4_static: an NVFP4StaticTensor has {BLOCK_SIZE}-element blocks, got block_size={block_size}"
+        )
+    if is_swizzled_scales:
+        raise ValueError(
+            "nvfp4_static: an NVFP4StaticTensor keeps its FP8 block scales row-major [N, K/16], got "
+            "is_swizzled_scales=True (the blocked layout of torchao's FP4 _scaled_mm): unswizzle them first"
+        )
 
 
 # Called with (destination, source) before ``copy_`` writes into an NVFP4StaticTensor, once the

@@ -116,6 +116,41 @@ def test_unaligned_column_slice_is_an_error():
         q[:, 8:40]
 
 
+def layout_variants():
+    """Ways to build an NVFP4StaticTensor from a valid one's data with one layout field changed."""
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    data = (q.qdata, q.scale)
+
+    def built(block_size=16, is_swizzled_scales=False):
+        return NVFP4StaticTensor(
+            *data, block_size, q.orig_dtype, q.per_tensor_scale, q.act_per_tensor_scale,
+            is_swizzled_scales=is_swizzled_scales,
+        )
+
+    def unflattened(**metadata):
+        names, flat_metadata = q.__tensor_flatten__()
+        return NVFP4StaticTensor.__tensor_unflatten__(
+            {name: getattr(q, name) for name in names}, {**flat_metadata, **metadata}, q.shape, q.stride()
+        )
+
+    return {
+        "block_size 32": (lambda: built(block_size=32), "block_size=32"),
+        "block_size 8": (lambda: built(block_size=8), "block_size=8"),
+        "swizzled": (lambda: built(is_swizzled_scales=True), "is_swizzled_scales=True"),
+        "swizzled, rebuilt from a flatten": (lambda: unflattened(is_swizzled_scales=True), "is_swizzled_scales=True"),
+        "block_size 32, rebuilt from a flatten": (lambda: unflattened(block_size=32), "block_size=32"),
+    }
+
+
+@pytest.mark.parametrize("variant", layout_variants().keys())
+def test_a_layout_the_backends_would_misread_is_refused(variant):
+    """The backends read 16-element blocks and row-major block scales; another layout of the
+    same tensors would give wrong outputs with no error."""
+    build, message = layout_variants()[variant]
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
 def test_flatten_unflatten_round_trip():
     q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
     reshaped = q.view(4, 16, 128).view(64, 128)
