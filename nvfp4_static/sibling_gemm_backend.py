@@ -19,7 +19,9 @@ fails it); otherwise the group is dissolved and the call runs, from then on, the
 without the merge. Dissolving a group (moving the model does) also drops the merged graph and
 what it holds of the model's weights, and the calls after it run unmerged, so a model moved after compiling
 leaves no copy behind; the compiled model then recompiles for the moved weights, unmerged
-(``fuse_sibling_linears`` again and a new compile merge them again).
+(``fuse_sibling_linears`` again and a new compile merge them again). Layers compiled one by one
+share one graph, which holds the first layer's groups: another layer's call runs the graph
+without the merge from then on, with a warning.
 """
 
 import copy
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from nvfp4_static.messages import warn
 from nvfp4_static.sibling_linears import SiblingGemm, live_sibling_gemms
 from nvfp4_static.tensor import NVFP4StaticTensor
 
@@ -182,6 +185,13 @@ class _CheckedMerge:
     def _holds(self, args: tuple) -> bool:
         return all(map(operator.is_, self._inputs(args), self._compiled_from))
 
+    def _members_unchanged(self) -> bool:
+        """Whether the members still hold every tensor the merged graph was compiled from: then a
+        call that fails ``_holds`` came for other members (one graph that several layers share),
+        not from a change to this model."""
+        held = {id(tensor) for gemm in self._gemms for member in gemm.members for tensor in member.parameters()}
+        return all(id(value) in held for value in self._compiled_from)
+
     def release(self) -> None:
         """Drop the merged graph, which holds the groups' weights, and the references kept to
         check its inputs; dissolve its other groups. Calls from now on run without the merge."""
@@ -197,6 +207,14 @@ class _CheckedMerge:
         if self._merged is not None:
             if self._holds(args):
                 return self._merged(*self._kept(args))
+            if self._members_unchanged():
+                warn(
+                    "nvfp4_static: a graph that sibling_gemm_backend merged for one layer's fused groups "
+                    "was called with another layer's members (layers compiled one by one share one "
+                    "graph): it runs without the merge from now on, for every layer, and the first "
+                    "layer's groups are dissolved. Compile the whole model through "
+                    "sibling_gemm_backend to run each layer's groups as one GEMM."
+                )
             self.release()
         if self._unmerged_compiled is None:
             self._unmerged_compiled = self._compile_graph(self._unmerged, list(args))

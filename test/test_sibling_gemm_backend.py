@@ -93,6 +93,29 @@ def test_each_group_is_one_linear_in_the_graph_and_the_logits_are_the_eager_ones
     assert all(m.sibling_gemm is not None for m in members(merged.model))
 
 
+def test_decoder_layers_compiled_one_by_one_give_the_eager_outputs_and_a_warning_that_they_run_unmerged(reference):
+    """Regional compilation: the layers differ in values only, so dynamo traces one graph for
+    all of them (without a KV cache, whose layer index each layer's graph would hold). The merged
+    graph holds the first layer's groups; another layer's call runs the graph without the
+    merge, says so, and still gives that layer's outputs."""
+    fused = fused_copy(reference)
+    recorder = GraphRecorder()
+    backend = sibling_gemm_backend(backend=recorder)
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for layer in fused.model.layers:
+        layer.compile(backend=backend, fullgraph=True)
+    ids = token_ids(5)
+    with torch.no_grad(), pytest.warns(UserWarning, match="another layer's members"):
+        out = fused(ids, use_cache=False).logits
+    with torch.no_grad():
+        expected = reference(ids, use_cache=False).logits
+        again = fused(ids, use_cache=False).logits
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(again, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_the_merged_graph_takes_no_input_of_the_members_it_merged(reference, merged):
     unwrap = merged.unwrap
     alone = unfused_copy(reference)
