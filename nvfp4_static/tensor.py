@@ -249,7 +249,7 @@ def static_linear(
             "itself with its static activation scale"
         )
     weight = weight._oriented()
-    if x.shape[-1] != weight.shape[-1]:
+    if x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"nvfp4_static: activation of shape {tuple(x.shape)} does not match weight of shape "
             f"{tuple(weight.shape)} (in_features {weight.shape[-1]})"

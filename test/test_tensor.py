@@ -1,6 +1,7 @@
 """NVFP4StaticTensor: torchao layout, type preservation, and the static-activation linear."""
 
 import io
+import re
 
 import pytest
 import torch
@@ -320,10 +321,13 @@ def test_activation_is_quantized_with_the_static_scale_not_a_dynamic_one():
     assert torch.allclose(large.double(), reference_linear(4 * x, q, None), rtol=1e-4, atol=1e-5)
 
 
-def test_mismatched_in_features_is_a_clear_error():
+@pytest.mark.parametrize(
+    "shape", [(2, 64), (2, 3, 256), (64,), ()], ids=["2d", "3d", "1d", "0d"]
+)
+def test_an_activation_of_the_wrong_width_is_a_clear_error(shape):
     q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
-    with pytest.raises(ValueError, match=r"in_features 128"):
-        F.linear(torch.randn(2, 64, dtype=torch.bfloat16), q)
+    with pytest.raises(ValueError, match=rf"shape {re.escape(str(shape))} .*in_features 128"):
+        F.linear(torch.randn(shape, dtype=torch.bfloat16), q)
 
 
 def test_backend_override_and_env_var(monkeypatch):
