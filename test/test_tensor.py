@@ -117,6 +117,14 @@ def test_unaligned_column_slice_is_an_error():
         q[:, 8:40]
 
 
+def unflattened(q, **metadata_changes):
+    """``q`` rebuilt from its own flatten (its inner tensors, not copies), as a trace or an
+    unwrapped model rebuilds it, with ``metadata_changes`` applied to the metadata."""
+    names, metadata = q.__tensor_flatten__()
+    inner = {name: getattr(q, name) for name in names}
+    return NVFP4StaticTensor.__tensor_unflatten__(inner, {**metadata, **metadata_changes}, q.shape, q.stride())
+
+
 def layout_variants():
     """Ways to build an NVFP4StaticTensor from a valid one's data with one layout field changed."""
     q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
@@ -128,18 +136,12 @@ def layout_variants():
             is_swizzled_scales=is_swizzled_scales,
         )
 
-    def unflattened(**metadata):
-        names, flat_metadata = q.__tensor_flatten__()
-        return NVFP4StaticTensor.__tensor_unflatten__(
-            {name: getattr(q, name) for name in names}, {**flat_metadata, **metadata}, q.shape, q.stride()
-        )
-
     return {
         "block_size 32": (lambda: built(block_size=32), "block_size=32"),
         "block_size 8": (lambda: built(block_size=8), "block_size=8"),
         "swizzled": (lambda: built(is_swizzled_scales=True), "is_swizzled_scales=True"),
-        "swizzled, rebuilt from a flatten": (lambda: unflattened(is_swizzled_scales=True), "is_swizzled_scales=True"),
-        "block_size 32, rebuilt from a flatten": (lambda: unflattened(block_size=32), "block_size=32"),
+        "swizzled, rebuilt from a flatten": (lambda: unflattened(q, is_swizzled_scales=True), "is_swizzled_scales=True"),
+        "block_size 32, rebuilt from a flatten": (lambda: unflattened(q, block_size=32), "block_size=32"),
     }
 
 
@@ -202,9 +204,8 @@ def test_a_weight_rebuilt_from_its_flatten_leaves_the_product_unread():
     """A rebuild (tracing, or each call of a model torchao unwrapped) does not read the scales,
     which would sync a GPU; its linear scales by the scale tensors and gives the same output."""
     q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
-    names, metadata = q.__tensor_flatten__()
-    inner = {name: getattr(q, name) for name in names}
-    rebuilt = NVFP4StaticTensor.__tensor_unflatten__(inner, metadata, q.shape, q.stride())
+    names, _ = q.__tensor_flatten__()
+    rebuilt = unflattened(q)
     assert rebuilt.output_scale is None and q.output_scale is not None
     assert all(getattr(rebuilt, name) is getattr(q, name) for name in names)
     x = make_weight(shape=(4, 128), seed=2)
