@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import PassThrough, gpu_tolerance, relative_error, requires_cuda
-from test_kernels_gemm import gemm_operands, reference_gemm
+from test_kernels_gemm import gemm_operands, raw_gemm_operands, reference_gemm
 from test_kernels_gemm_warp_specialized import (
     H100_SHARED_BYTES_PER_BLOCK,
     counting_launches,
@@ -142,6 +142,30 @@ def test_the_decode_tile_serves_up_to_16_rows_where_each_split_has_enough_k_tile
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: False)
     assert table_config(16, None, 8192, 8192, CUDA) == gemm_config(16)
     assert table_config(1, None, 28672, 8192, CUDA) == gemm_config(1)
+
+
+def test_a_traced_graph_takes_the_decode_tile_at_one_row_from_6_k_tiles_on_most_sms(monkeypatch):
+    """In a traced graph the one-row bucket takes the decode tile where each split has 6 K
+    tiles or more and its programs fill 80% of the SMs (132 here, one program each): (N, K) =
+    (8192, 8192) in 4 splits of 8 K tiles (128 programs), (14336, 4096) in 2 of 8 (112), (4096,
+    14336) in 8 of 7 (128); not (12288, 4096) (2 splits of 8, 96 programs), (4096, 4096) (8 of
+    2) nor (5120, 5120) (5 of 4). Eagerly one row keeps needing 16 K tiles. The other buckets
+    are the same in both; off Hopper neither takes it."""
+    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: device.type == "cuda")
+    one_row = gemm_bucket(1)
+    for N, K in ((8192, 8192), (14336, 4096), (4096, 14336)):
+        assert operand_config(one_row, N, K, CUDA, in_graph=True) == DECODE_TILE, (N, K)
+        assert operand_config(one_row, N, K, CUDA) == gemm_config(1), (N, K)
+    assert gemm.split_k_for(DECODE_TILE, 12288, 4096, CUDA) == 2
+    for N, K in ((12288, 4096), (4096, 4096), (5120, 5120)):
+        assert operand_config(one_row, N, K, CUDA, in_graph=True) == gemm_config(1), (N, K)
+    for max_m in (4, 16):
+        for N, K in ((8192, 8192), (14336, 4096), (4096, 4096), (5120, 5120)):
+            bucket = gemm_bucket(max_m)
+            assert operand_config(bucket, N, K, CUDA, in_graph=True) == operand_config(bucket, N, K, CUDA), (N, K)
+    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: False)
+    assert operand_config(one_row, 8192, 8192, CUDA, in_graph=True) == gemm_config(1)
 
 
 @pytest.mark.parametrize("N", [8192, 28672], ids=str)
@@ -491,7 +515,7 @@ def test_traced_route_hands_the_decode_tile_the_activation_itself(with_bias, mon
     from nvfp4_static.backends import triton_route
 
     launches = DecodeLaunchesStoodIn(monkeypatch)
-    monkeypatch.setattr(triton_route, "operand_config", lambda bucket, N, K, device: DECODE_TILE)
+    monkeypatch.setattr(triton_route, "operand_config", lambda bucket, N, K, device, in_graph: DECODE_TILE)
 
     def no_operand_op(*args, **kwargs):
         raise AssertionError("the operand op ran before the decode tile's linear op")
@@ -515,6 +539,67 @@ def test_traced_route_hands_the_decode_tile_the_activation_itself(with_bias, mon
     expected = expected if bias is None else expected + bias.float()
     assert out.dtype == torch.bfloat16 and out.shape == (2, 3, N)
     assert torch.equal(out, expected.to(torch.bfloat16).reshape(2, 3, N))
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_the_route_at_one_row_takes_the_decode_tile_only_in_a_traced_graph(traced, monkeypatch):
+    """The one-row bucket of an 8192 x 8192 weight (4 splits of 8 K tiles): traced (a dispatch
+    mode standing in), the quantize kernel and the decode tile as one op, then the splits' sum
+    and scales as torch ops; eagerly the entry that quantizes its row itself. Stood in on the
+    CPU as above (operand 1, split s's products s + 1; 132 SMs)."""
+    from nvfp4_static.backends import triton_route
+
+    launches = DecodeLaunchesStoodIn(monkeypatch)
+    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
+    entry_calls = []
+    monkeypatch.setattr(
+        triton_route, "quantizing_nvfp4_gemm", lambda x, *args: entry_calls.append(x) or x.new_zeros(x.shape[0], N)
+    )
+    N = K = 8192
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    block_scales = torch.zeros(N, K // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    weight_scale, act_scale = torch.tensor(0.25), torch.tensor(3.0)
+    with PassThrough() if traced else contextlib.nullcontext():
+        out = triton_route._linear_in_bucket(gemm_bucket(1), None, x, (qdata, block_scales, weight_scale, act_scale), None)
+    if not traced:
+        assert launches.calls == [] and len(entry_calls) == 1
+        return
+    assert entry_calls == []
+    assert [call[0] for call in launches.calls] == ["quantize", "gemm"]
+    assert launches.calls[1][3:] == (4, True)
+    expected = torch.full((1, N), 1.0 + 2.0 + 3.0 + 4.0) * (act_scale * weight_scale)
+    assert torch.equal(out, expected.to(torch.bfloat16))
+
+
+@requires_cuda
+@requires_hopper
+def test_gpu_compiled_linear_at_one_row_runs_the_decode_tile_eager_the_entry():
+    """One row on 8192 x 8192: the compiled linear launches the decode tile (through its op), the
+    eager one does not (the entry); both within the fp64 reference's bound."""
+    from nvfp4_static.backends.triton_route import static_nvfp4_linear
+
+    M, N, K = 1, 8192, 8192
+    assert operand_config(gemm_bucket(1), N, K, CUDA, in_graph=True) == DECODE_TILE
+    x, qdata, scales, act_scale, weight_scale, bias = raw_gemm_operands(M, N, K, seed=3, device="cuda")
+    x = x.to(torch.bfloat16)
+    plain = ops.gemm_activation_operand(x, act_scale)
+    reference = reference_gemm(plain, qdata, scales, act_scale, weight_scale, bias)
+    launches = []
+    launch = decode.launch_decode_gemm
+
+    def linear(x):
+        return static_nvfp4_linear(x, qdata, scales, weight_scale, act_scale, bias)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode, "launch_decode_gemm", lambda *args: launches.append(args) or launch(*args))
+        eager = linear(x)
+        assert launches == []
+        torch._dynamo.reset()
+        compiled = torch.compile(linear, fullgraph=True)(x)
+        assert len(launches) == 1
+    for out in (eager, compiled):
+        assert relative_error(out, reference) <= gpu_tolerance(K, torch.bfloat16)
 
 
 @requires_cuda

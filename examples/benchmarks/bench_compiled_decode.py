@@ -5,7 +5,8 @@ For each weight shape (K x N) and M, GPU times from CUDA graphs (ms) of
 ``static_nvfp4_linear(x, ...) + r`` compiled (``torch.compile``, fullgraph, default mode), where
 the GEMM's K splits are summed and scaled by Inductor inside the kernel that adds ``r``, and of
 the same function called eagerly (the GEMM sums its splits itself, then ``r`` is added), with the
-tile the table takes (the warp-specialized decode tile or the Triton entry) and its K split.
+tile each takes, compiled / eager (the warp-specialized decode tile or the Triton entry; at one
+row a compiled graph takes the decode tile on the rule of 2-16 rows), and its K split.
 
 Usage: python bench_compiled_decode.py [--m 4 16] [--shapes 8192x8192 ...]
 """
@@ -30,7 +31,7 @@ def main():
     torch._dynamo.config.recompile_limit = 64  # one compile per shape and M
     device = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()}")
-    print(f"{'K':>6} {'N':>6} {'M':>3} | {'takes':>6} {'split':>5} | {'compiled':>8} {'eager':>8}")
+    print(f"{'K':>6} {'N':>6} {'M':>3} | {'takes':>12} {'split':>5} | {'compiled':>8} {'eager':>8}")
     for shape in args.shapes:
         K, N = (int(size) for size in shape.split("x"))
         weight = make_weight(K, N)
@@ -52,9 +53,13 @@ def main():
                 compiled(x, residual)
                 compiled_ms = graph_ms(lambda: compiled(x, residual))
                 eager_ms = graph_ms(lambda: linear_and_add(x, residual))
-            tile = gemm.table_config(M, None, N, K, device)
-            split = gemm.split_k_for(tile, N, K, device)
-            print(f"{K:>6} {N:>6} {M:>3} | {'decode' if tile == gemm.DECODE_TILE else 'entry':>6} {split:>5} | {compiled_ms:>8.4f} {eager_ms:>8.4f}")
+            tiles = [
+                gemm.operand_config(gemm.gemm_bucket(M), N, K, device, in_graph=True),
+                gemm.table_config(M, None, N, K, device),
+            ]
+            takes = "/".join("decode" if tile == gemm.DECODE_TILE else "entry" for tile in tiles)
+            splits = "/".join(str(gemm.split_k_for(tile, N, K, device)) for tile in tiles)
+            print(f"{K:>6} {N:>6} {M:>3} | {takes:>12} {splits:>5} | {compiled_ms:>8.4f} {eager_ms:>8.4f}")
 
 
 if __name__ == "__main__":

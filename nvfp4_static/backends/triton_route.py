@@ -83,12 +83,13 @@ def _linear_in_bucket(
     weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale = weights
     leading_shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    config = operand_config(bucket, weight_qdata.shape[-2], 2 * weight_qdata.shape[-1], x.device)
+    traced = not runs_eagerly(x)
+    config = operand_config(bucket, weight_qdata.shape[-2], 2 * weight_qdata.shape[-1], x.device, traced)
     if quantizes_activation_in_gemm(config):
         out = quantizing_nvfp4_gemm(
             x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, bucket
         )
-    elif config == DECODE_TILE and not runs_eagerly(x) and gemm_warp_specialized.available(x.device):
+    elif config == DECODE_TILE and traced and gemm_warp_specialized.available(x.device):
         out = _decode_tile_linear_traced(x, weights, bias)
     else:
         operand = gemm_activation_operand(

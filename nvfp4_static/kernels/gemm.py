@@ -571,6 +571,15 @@ SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
 # examples/benchmarks/RESULTS.md.
 DECODE_TILE = replace(DECODE_TILE_IN_TRITON, warp_specialized=True)
 DECODE_TILE_MIN_K_TILES = {1: 16, 4: 6, 16: 6}  # by the largest M of the entry it replaces
+# A traced graph takes the decode tile at one row too, where each split has 6 K tiles or more
+# and its programs fill most SMs: once the graph is replayed from a CUDA graph its two launches
+# cost no host time per call, and there the pair beats the entry (H200, a compiled linear + add
+# from a CUDA graph, M = 1, entry -> decode tile, ms, bench_compiled_decode.py: 8192 x 8192 0.0256
+# -> 0.0237, 4096 x 14336 0.0252 -> 0.0231, 14336 x 4096 0.0244 -> 0.0235, with 97%, 85% and
+# 97% of the SMs given a program; 4096 x 12288, 73%: 0.0224 -> 0.0233, so below 80% it keeps
+# the entry, whose split fills them). Eagerly the second launch's host time costs more than that.
+DECODE_TILE_MIN_K_TILES_IN_GRAPHS = {1: 6, 4: 6, 16: 6}
+DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = 0.8
 WIDE_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE)}  # by activation rows
 WIDE_TILE_BUCKETS = (256, 512)  # the largest M of the entries they may replace
 WIDE_TILE_SM_FILL = 0.75
@@ -625,26 +634,38 @@ def wide_tile(max_m: Optional[int], N: int, device: torch.device) -> Optional[Ge
     return None
 
 
-def decode_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Optional[GemmConfig]:
+def decode_tile(
+    max_m: Optional[int], N: int, K: int, device: torch.device, in_graph: bool = False
+) -> Optional[GemmConfig]:
     """``DECODE_TILE`` where it replaces the table entry serving up to ``max_m`` rows for an
-    ``[N, K]`` weight: in a bucket of ``DECODE_TILE_MIN_K_TILES``, where it runs warp-specialized
-    (in Triton the entries are faster): whole K tiles (the kernel's TMA reads the block scales'
-    rows, K / 16 bytes, 16-byte aligned) and a K split that leaves each program the bucket's
-    number of them or more."""
-    if max_m not in DECODE_TILE_MIN_K_TILES or K % DECODE_TILE.block_k or not gemm_warp_specialized.available(device):
+    ``[N, K]`` weight: in a bucket of ``DECODE_TILE_MIN_K_TILES`` (``in_graph``, for a traced
+    graph: ``DECODE_TILE_MIN_K_TILES_IN_GRAPHS``), where it runs warp-specialized (in Triton the
+    entries are faster): whole K tiles (the kernel's TMA reads the block scales' rows, K / 16
+    bytes, 16-byte aligned) and a K split that leaves each program the bucket's number of them
+    or more; in a traced graph at one row, also programs for
+    ``DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS`` of the SMs."""
+    min_k_tiles = DECODE_TILE_MIN_K_TILES_IN_GRAPHS if in_graph else DECODE_TILE_MIN_K_TILES
+    if max_m not in min_k_tiles or K % DECODE_TILE.block_k or not gemm_warp_specialized.available(device):
         return None
-    tiles_k = ceil_div(K, DECODE_TILE.block_k)
-    if ceil_div(tiles_k, split_k_for(DECODE_TILE, N, K, device)) < DECODE_TILE_MIN_K_TILES[max_m]:
+    split = split_k_for(DECODE_TILE, N, K, device)
+    if ceil_div(ceil_div(K, DECODE_TILE.block_k), split) < min_k_tiles[max_m]:
         return None
+    if in_graph and max_m == 1:
+        programs = ceil_div(N, gemm_decode_warp_specialized.WEIGHT_ROWS_PER_PROGRAM) * split
+        if programs < DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS * _multiprocessor_count(device):
+            return None
     return DECODE_TILE
 
 
-def operand_config(bucket: int, N: int, K: int, device: torch.device) -> Union[GemmConfig, CublasAfterDequantize]:
+def operand_config(
+    bucket: int, N: int, K: int, device: torch.device, in_graph: bool = False
+) -> Union[GemmConfig, CublasAfterDequantize]:
     """The tiles ``bucket`` runs for an ``[N, K]`` weight on ``device``, for what their
     activation operand is (raw or quantized, dtype, MMA order): the entry's, or the decode
-    tile's where it replaces the entry (a wide tile takes its entry's operand)."""
+    tile's where it replaces the entry (a wide tile takes its entry's operand); ``in_graph``
+    for a traced graph, which takes the decode tile on its own rule (``decode_tile``)."""
     max_m, entry = GEMM_CONFIGS[bucket]
-    return config_for_width(decode_tile(max_m, N, K, device) or entry, K)
+    return config_for_width(decode_tile(max_m, N, K, device, in_graph) or entry, K)
 
 
 def config_for_width(
