@@ -22,12 +22,14 @@ sizes exceeds the GPU time, so ``bf16 graph``, ``graph`` and ``no alpha`` time t
 eager-ours calls captured in a CUDA graph (GPU time alone, as a served model would run them). The last
 columns compare those two: bf16 over ours as a speedup, and the weight-streaming rate ours
 achieves (packed weight + scales bytes / time) as a share of a device-to-device copy measured
-in the same run. Run:
+in the same run. With ``--rounds R`` each cell is the median of R rounds, every column timed
+once per round, for differences of a few percent. Run:
 
-    python examples/benchmarks/bench_linear.py [--m 1 16 64 512 4096]
+    python examples/benchmarks/bench_linear.py [--m 1 16 64 512 4096] [--rounds 1]
 """
 
 import argparse
+import statistics
 from typing import Optional
 
 import torch
@@ -107,6 +109,7 @@ def bare_read_ms(timer, tensor: torch.Tensor, side: Optional[torch.Tensor] = Non
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds per cell (median)")
     args = parser.parse_args()
     torch.manual_seed(0)
     # One graph per weight shape and function, and M = 1 on its own: more than dynamo's default
@@ -139,18 +142,20 @@ def main():
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 ours = lambda: static_nvfp4_linear(x, *operands, output_scale)  # noqa: E731
                 bf16 = lambda: F.linear(x, weight, bias)  # noqa: E731
-                ms = {
-                    "bf16": do_bench(bf16, return_mode="median"),
-                    "bf16 graph": graph_ms(bf16),
-                    "eager": do_bench(ours, return_mode="median"),
-                    "graph": graph_ms(ours),
-                    "no alpha": graph_ms(lambda: static_nvfp4_linear(x, *operands)),
-                    "compiled": do_bench(lambda: api_compiled(x, api_weight, bias), return_mode="median"),
-                    "api": do_bench(lambda: F.linear(x, api_weight, bias), return_mode="median"),
-                    "layer": do_bench(lambda: layer(x), return_mode="median"),
-                    "naive": do_bench(lambda: naive_compiled(x, *operands), return_mode="median"),
-                    "read": read_ms,
+                timers = {
+                    "bf16": lambda: do_bench(bf16, return_mode="median"),
+                    "bf16 graph": lambda: graph_ms(bf16),
+                    "eager": lambda: do_bench(ours, return_mode="median"),
+                    "graph": lambda: graph_ms(ours),
+                    "no alpha": lambda: graph_ms(lambda: static_nvfp4_linear(x, *operands)),
+                    "compiled": lambda: do_bench(lambda: api_compiled(x, api_weight, bias), return_mode="median"),
+                    "api": lambda: do_bench(lambda: F.linear(x, api_weight, bias), return_mode="median"),
+                    "layer": lambda: do_bench(lambda: layer(x), return_mode="median"),
+                    "naive": lambda: do_bench(lambda: naive_compiled(x, *operands), return_mode="median"),
                 }
+                rounds = [{name: timer() for name, timer in timers.items()} for _ in range(args.rounds)]
+                ms = {name: statistics.median(times[name] for times in rounds) for name in timers}
+                ms["read"] = read_ms
                 weight_gbs = weight_bytes / ms["graph"] / 1e6
                 print(
                     f"{K:>6} {N:>6} {M:>5} | " + " ".join(f"{ms[name]:10.4f}" for name in names) + "      | "
