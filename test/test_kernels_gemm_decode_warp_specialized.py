@@ -574,7 +574,7 @@ def test_the_route_at_one_row_takes_the_decode_tile_only_in_a_traced_graph(trace
 
 @requires_cuda
 @requires_hopper
-def test_gpu_compiled_linear_at_one_row_runs_the_decode_tile_eager_the_entry():
+def test_gpu_compiled_linear_at_one_row_runs_the_decode_tile_eager_the_entry(monkeypatch):
     """One row on 8192 x 8192: the compiled linear launches the decode tile (through its op), the
     eager one does not (the entry); both within the fp64 reference's bound."""
     from nvfp4_static.backends.triton_route import static_nvfp4_linear
@@ -585,19 +585,16 @@ def test_gpu_compiled_linear_at_one_row_runs_the_decode_tile_eager_the_entry():
     x = x.to(torch.bfloat16)
     plain = ops.gemm_activation_operand(x, act_scale)
     reference = reference_gemm(plain, qdata, scales, act_scale, weight_scale, bias)
-    launches = []
-    launch = decode.launch_decode_gemm
+    launches = counting_launches(monkeypatch, DECODE_TILE)
 
     def linear(x):
         return static_nvfp4_linear(x, qdata, scales, weight_scale, act_scale, bias)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decode, "launch_decode_gemm", lambda *args: launches.append(args) or launch(*args))
-        eager = linear(x)
-        assert launches == []
-        torch._dynamo.reset()
-        compiled = torch.compile(linear, fullgraph=True)(x)
-        assert len(launches) == 1
+    eager = linear(x)
+    assert launches.count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(linear, fullgraph=True)(x)
+    assert launches.count == 1
     for out in (eager, compiled):
         assert relative_error(out, reference) <= gpu_tolerance(K, torch.bfloat16)
 

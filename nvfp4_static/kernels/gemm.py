@@ -571,14 +571,14 @@ SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
 # examples/benchmarks/RESULTS.md.
 DECODE_TILE = replace(DECODE_TILE_IN_TRITON, warp_specialized=True)
 DECODE_TILE_MIN_K_TILES = {1: 16, 4: 6, 16: 6}  # by the largest M of the entry it replaces
-# A traced graph takes the decode tile at one row too, where each split has 6 K tiles or more
-# and its programs fill most SMs: once the graph is replayed from a CUDA graph its two launches
+# A traced graph takes the decode tile at one row too, on the K tiles of 2-4 rows, where its
+# programs also fill most SMs: once the graph is replayed from a CUDA graph its two launches
 # cost no host time per call, and there the pair beats the entry (H200, a compiled linear + add
 # from a CUDA graph, M = 1, entry -> decode tile, ms, bench_compiled_decode.py: 8192 x 8192 0.0256
 # -> 0.0237, 4096 x 14336 0.0252 -> 0.0231, 14336 x 4096 0.0244 -> 0.0235, with 97%, 85% and
 # 97% of the SMs given a program; 4096 x 12288, 73%: 0.0224 -> 0.0233, so below 80% it keeps
 # the entry, whose split fills them). Eagerly the second launch's host time costs more than that.
-DECODE_TILE_MIN_K_TILES_IN_GRAPHS = {1: 6, 4: 6, 16: 6}
+DECODE_TILE_MIN_K_TILES_IN_GRAPHS = {**DECODE_TILE_MIN_K_TILES, 1: DECODE_TILE_MIN_K_TILES[4]}
 DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = 0.8
 WIDE_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE)}  # by activation rows
 WIDE_TILE_BUCKETS = (256, 512)  # the largest M of the entries they may replace
