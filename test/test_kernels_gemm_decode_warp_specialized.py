@@ -112,60 +112,90 @@ def test_counters_one_per_multiplying_thread_of_each_column_tile():
     assert decode.counters(8192) == 32 * 4 * 128
 
 
-def test_the_decode_tile_serves_up_to_16_rows_where_each_split_has_enough_k_tiles(monkeypatch):
-    """At 132 SMs (four 64-row programs each), weights as (N, K): (8192, 8192) splits K in 4 (8
-    K tiles of 256 each), (14336, 4096) in 2 (8), (4096, 14336) in 8 (7): the decode tile at 2-16
-    rows, not at one row (that entry quantizes the activation itself: the decode tile needs 16 K
-    tiles there), where (28672, 8192) runs it unsplit (32 K tiles) and (8192, 28672) in 4 (28).
-    Not (4096, 4096) (8 splits of 2 K tiles), (5120, 5120) (5 of 4), (1024, 4096) (8 of 2), not
-    where K is no whole number of K tiles, not from 17 rows, not off Hopper, not on the
-    interpreter's CPU tensors."""
+def stand_in_hopper(monkeypatch, capturing: bool = False) -> None:
+    """The table's view of a CUDA device stood in on the CPU: 132 SMs, the Gluon kernels
+    available, and the current stream captured into a CUDA graph or not."""
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: device.type == "cuda")
-    for N, K in ((8192, 8192), (14336, 4096), (4096, 14336)):
-        for M in (2, 4, 5, 16):
-            assert table_config(M, None, N, K, CUDA) == DECODE_TILE, (N, K, M)
-        assert table_config(1, None, N, K, CUDA) == gemm_config(1)
-        assert table_config(17, None, N, K, CUDA) == gemm_config(17)
-    assert gemm.split_k_for(DECODE_TILE, 8192, 8192, CUDA) == 4
-    assert gemm.split_k_for(DECODE_TILE, 4096, 14336, CUDA) == 8
-    for N, K in ((28672, 8192), (8192, 28672)):
-        for M in (1, 4, 16):
-            assert table_config(M, None, N, K, CUDA) == DECODE_TILE, (N, K, M)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+
+
+def test_the_tables_share_their_buckets():
+    assert set(gemm.DECODE_TILE_MIN_K_TILES) == set(gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS) == {1, 4, 16}
+
+
+def test_eagerly_the_decode_tile_serves_up_to_16_rows_where_each_split_has_16_k_tiles(monkeypatch):
+    """At 132 SMs (four 64-row programs each), weights as (N, K): (28672, 8192) runs K unsplit
+    (32 K tiles of 256 each), (8192, 28672) in 4 splits (28), (28672, 4096) unsplit (16): the
+    decode tile at 1-16 rows eagerly. Not (28672, 3840) (15 K tiles), (8192, 8192) (4 splits of
+    8), (14336, 4096) (2 of 8), (4096, 14336) (8 of 7), (4096, 4096) (8 of 2), not where K is no
+    whole number of K tiles, not from 17 rows, not off Hopper, not on the interpreter's CPU
+    tensors."""
+    stand_in_hopper(monkeypatch)
     assert gemm.split_k_for(DECODE_TILE, 28672, 8192, CUDA) == 1
     assert gemm.split_k_for(DECODE_TILE, 8192, 28672, CUDA) == 4
-    for N, K in ((4096, 4096), (5120, 5120), (1024, 4096)):
-        assert table_config(16, None, N, K, CUDA) == gemm_config(16), (N, K)
-    assert table_config(16, None, 8192, 8192, torch.device("cpu")) == gemm_config(16)
-    assert table_config(1, gemm_bucket(16), 8192, 8192, CUDA) == DECODE_TILE  # the bucket decides
-    assert table_config(16, None, 8192, 8448 + 32, CUDA) == config_for_width(gemm_config(16), 8480)  # not whole K tiles
+    assert gemm.split_k_for(DECODE_TILE, 28672, 4096, CUDA) == 1
+    assert gemm.split_k_for(DECODE_TILE, 8192, 8192, CUDA) == 4
+    assert gemm.split_k_for(DECODE_TILE, 4096, 14336, CUDA) == 8
+    for N, K in ((28672, 8192), (8192, 28672), (28672, 4096)):
+        for M in (1, 2, 4, 5, 16):
+            assert table_config(M, None, N, K, CUDA) == DECODE_TILE, (N, K, M)
+        assert table_config(17, None, N, K, CUDA) == gemm_config(17)
+    for N, K in ((28672, 3840), (8192, 8192), (14336, 4096), (4096, 14336), (4096, 4096)):
+        for M in (1, 4, 16):
+            assert table_config(M, None, N, K, CUDA) == gemm_config(M), (N, K, M)
+    assert table_config(16, None, 28672, 8192, torch.device("cpu")) == gemm_config(16)
+    assert table_config(1, gemm_bucket(16), 28672, 8192, CUDA) == DECODE_TILE  # the bucket decides
+    assert table_config(16, None, 28672, 8448 + 32, CUDA) == config_for_width(gemm_config(16), 8480)  # not whole K tiles
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: False)
-    assert table_config(16, None, 8192, 8192, CUDA) == gemm_config(16)
-    assert table_config(1, None, 28672, 8192, CUDA) == gemm_config(1)
+    assert table_config(16, None, 28672, 8192, CUDA) == gemm_config(16)
 
 
-def test_a_traced_graph_takes_the_decode_tile_at_one_row_from_6_k_tiles_on_most_sms(monkeypatch):
-    """In a traced graph the one-row bucket takes the decode tile where each split has 6 K
-    tiles or more and its programs fill 80% of the SMs (132 here, one program each): (N, K) =
-    (8192, 8192) in 4 splits of 8 K tiles (128 programs), (14336, 4096) in 2 of 8 (112), (4096,
-    14336) in 8 of 7 (128); not (12288, 4096) (2 splits of 8, 96 programs), (4096, 4096) (8 of
-    2) nor (5120, 5120) (5 of 4). Eagerly one row keeps needing 16 K tiles. The other buckets
-    are the same in both; off Hopper neither takes it."""
-    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
-    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: device.type == "cuda")
-    one_row = gemm_bucket(1)
-    for N, K in ((8192, 8192), (14336, 4096), (4096, 14336)):
-        assert operand_config(one_row, N, K, CUDA, in_graph=True) == DECODE_TILE, (N, K)
-        assert operand_config(one_row, N, K, CUDA) == gemm_config(1), (N, K)
+@pytest.mark.parametrize("graph", ["traced", "captured"])
+def test_in_a_graph_the_decode_tile_serves_from_6_k_tiles_at_one_row_on_most_sms(graph, monkeypatch):
+    """In a traced graph, or while eager calls are captured into a CUDA graph, the decode tile
+    serves 2-16 rows where each split has 6 K tiles or more: (N, K) = (8192, 8192) in 4 splits
+    of 8 K tiles (128 programs), (14336, 4096) in 2 of 8 (112), (4096, 14336) in 8 of 7 (128),
+    (12288, 4096) in 2 of 8 (96); not (4096, 4096) (8 of 2) nor (5120, 5120) (5 of 4). At one row
+    its programs must also fill 80% of the SMs (132 here, one program each), which leaves
+    (12288, 4096) on the entry. Off Hopper neither takes it."""
+    stand_in_hopper(monkeypatch, capturing=graph == "captured")
+
+    def tiles(M, N, K):
+        in_graph = graph == "traced"
+        operand = operand_config(gemm_bucket(M), N, K, CUDA, in_graph=in_graph)
+        return operand if in_graph else table_config(M, None, N, K, CUDA)
+
     assert gemm.split_k_for(DECODE_TILE, 12288, 4096, CUDA) == 2
-    for N, K in ((12288, 4096), (4096, 4096), (5120, 5120)):
-        assert operand_config(one_row, N, K, CUDA, in_graph=True) == gemm_config(1), (N, K)
-    for max_m in (4, 16):
-        for N, K in ((8192, 8192), (14336, 4096), (4096, 4096), (5120, 5120)):
-            bucket = gemm_bucket(max_m)
-            assert operand_config(bucket, N, K, CUDA, in_graph=True) == operand_config(bucket, N, K, CUDA), (N, K)
+    for N, K in ((8192, 8192), (14336, 4096), (4096, 14336)):
+        for M in (1, 4, 16):
+            assert tiles(M, N, K) == DECODE_TILE, (N, K, M)
+    for M in (4, 16):
+        assert tiles(M, 12288, 4096) == DECODE_TILE
+    assert tiles(1, 12288, 4096) == gemm_config(1)
+    for N, K in ((4096, 4096), (5120, 5120)):
+        for M in (1, 4, 16):
+            assert tiles(M, N, K) == gemm_config(M), (N, K, M)
+    assert tiles(17, 8192, 8192) == gemm_config(17)
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: False)
-    assert operand_config(one_row, 8192, 8192, CUDA, in_graph=True) == gemm_config(1)
+    assert tiles(16, 8192, 8192) == gemm_config(16)
+
+
+def test_a_capture_check_is_made_only_where_the_decode_tile_could_run(monkeypatch):
+    """The capture query costs host time on every eager call through the table: it is asked only
+    where the decode tile could serve (a decode bucket, whole K tiles, Hopper), never while
+    torch traces, and never for a CPU tensor."""
+    asked = []
+    stand_in_hopper(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: asked.append(1) or False)
+    table_config(17, None, 8192, 8192, CUDA)
+    table_config(16, None, 8192, 8192, torch.device("cpu"))
+    table_config(16, None, 8192, 8208, CUDA)
+    with PassThrough():  # traced: the caller says whether it builds a graph
+        assert table_config(16, None, 8192, 8192, CUDA) == gemm_config(16)
+    assert asked == []
+    table_config(16, None, 8192, 8192, CUDA)
+    assert asked == [1]
 
 
 @pytest.mark.parametrize("N", [8192, 28672], ids=str)
@@ -176,8 +206,7 @@ def test_operand_config_names_the_decode_tiles_operand_where_it_runs(max_m, K, N
     tile, the operand is the decode tile's (quantized by the operand kernel, fp16, MMA order),
     even where the entry it replaces takes another (the M = 1 entry takes the raw activation, the
     M <= 4 entry's operand is not in the MMA order)."""
-    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: device.type == "cuda")
-    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
+    stand_in_hopper(monkeypatch)
     bucket = gemm_bucket(max_m)
     for device in (CUDA, torch.device("cpu")):
         operand = operand_config(bucket, N, K, device)
@@ -188,11 +217,11 @@ def test_operand_config_names_the_decode_tiles_operand_where_it_runs(max_m, K, N
             assert activation_operand_dtype(operand, torch.bfloat16, scale, None) == activation_operand_dtype(
                 tile, torch.bfloat16, scale, None
             )
-    runs_it = K == 8192 and (max_m > 1 or N == 28672)
+    runs_it = K == 8192 and N == 28672
     assert (operand_config(bucket, N, K, CUDA) == DECODE_TILE) == runs_it
     assert quantizes_activation_in_gemm(operand_config(bucket, N, K, CUDA)) == (max_m == 1 and not runs_it)
-    assert operand_in_mma_order(operand_config(gemm_bucket(4), N, 8192, CUDA))
-    assert not operand_in_mma_order(operand_config(gemm_bucket(4), N, 8192, torch.device("cpu")))
+    assert operand_in_mma_order(operand_config(gemm_bucket(4), 28672, 8192, CUDA))
+    assert not operand_in_mma_order(operand_config(gemm_bucket(4), 28672, 8192, torch.device("cpu")))
 
 
 @needs_gluon_hopper

@@ -238,12 +238,13 @@ def counting_launches(monkeypatch, tile) -> CountingLaunches:
 
 @requires_cuda
 @requires_hopper
-@pytest.mark.parametrize("M,tile", [(512, TALL_TILE), (16, DECODE_TILE)], ids=["tall", "decode"])
-def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(M, tile, monkeypatch):
+@pytest.mark.parametrize(
+    "M,N,K,tile", [(512, 8192, 8192, TALL_TILE), (16, 28672, 8192, DECODE_TILE)], ids=["tall", "decode"]
+)
+def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(M, N, K, tile, monkeypatch):
     """Traced, a warp-specialized tile is an opaque op (Inductor cannot trace a Gluon kernel): a
     fullgraph compile of the GEMM op where the table takes the tile launches its kernel and gives
     eager's output."""
-    N, K = 8192, 8192
     assert gemm.table_config(M, None, N, K, torch.device("cuda")) == tile
     operand, qdata, scales, act_scale, weight_scale, bias = gemm_operands(M, N, K, seed=5, device="cuda", config=tile)
     launches = counting_launches(monkeypatch, tile)
@@ -261,16 +262,17 @@ def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(M, tile, monkeypatc
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize(
-    "tile,launching", [(TALL_TILE, (300,)), (DECODE_TILE, (16, 3))], ids=["tall", "decode"]
+    "tile,N,launching", [(TALL_TILE, 14336, (300,)), (DECODE_TILE, 28672, (16, 3))], ids=["tall", "decode"]
 )
-def test_gpu_dynamic_shape_graph_branches_into_the_warp_specialized_kernel(tile, launching, monkeypatch):
+def test_gpu_dynamic_shape_graph_branches_into_the_warp_specialized_kernel(tile, N, launching, monkeypatch):
     """A graph compiled for a dynamic token count holds every bucket's GEMM behind a cond; the
     warp-specialized tiles' are the opaque op. On a wide weight the tall tile's kernel launches at
-    300 rows, the decode tile's at 16 and 3 (the M <= 4 bucket too, whose entry takes another
+    300 rows; on a wider one, unsplit with 16 K tiles (eager and compiled alike take the decode
+    tile there), the decode tile's at 16 and 3 (the M <= 4 bucket too, whose entry takes another
     operand); at every token count tried the compiled linear gives the eager one's output."""
     from nvfp4_static.backends.triton_route import static_nvfp4_linear
 
-    N, K = 14336, 4096
+    K = 4096
     _, qdata, scales, act_scale, weight_scale, bias = gemm_operands(1, N, K, seed=11, device="cuda")
     launches = counting_launches(monkeypatch, tile)
 

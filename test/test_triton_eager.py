@@ -303,7 +303,7 @@ def test_gpu_a_layer_with_unwrapped_weights_replays_its_launches():
     reason="needs a Hopper GPU and Gluon",
 )
 @pytest.mark.parametrize(
-    "M,N,K,tile", [(300, 8192, 1024, "tall"), (200, 8192, 1024, "square"), (16, 8192, 8192, "decode")]
+    "M,N,K,tile", [(300, 8192, 1024, "tall"), (200, 8192, 1024, "square"), (16, 28672, 8192, "decode")]
 )
 def test_gpu_replay_redoes_the_warp_specialized_launch(M, N, K, tile):
     """On Hopper a wide layer at 129-512 rows runs the warp-specialized Gluon GEMM, and a large

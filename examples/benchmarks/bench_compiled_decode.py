@@ -4,9 +4,11 @@ linear called eagerly.
 For each weight shape (K x N) and M, GPU times from CUDA graphs (ms) of
 ``static_nvfp4_linear(x, ...) + r`` compiled (``torch.compile``, fullgraph, default mode), where
 the GEMM's K splits are summed and scaled by Inductor inside the kernel that adds ``r``, and of
-the same function called eagerly (the GEMM sums its splits itself, then ``r`` is added), with the
-tile each takes, compiled / eager (the warp-specialized decode tile or the Triton entry; at one
-row a compiled graph takes the decode tile on the rule of 2-16 rows), and its K split.
+the same function called eagerly (the GEMM sums its splits itself, then ``r`` is added). Both are
+timed from CUDA graphs, so both take the tiles of a graph (``gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS``:
+an eager call captured into a graph takes them too); column ``takes``: that tile, then the one
+an eager call takes when not captured (the warp-specialized decode tile or the Triton entry),
+with their K splits.
 
 Usage: python bench_compiled_decode.py [--m 4 16] [--shapes 8192x8192 ...]
 """

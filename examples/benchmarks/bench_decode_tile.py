@@ -4,8 +4,10 @@ For each weight shape (K x N) and M, GPU times from CUDA graphs (ms) of the whol
 (``static_nvfp4_linear``: the operand kernel, where the tiles take one, then the GEMM) with the
 bucket's Triton entry and with the decode tile (``gemm.DECODE_TILE``) forced in its place, the
 floor kernel that only reads the packed weight and its scales, and the decode tile's K split
-(``gemm.split_k_for``) with the K tiles each split runs. The table takes the decode tile where
-each split has the bucket's ``gemm.DECODE_TILE_MIN_K_TILES`` (last column). Column
+(``gemm.split_k_for``) with the K tiles each split runs. The last column: the tile the table
+takes in eager calls (``gemm.DECODE_TILE_MIN_K_TILES``) and in a graph
+(``gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS``; these times are a graph's, and eager calls pay a
+host time the graph does not). Column
 ``no overlap``: the decode tile again, its operand kernel not letting it start before that kernel
 ends (``act_quantize.overlaps_kernels`` off), which shows what starting early saves. Before
 timing, the decode tile's output is checked equal, bit for bit, to its Triton twin's
@@ -33,9 +35,12 @@ SHAPES = (
 
 
 def linear_ms(x, weight, act_scale, min_k_tiles) -> float:
-    """The whole linear's graph time with ``gemm.DECODE_TILE_MIN_K_TILES`` set to ``min_k_tiles``."""
-    table = gemm.DECODE_TILE_MIN_K_TILES
-    gemm.DECODE_TILE_MIN_K_TILES = min_k_tiles
+    """The whole linear's graph time with the decode tile's K-tile rule set to ``min_k_tiles``,
+    eager and in graphs, and no SM fill asked at one row: a CUDA graph being captured takes the
+    graphs' rule, which this sets too."""
+    rule = (gemm.DECODE_TILE_MIN_K_TILES, gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS, gemm.DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS)
+    gemm.DECODE_TILE_MIN_K_TILES = gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS = min_k_tiles
+    gemm.DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = 0.0
     try:
         output_scale = float(act_scale * weight.scale)
         return graph_ms(
@@ -44,7 +49,7 @@ def linear_ms(x, weight, act_scale, min_k_tiles) -> float:
             )
         )
     finally:
-        gemm.DECODE_TILE_MIN_K_TILES = table
+        gemm.DECODE_TILE_MIN_K_TILES, gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS, gemm.DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = rule
 
 
 def without_overlap(measure):
@@ -79,7 +84,7 @@ def main():
         raise SystemExit("bench_decode_tile.py needs a Hopper GPU and Gluon's Hopper API")
     print(f"device: {torch.cuda.get_device_name()}")
     print(f"{'K':>6} {'N':>6} {'M':>3} | {'split':>5} {'K tiles':>7} | {'read':>7} {'entry':>7} {'decode':>7} "
-          f"{'no overlap':>10} | {'entry/decode':>12} {'table takes':>11}")
+          f"{'no overlap':>10} | {'entry/decode':>12} {'eager/graph':>13}")
     everywhere = {max_m: 1 for max_m in gemm.DECODE_TILE_MIN_K_TILES}
     nowhere = {max_m: 1 << 30 for max_m in gemm.DECODE_TILE_MIN_K_TILES}
     for shape in args.shapes:
@@ -102,9 +107,15 @@ def main():
                 for _ in range(args.rounds)
             ]
             entry, decode, apart = (statistics.median(column) for column in zip(*rounds))
-            takes = gemm.table_config(M, None, N, K, device) == DECODE_TILE
+            takes = [
+                "decode" if config == DECODE_TILE else "entry"
+                for config in (
+                    gemm.table_config(M, None, N, K, device),
+                    gemm.operand_config(gemm.gemm_bucket(M), N, K, device, in_graph=True),
+                )
+            ]
             print(f"{K:>6} {N:>6} {M:>3} | {split:>5} {k_tiles:>7.1f} | {read:>7.4f} {entry:>7.4f} {decode:>7.4f} "
-                  f"{apart:>10.4f} | {entry / decode:>12.2f} {'decode' if takes else 'entry':>11}")
+                  f"{apart:>10.4f} | {entry / decode:>12.2f} {'/'.join(takes):>13}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ import triton.language as tl
 from nvfp4_static.kernels import gemm_decode_warp_specialized, gemm_warp_specialized
 from nvfp4_static.kernels.act_quantize import MMA_GROUP, quantize_to_operand_halves
 from nvfp4_static.kernels.e2m1_ptx import E2M1_BYTES_TO_FP16_PTX
-from nvfp4_static.kernels.launch import KernelCall, ceil_div, runs_eagerly
+from nvfp4_static.kernels.launch import KernelCall, ceil_div, runs_eagerly, traced
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 _E2M1_BYTES_TO_FP16_PTX = tl.constexpr(E2M1_BYTES_TO_FP16_PTX)
@@ -570,15 +570,19 @@ SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
 # 4096 x 14336 (0.0255 -> 0.0262), 16% less time at 32 (8192 x 28672 0.0678 -> 0.0567);
 # examples/benchmarks/RESULTS.md.
 DECODE_TILE = replace(DECODE_TILE_IN_TRITON, warp_specialized=True)
-DECODE_TILE_MIN_K_TILES = {1: 16, 4: 6, 16: 6}  # by the largest M of the entry it replaces
-# A traced graph takes the decode tile at one row too, on the K tiles of 2-4 rows, where its
-# programs also fill most SMs: once the graph is replayed from a CUDA graph its two launches
-# cost no host time per call, and there the pair beats the entry (H200, a compiled linear + add
-# from a CUDA graph, M = 1, entry -> decode tile, ms, bench_compiled_decode.py: 8192 x 8192 0.0256
-# -> 0.0237, 4096 x 14336 0.0252 -> 0.0231, 14336 x 4096 0.0244 -> 0.0235, with 97%, 85% and
-# 97% of the SMs given a program; 4096 x 12288, 73%: 0.0224 -> 0.0233, so below 80% it keeps
-# the entry, whose split fills them). Eagerly the second launch's host time costs more than that.
-DECODE_TILE_MIN_K_TILES_IN_GRAPHS = {**DECODE_TILE_MIN_K_TILES, 1: DECODE_TILE_MIN_K_TILES[4]}
+# Launched from the host at every call (eager), the decode tile's launch costs more host time
+# than the entry's (Triton encodes its three TMA descriptors at each launch) and an eager decode
+# step is bound by its host, so eagerly it runs only where its GPU saving outweighs that: from 16
+# K tiles per split (8 Llama-8B-shaped layers decoding eagerly on an H200, ms per step, the decode
+# tile from 6 K tiles -> from 16: 4 tokens 2.19 -> 1.94, 16 tokens 2.66 -> 2.14; RESULTS.md).
+DECODE_TILE_MIN_K_TILES = {1: 16, 4: 16, 16: 16}  # by the largest M of the entry it replaces
+# Replayed from a CUDA graph (a traced graph, or eager calls captured into one) no launch costs
+# host time, and the decode tile runs from 6 K tiles per split, at one row where its programs
+# also fill most SMs (H200, a compiled linear + add from a CUDA graph, M = 1, entry -> decode
+# tile, ms, bench_compiled_decode.py: 8192 x 8192 0.0256 -> 0.0237, 4096 x 14336 0.0252 ->
+# 0.0231, 14336 x 4096 0.0244 -> 0.0235, with 97%, 85% and 97% of the SMs given a program; 4096
+# x 12288, 73%: 0.0224 -> 0.0233, so below 80% it keeps the entry, whose split fills them).
+DECODE_TILE_MIN_K_TILES_IN_GRAPHS = {1: 6, 4: 6, 16: 6}
 DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = 0.8
 WIDE_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE)}  # by activation rows
 WIDE_TILE_BUCKETS = (256, 512)  # the largest M of the entries they may replace
@@ -638,17 +642,19 @@ def decode_tile(
     max_m: Optional[int], N: int, K: int, device: torch.device, in_graph: bool = False
 ) -> Optional[GemmConfig]:
     """``DECODE_TILE`` where it replaces the table entry serving up to ``max_m`` rows for an
-    ``[N, K]`` weight: in a bucket of ``DECODE_TILE_MIN_K_TILES`` (``in_graph``, for a traced
-    graph: ``DECODE_TILE_MIN_K_TILES_IN_GRAPHS``), where it runs warp-specialized (in Triton the
+    ``[N, K]`` weight: in a bucket of ``DECODE_TILE_MIN_K_TILES`` (in a graph: ``in_graph``, for
+    a traced one, or eager calls while the current CUDA stream is captured into a graph,
+    ``DECODE_TILE_MIN_K_TILES_IN_GRAPHS``), where it runs warp-specialized (in Triton the
     entries are faster): whole K tiles (the kernel's TMA reads the block scales' rows, K / 16
     bytes, 16-byte aligned) and a K split that leaves each program the bucket's number of them
-    or more; in a traced graph at one row, also programs for
-    ``DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS`` of the SMs."""
-    min_k_tiles = DECODE_TILE_MIN_K_TILES_IN_GRAPHS if in_graph else DECODE_TILE_MIN_K_TILES
-    if max_m not in min_k_tiles or K % DECODE_TILE.block_k or not gemm_warp_specialized.available(device):
+    or more; in a graph at one row, also programs for ``DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS``
+    of the SMs."""
+    if max_m not in DECODE_TILE_MIN_K_TILES or K % DECODE_TILE.block_k or not gemm_warp_specialized.available(device):
         return None
+    in_graph = in_graph or captured_into_a_graph(device)
+    min_k_tiles = (DECODE_TILE_MIN_K_TILES_IN_GRAPHS if in_graph else DECODE_TILE_MIN_K_TILES)[max_m]
     split = split_k_for(DECODE_TILE, N, K, device)
-    if ceil_div(ceil_div(K, DECODE_TILE.block_k), split) < min_k_tiles[max_m]:
+    if ceil_div(ceil_div(K, DECODE_TILE.block_k), split) < min_k_tiles:
         return None
     if in_graph and max_m == 1:
         programs = ceil_div(N, gemm_decode_warp_specialized.WEIGHT_ROWS_PER_PROGRAM) * split
@@ -657,13 +663,19 @@ def decode_tile(
     return DECODE_TILE
 
 
+def captured_into_a_graph(device: torch.device) -> bool:
+    """Whether a launch on ``device`` here goes into a CUDA graph being captured rather than to
+    the GPU (eager calls only: while torch traces, the graph's kernels are chosen by ``in_graph``)."""
+    return device.type == "cuda" and not traced() and torch.cuda.is_current_stream_capturing()
+
+
 def operand_config(
     bucket: int, N: int, K: int, device: torch.device, in_graph: bool = False
 ) -> Union[GemmConfig, CublasAfterDequantize]:
     """The tiles ``bucket`` runs for an ``[N, K]`` weight on ``device``, for what their
     activation operand is (raw or quantized, dtype, MMA order): the entry's, or the decode
     tile's where it replaces the entry (a wide tile takes its entry's operand); ``in_graph``
-    for a traced graph, which takes the decode tile on its own rule (``decode_tile``)."""
+    for a traced graph, which takes the decode tile on the graphs' rule (``decode_tile``)."""
     max_m, entry = GEMM_CONFIGS[bucket]
     return config_for_width(decode_tile(max_m, N, K, device, in_graph) or entry, K)
 
