@@ -201,12 +201,14 @@ def test_a_capture_check_is_made_only_where_the_decode_tile_could_run(monkeypatc
 @pytest.mark.parametrize("N", [8192, 28672], ids=str)
 @pytest.mark.parametrize("K", [8192, 8224], ids=str)
 @pytest.mark.parametrize("max_m", sorted(gemm.DECODE_TILE_MIN_K_TILES), ids=str)
-def test_operand_config_names_the_decode_tiles_operand_where_it_runs(max_m, K, N, monkeypatch):
+@pytest.mark.parametrize("capturing", [False, True], ids=["eager", "captured"])
+def test_operand_config_names_the_decode_tiles_operand_where_it_runs(capturing, max_m, K, N, monkeypatch):
     """The route prepares the operand from ``operand_config``: where the table runs the decode
     tile, the operand is the decode tile's (quantized by the operand kernel, fp16, MMA order),
     even where the entry it replaces takes another (the M = 1 entry takes the raw activation, the
-    M <= 4 entry's operand is not in the MMA order)."""
-    stand_in_hopper(monkeypatch)
+    M <= 4 entry's operand is not in the MMA order); eager calls captured into a CUDA graph alike,
+    on the graphs' rule (8192 x 8192 too, at one row as well)."""
+    stand_in_hopper(monkeypatch, capturing)
     bucket = gemm_bucket(max_m)
     for device in (CUDA, torch.device("cpu")):
         operand = operand_config(bucket, N, K, device)
@@ -217,7 +219,7 @@ def test_operand_config_names_the_decode_tiles_operand_where_it_runs(max_m, K, N
             assert activation_operand_dtype(operand, torch.bfloat16, scale, None) == activation_operand_dtype(
                 tile, torch.bfloat16, scale, None
             )
-    runs_it = K == 8192 and N == 28672
+    runs_it = K == 8192 and (N == 28672 or capturing)
     assert (operand_config(bucket, N, K, CUDA) == DECODE_TILE) == runs_it
     assert quantizes_activation_in_gemm(operand_config(bucket, N, K, CUDA)) == (max_m == 1 and not runs_it)
     assert operand_in_mma_order(operand_config(gemm_bucket(4), 28672, 8192, CUDA))
