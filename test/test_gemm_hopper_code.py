@@ -18,6 +18,7 @@ that ships with Triton.
 """
 
 import re
+import warnings
 import subprocess
 from typing import NamedTuple
 from unittest import mock
@@ -189,3 +190,28 @@ def test_grouped_gemm_wgmmas_are_not_serialized_on_hopper(config, tmp_path):
     build = ptxas_report_for_sm90(recorded_grouped_gemm_launch(config), tmp_path)
     assert ("wgmma.mma_async" in build.ptx) == (config.weight_as_mma_a or config.block_m >= 64), config
     assert_safe_on_hopper(build, f"the grouped GEMM entry {config}")
+
+
+@pytest.mark.parametrize(
+    "kernel,M,K",
+    [("dense", 1, 4112), ("dense", 4, 4112), ("dense", 16, 4128), ("grouped", None, 4112)],
+    ids=["quantizing-entry", "deinterleaved-operand", "mma-order-operand", "grouped"],
+)
+def test_kernels_with_partial_k_tiles_build_without_warnings(kernel, M, K, tmp_path, monkeypatch):
+    """Where K is no whole number of K tiles the kernels mask their loads along K; Triton warns
+    where a mask combines tensors with ``and`` / ``or`` (deprecated for tensors), so the kernels
+    must build without a warning from our sources: the M = 1 entry quantizing its raw rows, the
+    M <= 4 entry reading the block-deinterleaved operand (K = 16 x 257), the M <= 16 entry reading
+    the MMA-ordered one (K = 32 x 129), and the grouped GEMM."""
+    monkeypatch.setitem(globals(), "K", K)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))  # built anew: warnings come from the front end
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if kernel == "grouped":
+            call = recorded_grouped_gemm_launch(GROUPED_GEMM_CONFIGS[0][1])
+        else:
+            call = recorded_gemm_launch(M, gemm.config_for_width(gemm.gemm_config(M), K), True)
+        assert not call.meta["EVEN_K"]
+        ptxas_report_for_sm90(call, tmp_path)
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "nvfp4_static" in str(w.filename)]
+    assert ours == []

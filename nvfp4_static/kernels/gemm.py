@@ -220,7 +220,7 @@ def _nvfp4_gemm_kernel(
             offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
             x = tl.load(
                 a_ptr + rows_x[:, None] * stride_am + offs_k[None, :],
-                mask=(rows_x[:, None] < M) & (EVEN_K or offs_k[None, :] < K),
+                mask=(rows_x[:, None] < M) & ((offs_k[None, :] < K) | EVEN_K),
                 other=0.0,
             )
             a_even, a_odd = quantize_to_operand_halves(x, act_scale, ROWS, BLOCK_K)
@@ -232,23 +232,23 @@ def _nvfp4_gemm_kernel(
         elif MMA_ORDER:
             # The activation operand is stored in the MMA order, the weight tile's below.
             offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
-            a_mask = valid_m[:, None] & (EVEN_K or offs_k[None, :] < K)
+            a_mask = valid_m[:, None] & ((offs_k[None, :] < K) | EVEN_K)
             a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_k[None, :], mask=a_mask, other=0.0)
         else:
             # The activation operand is stored block-deinterleaved (each 16-block: its 8 even
             # elements, then its 8 odd ones), so the even and odd halves load as 16-byte runs.
             offs_even = k_tile * BLOCK_K + (offs_half // 8) * 16 + offs_half % 8
-            a_mask = valid_m[:, None] & (EVEN_K or offs_even[None, :] < K)
+            a_mask = valid_m[:, None] & ((offs_even[None, :] < K) | EVEN_K)
             a_even = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :], mask=a_mask, other=0.0)
             a_odd = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_even[None, :] + 8, mask=a_mask, other=0.0)
         packed = tl.load(
             w_ptr + rows_n[:, None] * (K // 2) + offs_kb[None, :],
-            mask=(offs_n[:, None] < N) & (EVEN_K or offs_kb[None, :] < K // 2),
+            mask=(offs_n[:, None] < N) & ((offs_kb[None, :] < K // 2) | EVEN_K),
             other=0,
         )
         scale_codes = tl.load(
             w_scales_ptr + rows_n[:, None] * (K // 16) + offs_ks[None, :],
-            mask=(offs_n[:, None] < N) & (EVEN_K or offs_ks[None, :] < K // 16),
+            mask=(offs_n[:, None] < N) & ((offs_ks[None, :] < K // 16) | EVEN_K),
             other=0,
         )
         if MMA_ORDER:

@@ -102,12 +102,12 @@ def _load_packed_tile(qdata_ptr, scales_ptr, rows, valid_rows, k_tile, K: tl.con
     offs_ks = k_tile * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
     packed = tl.load(
         qdata_ptr + rows[:, None] * (K // 2) + offs_kb[None, :],
-        mask=valid_rows[:, None] & (EVEN_K or offs_kb[None, :] < K // 2),
+        mask=valid_rows[:, None] & ((offs_kb[None, :] < K // 2) | EVEN_K),
         other=0,
     )
     scale_codes = tl.load(
         scales_ptr + rows[:, None] * (K // 16) + offs_ks[None, :],
-        mask=valid_rows[:, None] & (EVEN_K or offs_ks[None, :] < K // 16),
+        mask=valid_rows[:, None] & ((offs_ks[None, :] < K // 16) | EVEN_K),
         other=0,
     )
     return packed, scale_codes
