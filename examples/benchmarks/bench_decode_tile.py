@@ -38,9 +38,11 @@ def linear_ms(x, weight, act_scale, min_k_tiles) -> float:
     """The whole linear's graph time with the decode tile's K-tile rule set to ``min_k_tiles``,
     eager and in graphs, and no SM fill asked at one row: a CUDA graph being captured takes the
     graphs' rule, which this sets too."""
-    rule = (gemm.DECODE_TILE_MIN_K_TILES, gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS, gemm.DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS)
-    gemm.DECODE_TILE_MIN_K_TILES = gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS = min_k_tiles
-    gemm.DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = 0.0
+    rule = {"DECODE_TILE_MIN_K_TILES": min_k_tiles, "DECODE_TILE_MIN_K_TILES_IN_GRAPHS": min_k_tiles,
+            "DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS": 0.0}
+    saved = {name: getattr(gemm, name) for name in rule}
+    for name, value in rule.items():
+        setattr(gemm, name, value)
     try:
         output_scale = float(act_scale * weight.scale)
         return graph_ms(
@@ -49,7 +51,8 @@ def linear_ms(x, weight, act_scale, min_k_tiles) -> float:
             )
         )
     finally:
-        gemm.DECODE_TILE_MIN_K_TILES, gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS, gemm.DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = rule
+        for name, value in saved.items():
+            setattr(gemm, name, value)
 
 
 def without_overlap(measure):
