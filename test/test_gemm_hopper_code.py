@@ -18,8 +18,8 @@ that ships with Triton.
 """
 
 import re
-import warnings
 import subprocess
+import warnings
 from typing import NamedTuple
 from unittest import mock
 
@@ -45,7 +45,7 @@ TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "f
 TABLE_GEMMS = gemm.triton_entries()
 
 
-def recorded_gemm_launch(M: int, config: GemmConfig, sum_splits_in_gemm: bool) -> KernelCall:
+def recorded_gemm_launch(M: int, config: GemmConfig, sum_splits_in_gemm: bool, K: int = K) -> KernelCall:
     """The GEMM's ``KernelCall`` as ``launch_nvfp4_gemm`` makes it for ``M x K`` by ``N x K`` on
     an H100 (the split K sized for its SMs), without launching anything."""
     raw = config.activation_rows > 0
@@ -73,7 +73,7 @@ class _LaunchRecorder:
         return lambda *args, **meta: self.calls.append(KernelCall(self.kernel, grid, args, meta))
 
 
-def recorded_grouped_gemm_launch(config: GroupedGemmConfig) -> KernelCall:
+def recorded_grouped_gemm_launch(config: GroupedGemmConfig, K: int = K) -> KernelCall:
     """The grouped GEMM's launch for 8 experts of ``N x K`` weights and 512 routed rows, as
     ``launch_grouped_nvfp4_gemm`` makes it, without launching anything."""
     experts, rows = 8, 512
@@ -203,14 +203,13 @@ def test_kernels_with_partial_k_tiles_build_without_warnings(kernel, M, K, tmp_p
     must build without a warning from our sources: the M = 1 entry quantizing its raw rows, the
     M <= 4 entry reading the block-deinterleaved operand (K = 16 x 257), the M <= 16 entry reading
     the MMA-ordered one (K = 32 x 129), and the grouped GEMM."""
-    monkeypatch.setitem(globals(), "K", K)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))  # built anew: warnings come from the front end
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if kernel == "grouped":
-            call = recorded_grouped_gemm_launch(GROUPED_GEMM_CONFIGS[0][1])
+            call = recorded_grouped_gemm_launch(GROUPED_GEMM_CONFIGS[0][1], K)
         else:
-            call = recorded_gemm_launch(M, gemm.config_for_width(gemm.gemm_config(M), K), True)
+            call = recorded_gemm_launch(M, gemm.config_for_width(gemm.gemm_config(M), K), True, K)
         assert not call.meta["EVEN_K"]
         ptxas_report_for_sm90(call, tmp_path)
     ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "nvfp4_static" in str(w.filename)]

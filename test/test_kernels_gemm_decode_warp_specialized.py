@@ -120,10 +120,6 @@ def stand_in_hopper(monkeypatch, capturing: bool = False) -> None:
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
 
 
-def test_the_tables_share_their_buckets():
-    assert set(gemm.DECODE_TILE_MIN_K_TILES) == set(gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS) == {1, 4, 16}
-
-
 def test_eagerly_the_decode_tile_serves_up_to_16_rows_where_each_split_has_16_k_tiles(monkeypatch):
     """At 132 SMs (four 64-row programs each), weights as (N, K): (28672, 8192) runs K unsplit
     (32 K tiles of 256 each), (8192, 28672) in 4 splits (28), (28672, 4096) unsplit (16): the
@@ -158,7 +154,8 @@ def test_in_a_graph_the_decode_tile_serves_from_6_k_tiles_at_one_row_on_most_sms
     of 8 K tiles (128 programs), (14336, 4096) in 2 of 8 (112), (4096, 14336) in 8 of 7 (128),
     (12288, 4096) in 2 of 8 (96); not (4096, 4096) (8 of 2) nor (5120, 5120) (5 of 4). At one row
     its programs must also fill 80% of the SMs (132 here, one program each), which leaves
-    (12288, 4096) on the entry. Off Hopper neither takes it."""
+    (12288, 4096) on the entry, unless each split has the eager rule's 16 K tiles: (22016, 4096)
+    unsplit (86 programs). Off Hopper neither takes it."""
     stand_in_hopper(monkeypatch, capturing=graph == "captured")
 
     def tiles(M, N, K):
@@ -173,6 +170,8 @@ def test_in_a_graph_the_decode_tile_serves_from_6_k_tiles_at_one_row_on_most_sms
     for M in (4, 16):
         assert tiles(M, 12288, 4096) == DECODE_TILE
     assert tiles(1, 12288, 4096) == gemm_config(1)
+    assert gemm.split_k_for(DECODE_TILE, 22016, 4096, CUDA) == 1
+    assert tiles(1, 22016, 4096) == DECODE_TILE
     for N, K in ((4096, 4096), (5120, 5120)):
         for M in (1, 4, 16):
             assert tiles(M, N, K) == gemm_config(M), (N, K, M)
@@ -191,16 +190,34 @@ def test_a_capture_check_is_made_only_where_the_decode_tile_could_run(monkeypatc
     table_config(17, None, 8192, 8192, CUDA)
     table_config(16, None, 8192, 8192, torch.device("cpu"))
     table_config(16, None, 8192, 8208, CUDA)
-    with PassThrough():  # traced: the caller says whether it builds a graph
+    with PassThrough():  # traced: the route says itself that it builds a graph
         assert table_config(16, None, 8192, 8192, CUDA) == gemm_config(16)
     assert asked == []
     table_config(16, None, 8192, 8192, CUDA)
     assert asked == [1]
 
 
+def test_where_a_traced_route_keeps_the_entry_the_ops_it_traces_keep_it_too(monkeypatch):
+    """Traced, the route chooses by the graphs' rule (``in_graph``) and hands an entry's operand
+    to the GEMM ops, whose traced bodies choose by the eager rule: wherever the first keeps the
+    entry, so must the second, or the op would get another tile's operand. Over weights on both
+    sides of the K-tile and SM-fill thresholds, (22016, 4096) among them (16 K tiles unsplit,
+    86 programs of 132: the fill condition alone would keep the entry at one row)."""
+    stand_in_hopper(monkeypatch)
+    shapes = [(22016, 4096), (12288, 4096), (8192, 8192), (28672, 4096), (28672, 3840), (4096, 4096), (5120, 5120)]
+    for N, K in shapes:
+        for max_m in gemm.DECODE_TILE_BUCKETS:
+            bucket = gemm_bucket(max_m)
+            with PassThrough():
+                traced_route = operand_config(bucket, N, K, CUDA, in_graph=True)
+                traced_op = table_config(max_m, bucket, N, K, CUDA)
+            if traced_route != DECODE_TILE:
+                assert traced_op == traced_route, (N, K, max_m)
+
+
 @pytest.mark.parametrize("N", [8192, 28672], ids=str)
 @pytest.mark.parametrize("K", [8192, 8224], ids=str)
-@pytest.mark.parametrize("max_m", sorted(gemm.DECODE_TILE_MIN_K_TILES), ids=str)
+@pytest.mark.parametrize("max_m", gemm.DECODE_TILE_BUCKETS, ids=str)
 @pytest.mark.parametrize("capturing", [False, True], ids=["eager", "captured"])
 def test_operand_config_names_the_decode_tiles_operand_where_it_runs(capturing, max_m, K, N, monkeypatch):
     """The route prepares the operand from ``operand_config``: where the table runs the decode

@@ -34,12 +34,10 @@ SHAPES = (
 )
 
 
-def linear_ms(x, weight, act_scale, min_k_tiles) -> float:
-    """The whole linear's graph time with the decode tile's K-tile rule set to ``min_k_tiles``,
-    eager and in graphs, and no SM fill asked at one row: a CUDA graph being captured takes the
-    graphs' rule, which this sets too."""
-    rule = {"DECODE_TILE_MIN_K_TILES": min_k_tiles, "DECODE_TILE_MIN_K_TILES_IN_GRAPHS": min_k_tiles,
-            "DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS": 0.0}
+def linear_ms(x, weight, act_scale, min_k_tiles: int) -> float:
+    """The whole linear's graph time with the decode tile taken from ``min_k_tiles`` K tiles per
+    split, eagerly and in graphs (a CUDA graph being captured takes the graphs' rule)."""
+    rule = {"DECODE_TILE_MIN_K_TILES": min_k_tiles, "DECODE_TILE_MIN_K_TILES_IN_GRAPHS": min_k_tiles}
     saved = {name: getattr(gemm, name) for name in rule}
     for name, value in rule.items():
         setattr(gemm, name, value)
@@ -88,8 +86,7 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}")
     print(f"{'K':>6} {'N':>6} {'M':>3} | {'split':>5} {'K tiles':>7} | {'read':>7} {'entry':>7} {'decode':>7} "
           f"{'no overlap':>10} | {'entry/decode':>12} {'eager/graph':>13}")
-    everywhere = {max_m: 1 for max_m in gemm.DECODE_TILE_MIN_K_TILES}
-    nowhere = {max_m: 1 << 30 for max_m in gemm.DECODE_TILE_MIN_K_TILES}
+    everywhere, nowhere = 1, 1 << 30
     for shape in args.shapes:
         K, N = (int(size) for size in shape.split("x"))
         weight = make_weight(K, N)

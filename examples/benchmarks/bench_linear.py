@@ -56,7 +56,9 @@ def copy_bandwidth_gbs() -> float:
 
 def captured(fn) -> torch.cuda.CUDAGraph:
     """``fn`` captured in a CUDA graph, after one call outside it (Triton compiles, cuBLAS
-    picks its kernels, workspaces are made)."""
+    picks its kernels, workspaces are made). A linear captured into a graph may take other
+    tiles than one called outside it (``gemm.captured_into_a_graph``); their kernels are then
+    compiled, and their workspaces made, while capturing."""
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -9,6 +9,11 @@ later calls replay them (``kernels.launch.PreparedLaunch``) with that call's act
 output and the stream's scratch memory in place of the first call's: the same kernels with the
 same arguments, hence the same outputs bit for bit.
 
+A stream's launches are recorded at its first call: a layer called on a stream outside a CUDA
+graph capture and later captured on the same stream replays the tiles of eager calls, where a
+first call under capture records the graphs' (``kernels.gemm.captured_into_a_graph``); the
+outputs agree either way within the GEMM's tolerance.
+
 Replayed: plain, contiguous, 16-byte aligned CUDA activations of at most the largest M that
 ``kernels.gemm.GEMM_CONFIGS`` serves with its own kernels (Triton's, and on Hopper the
 warp-specialized Gluon GEMM; above it cuBLAS runs the product, and the host work is small beside

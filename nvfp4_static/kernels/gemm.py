@@ -31,7 +31,7 @@ activation instead and quantizes it in its K loop (``GemmConfig.activation_rows`
 ``act_quantize``'s arithmetic, so no operand kernel runs before it.
 
 On Hopper the tall and square tiles (``TALL_TILE``, ``SQUARE_TILE``) run as
-``gemm_warp_specialized``'s Gluon kernel, and the decode tile (``DECODE_TILE``, 2-16 rows) as
+``gemm_warp_specialized``'s Gluon kernel, and the decode tile (``DECODE_TILE``, 1-16 rows) as
 ``gemm_decode_warp_specialized``'s: the same products, with the loads and each multiplying
 warpgroup's dequantization overlapped.
 
@@ -559,30 +559,31 @@ GEMM_CONFIGS = (
 TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
 SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
 # Decode on Hopper: gemm_decode_warp_specialized's tile in place of the entries up to 16 rows,
-# for weights whose split gives each program at least the bucket's number of K tiles here (its
-# TMA ring needs a few K tiles to fill and drain, and its split sum costs about 2 us). Whole
-# linear on an H200 under a CUDA graph, M = 16, entry -> decode tile (ms): 8192 x 8192 0.0297 ->
-# 0.0262 (8 K tiles per split), 4096 x 28672 0.0482 -> 0.0353 (16), 28672 x 8192 0.0746 -> 0.0561
-# (28), 14336 x 4096 0.0284 -> 0.0259 (7); even at 4 K tiles (5120 x 5120 0.0196 -> 0.0194, at
-# M = 4 0.0192 -> 0.0202), slower at 2 (4096 x 4096 0.0166 -> 0.0183). At one row the entry
-# quantizes the activation itself, one launch where the decode tile needs the operand kernel
-# first: the decode tile took as long at 8 K tiles (8192 x 8192 0.0275 -> 0.0273), longer on
-# 4096 x 14336 (0.0255 -> 0.0262), 16% less time at 32 (8192 x 28672 0.0678 -> 0.0567);
-# examples/benchmarks/RESULTS.md.
+# for weights whose split gives each program enough K tiles (its TMA ring needs a few K tiles to
+# fill and drain, and its split sum costs about 2 us). Whole linear on an H200 from a CUDA graph,
+# M = 16, entry -> decode tile (ms, examples/benchmarks/RESULTS.md): 8192 x 8192 0.0302 ->
+# 0.0257 (8 K tiles per split), 4096 x 28672 0.0489 -> 0.0341 (16), 28672 x 8192 0.0756 ->
+# 0.0552 (28), 14336 x 4096 0.0286 -> 0.0253 (7); 5120 x 5120 0.0198 -> 0.0189 (4), slower at 2
+# (4096 x 4096 0.0169 -> 0.0175).
 DECODE_TILE = replace(DECODE_TILE_IN_TRITON, warp_specialized=True)
-# Launched from the host at every call (eager), the decode tile's launch costs more host time
-# than the entry's (Triton encodes its three TMA descriptors at each launch) and an eager decode
-# step is bound by its host, so eagerly it runs only where its GPU saving outweighs that: from 16
-# K tiles per split (8 Llama-8B-shaped layers decoding eagerly on an H200, ms per step, the decode
-# tile from 6 K tiles -> from 16: 4 tokens 2.19 -> 1.94, 16 tokens 2.66 -> 2.14; RESULTS.md).
-DECODE_TILE_MIN_K_TILES = {1: 16, 4: 16, 16: 16}  # by the largest M of the entry it replaces
-# Replayed from a CUDA graph (a traced graph, or eager calls captured into one) no launch costs
-# host time, and the decode tile runs from 6 K tiles per split, at one row where its programs
-# also fill most SMs (H200, a compiled linear + add from a CUDA graph, M = 1, entry -> decode
-# tile, ms, bench_compiled_decode.py: 8192 x 8192 0.0256 -> 0.0237, 4096 x 14336 0.0252 ->
-# 0.0231, 14336 x 4096 0.0244 -> 0.0235, with 97%, 85% and 97% of the SMs given a program; 4096
-# x 12288, 73%: 0.0224 -> 0.0233, so below 80% it keeps the entry, whose split fills them).
-DECODE_TILE_MIN_K_TILES_IN_GRAPHS = {1: 6, 4: 6, 16: 6}
+DECODE_TILE_BUCKETS = (1, 4, 16)  # the largest M of the entries it may replace
+# Called eagerly, the decode tile's launch costs more host time than an entry's (Triton encodes
+# its three TMA descriptors at each launch) and an eager decode step is bound by its host, so
+# eagerly it runs only where its GPU saving outweighs that: from 16 K tiles per split (H200, 8
+# Llama-8B-shaped layers decoding eagerly, ms per step unfused, from 6 K tiles -> from 16: 4
+# tokens 2.189 -> 1.936, 16 tokens 2.661 -> 2.137; fused siblings 1.991 -> 1.862 at 4 tokens and
+# within the run's noise at 16; bench_eager_decode_tile.py).
+DECODE_TILE_MIN_K_TILES = 16
+# In a graph (traced, usually then replayed from a CUDA graph, or eager calls captured into one)
+# no launch costs host time per call, and the decode tile runs from 6 K tiles per split, at one
+# row where its programs also fill most SMs (H200, a compiled linear + add from a CUDA graph, M =
+# 1, entry -> decode tile, ms, bench_compiled_decode.py: 8192 x 8192 0.0256 -> 0.0237, 4096 x
+# 14336 0.0252 -> 0.0231, 14336 x 4096 0.0244 -> 0.0235, with 97%, 85% and 97% of the SMs given
+# a program; 4096 x 12288, 73%: 0.0224 -> 0.0233, so below 80% it keeps the entry, whose split
+# fills them). From the eager rule's 16 K tiles a graph takes it whatever the fill: the two rules
+# then agree wherever the graphs' rule keeps the entry, as the ops traced inside a graph, which
+# choose by the eager rule, must.
+DECODE_TILE_MIN_K_TILES_IN_GRAPHS = 6
 DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = 0.8
 WIDE_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE)}  # by activation rows
 WIDE_TILE_BUCKETS = (256, 512)  # the largest M of the entries they may replace
@@ -620,7 +621,7 @@ def triton_entries() -> list[tuple[int, GemmConfig]]:
     may serve."""
     entries = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
     wide = [(max_m, tile) for max_m in WIDE_TILE_BUCKETS for tile in (TALL_TILE, SQUARE_TILE)]
-    return entries + [(max(DECODE_TILE_MIN_K_TILES), DECODE_TILE)] + wide
+    return entries + [(max(DECODE_TILE_BUCKETS), DECODE_TILE)] + wide
 
 
 def wide_tile(max_m: Optional[int], N: int, device: torch.device) -> Optional[GemmConfig]:
@@ -641,22 +642,23 @@ def wide_tile(max_m: Optional[int], N: int, device: torch.device) -> Optional[Ge
 def decode_tile(
     max_m: Optional[int], N: int, K: int, device: torch.device, in_graph: bool = False
 ) -> Optional[GemmConfig]:
-    """``DECODE_TILE`` where it replaces the table entry serving up to ``max_m`` rows for an
-    ``[N, K]`` weight: in a bucket of ``DECODE_TILE_MIN_K_TILES`` (in a graph: ``in_graph``, for
-    a traced one, or eager calls while the current CUDA stream is captured into a graph,
-    ``DECODE_TILE_MIN_K_TILES_IN_GRAPHS``), where it runs warp-specialized (in Triton the
-    entries are faster): whole K tiles (the kernel's TMA reads the block scales' rows, K / 16
-    bytes, 16-byte aligned) and a K split that leaves each program the bucket's number of them
-    or more; in a graph at one row, also programs for ``DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS``
-    of the SMs."""
-    if max_m not in DECODE_TILE_MIN_K_TILES or K % DECODE_TILE.block_k or not gemm_warp_specialized.available(device):
+    """``DECODE_TILE`` where it replaces the table entry serving up to ``max_m`` rows (one of
+    ``DECODE_TILE_BUCKETS``) for an ``[N, K]`` weight: where it runs warp-specialized (in Triton
+    the entries are faster), on whole K tiles (the kernel's TMA reads the block scales' rows, K /
+    16 bytes, 16-byte aligned), and where the K split leaves each program
+    ``DECODE_TILE_MIN_K_TILES`` of them or more; in a graph (``in_graph``, for a traced one, or
+    eager calls while the current CUDA stream is captured into a graph) already from
+    ``DECODE_TILE_MIN_K_TILES_IN_GRAPHS``, at one row then only where its programs fill
+    ``DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS`` of the SMs."""
+    if max_m not in DECODE_TILE_BUCKETS or K % DECODE_TILE.block_k or not gemm_warp_specialized.available(device):
         return None
-    in_graph = in_graph or captured_into_a_graph(device)
-    min_k_tiles = (DECODE_TILE_MIN_K_TILES_IN_GRAPHS if in_graph else DECODE_TILE_MIN_K_TILES)[max_m]
     split = split_k_for(DECODE_TILE, N, K, device)
-    if ceil_div(ceil_div(K, DECODE_TILE.block_k), split) < min_k_tiles:
+    k_tiles = ceil_div(ceil_div(K, DECODE_TILE.block_k), split)
+    if k_tiles >= DECODE_TILE_MIN_K_TILES:
+        return DECODE_TILE
+    if k_tiles < DECODE_TILE_MIN_K_TILES_IN_GRAPHS or not (in_graph or captured_into_a_graph(device)):
         return None
-    if in_graph and max_m == 1:
+    if max_m == 1:
         programs = ceil_div(N, gemm_decode_warp_specialized.WEIGHT_ROWS_PER_PROGRAM) * split
         if programs < DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS * _multiprocessor_count(device):
             return None
@@ -665,7 +667,9 @@ def decode_tile(
 
 def captured_into_a_graph(device: torch.device) -> bool:
     """Whether a launch on ``device`` here goes into a CUDA graph being captured rather than to
-    the GPU (eager calls only: while torch traces, the graph's kernels are chosen by ``in_graph``)."""
+    the GPU. False while torch traces: the route then says itself that it builds a graph
+    (``in_graph``), and the ops it traces choose by the eager rule, which ``decode_tile`` keeps
+    within the graphs' rule."""
     return device.type == "cuda" and not traced() and torch.cuda.is_current_stream_capturing()
 
 

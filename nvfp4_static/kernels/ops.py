@@ -377,7 +377,9 @@ def nvfp4_gemm(
 
     ``a`` is ``q * s_b`` (no global scale) in ``activation_operand_dtype(config, out_dtype,
     output_scale, bias)``, in the MMA order where ``gemm.operand_in_mma_order(config)``, for the
-    ``config`` of ``gemm.operand_config(bucket, K)``; ``output_scale``, when given, is
+    ``config`` of ``gemm.operand_config(bucket, K)`` asked in the same state (a call while its
+    stream is captured into a CUDA graph takes the graphs' tiles, so its operand is prepared
+    within the same capture); ``output_scale``, when given, is
     ``act_scale * weight_scale`` (fp32) as a Python float. ``bucket`` is the index of the
     ``GEMM_CONFIGS`` entry to run, by default the one serving M. CUDA only: the torch route of
     the same product is ``backends.cpu``.
