@@ -129,6 +129,9 @@ def build_for_sm90(kernel, values: dict, options: dict, tmp_path, source_class=A
         else:
             signature[param.name] = native_specialize_impl(BaseBackend, value, False, True, True)[0]
     source = source_class(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    # FP fusion as the launches get it from Triton 3.6 on the GPU machines (its default there; later
+    # Triton versions change the default).
+    options = {"enable_fp_fusion": True, **options}
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = compiled.asm["ptx"]
     ptx_path = tmp_path / "gemm.ptx"
