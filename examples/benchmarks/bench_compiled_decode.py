@@ -16,6 +16,7 @@ Usage: python bench_compiled_decode.py [--m 4 16] [--shapes 8192x8192 ...]
 import argparse
 
 import torch
+from bench_decode_tile import tile_name, tiles_taken
 from bench_linear import graph_ms
 from tune_gemm import make_weight
 
@@ -55,11 +56,8 @@ def main():
                 compiled(x, residual)
                 compiled_ms = graph_ms(lambda: compiled(x, residual))
                 eager_ms = graph_ms(lambda: linear_and_add(x, residual))
-            tiles = [
-                gemm.operand_config(gemm.gemm_bucket(M), N, K, device, in_graph=True),
-                gemm.table_config(M, None, N, K, device),
-            ]
-            takes = "/".join("decode" if tile == gemm.DECODE_TILE else "entry" for tile in tiles)
+            tiles = tiles_taken(M, N, K, device)[::-1]  # the graph's, then the eager call's
+            takes = "/".join(tile_name(tile) for tile in tiles)
             splits = "/".join(str(gemm.split_k_for(tile, N, K, device)) for tile in tiles)
             print(f"{K:>6} {N:>6} {M:>3} | {takes:>12} {splits:>5} | {compiled_ms:>8.4f} {eager_ms:>8.4f}")
 

@@ -19,6 +19,7 @@ Usage: python bench_decode_tile.py [--m 1 4 16] [--shapes 8192x8192 ...] [--roun
 
 import argparse
 import statistics
+from unittest import mock
 
 import torch
 from bench_linear import bare_read_ms, graph_ms
@@ -37,30 +38,30 @@ SHAPES = (
 def linear_ms(x, weight, act_scale, min_k_tiles: int) -> float:
     """The whole linear's graph time with the decode tile taken from ``min_k_tiles`` K tiles per
     split, eagerly and in graphs (a CUDA graph being captured takes the graphs' rule)."""
-    rule = {"DECODE_TILE_MIN_K_TILES": min_k_tiles, "DECODE_TILE_MIN_K_TILES_IN_GRAPHS": min_k_tiles}
-    saved = {name: getattr(gemm, name) for name in rule}
-    for name, value in rule.items():
-        setattr(gemm, name, value)
-    try:
-        output_scale = float(act_scale * weight.scale)
+    output_scale = float(act_scale * weight.scale)
+    rule = dict(DECODE_TILE_MIN_K_TILES=min_k_tiles, DECODE_TILE_MIN_K_TILES_IN_GRAPHS=min_k_tiles)
+    with mock.patch.multiple(gemm, **rule):
         return graph_ms(
             lambda: static_nvfp4_linear(
                 x, weight.qdata, weight.block_scales, weight.scale, act_scale, weight.bias, output_scale
             )
         )
-    finally:
-        for name, value in saved.items():
-            setattr(gemm, name, value)
 
 
 def without_overlap(measure):
     """``measure()`` with the operand kernel never letting the kernel after it start early."""
-    overlaps = act_quantize.overlaps_kernels
-    act_quantize.overlaps_kernels = lambda device: False
-    try:
+    with mock.patch.object(act_quantize, "overlaps_kernels", lambda device: False):
         return measure()
-    finally:
-        act_quantize.overlaps_kernels = overlaps
+
+
+def tiles_taken(M: int, N: int, K: int, device: torch.device) -> tuple:
+    """The tiles an eager call and a graph take for ``M`` rows of an ``[N, K]`` weight."""
+    graph = gemm.operand_config(gemm.gemm_bucket(M), N, K, device, in_graph=True)
+    return gemm.table_config(M, None, N, K, device), graph
+
+
+def tile_name(config) -> str:
+    return "decode" if config == DECODE_TILE else "entry"
 
 
 def same_as_the_triton_twin(x, weight, act_scale) -> bool:
@@ -107,13 +108,7 @@ def main():
                 for _ in range(args.rounds)
             ]
             entry, decode, apart = (statistics.median(column) for column in zip(*rounds))
-            takes = [
-                "decode" if config == DECODE_TILE else "entry"
-                for config in (
-                    gemm.table_config(M, None, N, K, device),
-                    gemm.operand_config(gemm.gemm_bucket(M), N, K, device, in_graph=True),
-                )
-            ]
+            takes = [tile_name(config) for config in tiles_taken(M, N, K, device)]
             print(f"{K:>6} {N:>6} {M:>3} | {split:>5} {k_tiles:>7.1f} | {read:>7.4f} {entry:>7.4f} {decode:>7.4f} "
                   f"{apart:>10.4f} | {entry / decode:>12.2f} {'/'.join(takes):>13}")
 

@@ -15,6 +15,7 @@ The table's own threshold is the default's second value.
 import argparse
 import copy
 import statistics
+from unittest import mock
 
 import torch
 from bench_decode import DIM, converted, ms_per_step, stack
@@ -27,15 +28,10 @@ def recorded(model: torch.nn.Module, token: torch.Tensor, min_k_tiles: int) -> t
     """A copy of ``model`` whose eager launches were recorded with the decode tile taken eagerly
     from ``min_k_tiles`` K tiles per split (a copy records anew; replays keep what was recorded)."""
     copied = copy.deepcopy(model)
-    table = gemm.DECODE_TILE_MIN_K_TILES
-    gemm.DECODE_TILE_MIN_K_TILES = min_k_tiles
-    try:
-        with torch.no_grad():
-            for _ in range(3):
-                copied(token)
-        torch.cuda.synchronize()
-    finally:
-        gemm.DECODE_TILE_MIN_K_TILES = table
+    with mock.patch.object(gemm, "DECODE_TILE_MIN_K_TILES", min_k_tiles), torch.no_grad():
+        for _ in range(3):
+            copied(token)
+    torch.cuda.synchronize()
     return copied
 
 
