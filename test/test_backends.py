@@ -15,6 +15,7 @@ from torchao.prototype.mx_formats.utils import from_blocked
 
 from nvfp4_static.backends import BACKENDS, blackwell, cpu, linear_function
 from nvfp4_static.backends import triton_route as triton_backend
+from nvfp4_static.kernels import gemm
 from nvfp4_static.kernels.gemm import GEMM_CONFIGS, gemm_bucket
 from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
 
@@ -218,10 +219,13 @@ def test_traced_linear_picks_the_tables_bucket_for_every_m_from_one_graph(monkey
 
 @requires_cuda
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_gpu_compiled_fullgraph_one_graph_for_every_m(with_bias):
+def test_gpu_compiled_fullgraph_one_graph_for_every_m(with_bias, monkeypatch):
     """A graph compiled for a dynamic M holds every tile bucket behind a cond: M from 2 to
-    prefill sizes runs without recompiling, each M with the same kernels as the eager call.
-    M = 1 is left out: dynamo specialises sizes 0 and 1 (their own graph) whatever we do."""
+    prefill sizes runs without recompiling, each M with the same kernels as the eager call on
+    the table's entries (eager calls of 2-16 rows, bound by their host, otherwise take other
+    tiles: ``gemm.quantizes_eagerly``). M = 1 is left out: dynamo specialises sizes 0 and 1
+    (their own graph) whatever we do."""
+    monkeypatch.setattr(gemm, "EAGER_QUANTIZING_MAX_ROWS", 1)
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()

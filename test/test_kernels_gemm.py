@@ -26,6 +26,7 @@ from nvfp4_static.kernels.gemm import (
     GemmConfig,
     activation_operand_dtype,
     config_for_width,
+    eager_quantizing_tiles,
     fuses_epilogue_into_cublas,
     gemm_bucket,
     gemm_config,
@@ -36,10 +37,11 @@ from nvfp4_static.kernels.gemm import (
     quantizes_activation_in_gemm,
     split_k_for,
     table_config,
+    taking_operand,
     tile_counts,
     triton_entries,
 )
-from nvfp4_static.kernels.launch import ceil_div
+from nvfp4_static.kernels.launch import ceil_div, recording_launches
 from nvfp4_static.kernels.ops import deinterleave_blocks, gemm_activation_operand, nvfp4_gemm, quantizing_nvfp4_gemm
 from nvfp4_static.numerics import dequantize_nvfp4
 
@@ -625,6 +627,51 @@ def test_gpu_quantizing_gemm_equals_the_two_kernel_route_bit_for_bit(dtype, with
     assert torch.equal(fused, two_kernels)
     reference = reference_gemm(gemm_activation_operand(x, act_scale), weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
     assert relative_error(fused, reference) <= gpu_tolerance(K, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "M,N,K,rows", [(2, 1024, 4096, 2), (3, 4096, 4096, 4), (5, 96, 48, 8), (8, 8192, 8192, 8), (16, 4096, 14336, 16)],
+    ids=str,
+)
+def test_gpu_eager_linear_of_2_to_16_rows_is_one_launch_quantizing_its_rows(M, N, K, rows, dtype):
+    """Called eagerly at 2-16 rows of a bf16 or fp16 activation the route makes one launch, the
+    one-row entry's tiles quantizing M rounded up to a power of 2 rows (a split K summed in it, a
+    K shorter than one tile): the operand kernel + GEMM's output with those tiles bit for bit, and
+    within the GEMM's tolerance of the fp64 product."""
+    from nvfp4_static.backends.triton_route import static_nvfp4_linear
+
+    x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias = raw_gemm_operands(M, N, K, seed=M, device="cuda")
+    x = x.to(dtype)
+    with recording_launches() as launches:
+        out = static_nvfp4_linear(x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias)
+    assert [call.meta["QUANTIZE_ROWS"] for call in launches] == [rows]
+    operand = gemm_activation_operand(x, act_scale)
+    two_kernels = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+    config = taking_operand(eager_quantizing_tiles(M))
+    launch_nvfp4_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, two_kernels, config)
+    assert torch.equal(out, two_kernels)
+    reference = reference_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
+    assert relative_error(out, reference) <= gpu_tolerance(K, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("M,N,K", [(2, 1024, 4096), (16, 4096, 14336)], ids=str)
+def test_gpu_eager_linear_of_fp32_rows_runs_the_operand_kernel_then_the_entry(M, N, K):
+    """fp32 activations at 2-16 rows keep the operand kernel and the table's entry (two
+    launches), whose output the entry given the operand gives bit for bit."""
+    from nvfp4_static.backends.triton_route import static_nvfp4_linear
+
+    x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias = raw_gemm_operands(M, N, K, seed=M, device="cuda")
+    with recording_launches() as launches:
+        out = static_nvfp4_linear(x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias)
+    assert len(launches) == 2 and launches[1].meta["QUANTIZE_ROWS"] == 0
+    config = gemm_config(M)
+    operand = gemm_activation_operand(x, act_scale, mma_order=operand_in_mma_order(config_for_width(config, K)))
+    entry = torch.full((M, N), float("nan"), dtype=torch.float32, device="cuda")
+    launch_nvfp4_gemm(operand, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, entry, config)
+    assert torch.equal(out, entry)
 
 
 @requires_cuda

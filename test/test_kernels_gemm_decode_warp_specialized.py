@@ -27,14 +27,17 @@ from nvfp4_static.kernels.act_quantize import launch_activation_quantize
 from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
     DECODE_TILE_IN_TRITON,
+    CublasAfterDequantize,
     activation_operand_dtype,
     config_for_width,
+    eager_quantizing_tiles,
     gemm_bucket,
     gemm_config,
     launch_nvfp4_gemm,
     operand_config,
     operand_in_mma_order,
     quantizes_activation_in_gemm,
+    quantizes_eagerly,
     table_config,
 )
 from nvfp4_static.kernels.launch import KernelCall
@@ -145,6 +148,43 @@ def test_eagerly_the_decode_tile_serves_up_to_16_rows_where_each_split_has_16_k_
     assert table_config(16, None, 28672, 8448 + 32, CUDA) == config_for_width(gemm_config(16), 8480)  # not whole K tiles
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: False)
     assert table_config(16, None, 28672, 8192, CUDA) == gemm_config(16)
+
+
+def test_eager_calls_of_2_to_16_rows_quantize_in_the_gemm_where_an_entry_would_take_the_operand(monkeypatch):
+    """Eagerly, where the table's entry would run after the operand kernel (2-16 rows of a bf16 or
+    fp16 activation, the decode tile not taken), a call quantizes its rows in the GEMM with the
+    one-row entry's tiles, M rounded up to a power of 2 rows: one launch. Not at one row (its
+    entry quantizes already), not from 17 rows, not for fp32 activations, not where eager calls
+    take the decode tile ((28672, 8192): 32 K tiles), not while traced nor while captured into a
+    CUDA graph (there GPU time decides)."""
+    stand_in_hopper(monkeypatch)
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+    def quantizes(M, N, K, dtype=bf16):
+        return quantizes_eagerly(M, dtype, operand_config(gemm_bucket(M), N, K, CUDA), CUDA)
+
+    for M, rows in ((2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (16, 16)):
+        assert eager_quantizing_tiles(M) == replace(gemm_config(1), activation_rows=rows), M
+        for N, K in ((4096, 4096), (8192, 8192), (4096, 14336), (12288, 4096), (1024, 2048), (96, 48)):
+            assert quantizes(M, N, K) and quantizes(M, N, K, fp16), (M, N, K)
+            assert not quantizes(M, N, K, fp32), (M, N, K)
+    assert not quantizes(1, 4096, 4096)
+    for M in (17, 32, 600):
+        assert not quantizes(M, 4096, 4096), M
+    assert not quantizes_eagerly(16, bf16, CublasAfterDequantize(), CUDA)
+    for M in (2, 16):
+        assert operand_config(gemm_bucket(M), 28672, 8192, CUDA) == DECODE_TILE and not quantizes(M, 28672, 8192)
+        with PassThrough():
+            assert not quantizes_eagerly(M, bf16, gemm_config(M), CUDA)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for M in (2, 4, 16):
+        assert not quantizes_eagerly(M, bf16, gemm_config(M), CUDA)
+
+
+@pytest.mark.parametrize("M", [0, 17, 64, -1])
+def test_the_gemm_quantizes_1_to_16_rows_itself_and_refuses_more(M):
+    with pytest.raises(ValueError, match=f"1 to 16 activation rows itself, got M = {M}"):
+        eager_quantizing_tiles(M)
 
 
 @pytest.mark.parametrize("graph", ["traced", "captured"])

@@ -16,6 +16,7 @@ from torchao.utils import unwrap_tensor_subclass
 
 import nvfp4_static.tensor
 from nvfp4_static import NVFP4StaticLinear, sibling_gemm_backend
+from nvfp4_static.kernels import gemm
 from test_sibling_linears import CHANGES, QKV, biased_llama, fused_copy, members, negated, other_llama, unfused_copy
 
 HIDDEN = 64
@@ -433,9 +434,11 @@ def test_a_mode_given_to_torch_compile_that_cannot_apply_is_refused(reference, g
 @requires_cuda
 @pytest.mark.parametrize("tokens", [1, 16, 300])
 @pytest.mark.parametrize("unwrap", [False, True], ids=["subclass weights", "unwrapped weights"])
-def test_gpu_compiled_group_equals_the_eager_groups_gemm(tokens, unwrap):
-    """On the GPU the merged graph runs the group's GEMM as the eager group does, bit for bit
-    (a traced GEMM sums its K splits in the eager kernel's order)."""
+def test_gpu_compiled_group_equals_the_eager_groups_gemm(tokens, unwrap, monkeypatch):
+    """On the GPU the merged graph runs the group's GEMM as the eager group does on the table's
+    entries, bit for bit (a traced GEMM sums its K splits in the eager kernel's order; eager
+    calls of 2-16 rows otherwise quantize in the GEMM with other tiles, ``gemm.quantizes_eagerly``)."""
+    monkeypatch.setattr(gemm, "EAGER_QUANTIZING_MAX_ROWS", 1)
     reference = converted_llama(torch.bfloat16).cuda()
     fused = fused_copy(reference)
     module = Projections(fused, lambda x: None)

@@ -17,7 +17,7 @@ from torchao.utils import unwrap_tensor_subclass
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches, ReplayedLinear
-from nvfp4_static.kernels import gemm_decode_warp_specialized, gemm_warp_specialized
+from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized
 from nvfp4_static.kernels.gemm import DECODE_TILE, GEMM_CONFIGS, SQUARE_TILE, TALL_TILE, table_config
 from nvfp4_static.kernels.launch import KernelCall, recording_launches
 from nvfp4_static.linear import NVFP4StaticLinear
@@ -239,9 +239,11 @@ def test_gpu_replayed_forward_equals_the_route_at_every_bucket(dtype, with_bias)
 
 
 @requires_cuda
-def test_gpu_replay_follows_new_weights_streams_and_falls_back_on_odd_activations():
+def test_gpu_replay_follows_new_weights_streams_and_falls_back_on_odd_activations(monkeypatch):
     """A weight loaded in place (same tensors, new values), a new weight assigned, another
-    stream, a strided or misaligned activation, and a dispatch mode (which must see the ops)."""
+    stream, a strided or misaligned activation, and a dispatch mode (which must see the ops, and
+    under which the route runs as traced: the table's entry after the operand kernel, not the
+    one launch of an eager call of 4 rows)."""
     layer, other = _layer(512, 1024, torch.bfloat16, "cuda"), _layer(512, 1024, torch.bfloat16, "cuda", seed=1)
     x = _activation((4, 1024), torch.bfloat16, seed=0)
 
@@ -277,6 +279,7 @@ def test_gpu_replay_follows_new_weights_streams_and_falls_back_on_odd_activation
 
         with OpNames() as mode:
             out = layer(x)
+        monkeypatch.setattr(gemm, "EAGER_QUANTIZING_MAX_ROWS", 1)
         assert torch.equal(out, expected(x))
         assert any("nvfp4_static" in name for name in mode.names), mode.names
 

@@ -6,7 +6,8 @@ the GEMM reads the packed weight, dequantizes it and applies both global scales 
 its epilogue (the op ``nvfp4_gemm``, kernel in ``kernels.gemm``;
 at large M cuBLAS does the product, with the epilogue fused where ``output_scale`` is known:
 eagerly, never in a traced graph).
-At the smallest decode sizes the GEMM quantizes the activation itself: one launch. Traced, where
+At the smallest decode sizes the GEMM quantizes the activation itself: one launch (at one row
+always; at 2-16 rows on eager calls, whose time is their host's, ``gemm.quantizes_eagerly``). Traced, where
 the table runs the Hopper decode tile, the two steps are one op (``decode_linear_partial_products``)
 that launches the GEMM to overlap the quantize kernel, as the eager route does.
 Numerically this is ``backends.cpu`` up to the order of fp32 sums.
@@ -35,6 +36,7 @@ from nvfp4_static.kernels.gemm import (
     operand_config,
     operand_in_mma_order,
     quantizes_activation_in_gemm,
+    quantizes_eagerly,
     split_k_for,
 )
 from nvfp4_static.kernels.ops import (
@@ -85,7 +87,7 @@ def _linear_in_bucket(
     x = x.reshape(-1, x.shape[-1])
     traced = not runs_eagerly(x)
     config = operand_config(bucket, weight_qdata.shape[-2], 2 * weight_qdata.shape[-1], x.device, traced)
-    if quantizes_activation_in_gemm(config):
+    if quantizes_activation_in_gemm(config) or (not traced and quantizes_eagerly(x.shape[0], x.dtype, config, x.device)):
         out = quantizing_nvfp4_gemm(
             x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, bucket
         )

@@ -28,7 +28,9 @@ traced weight has no host copy (a graph must read the scales from their tensors,
 loaded in place may change them), so a compiled graph takes the fp32 product and scales it in
 torch ops that Inductor fuses into the output's reader. At M = 1 the kernel takes the raw
 activation instead and quantizes it in its K loop (``GemmConfig.activation_rows``) with
-``act_quantize``'s arithmetic, so no operand kernel runs before it.
+``act_quantize``'s arithmetic, so no operand kernel runs before it; eager calls of 2-16 rows do
+the same with that entry's tiles (``eager_quantizing_tiles``), where the table's entries, faster
+on the GPU, take the operand kernel first.
 
 On Hopper the tall and square tiles (``TALL_TILE``, ``SQUARE_TILE``) run as
 ``gemm_warp_specialized``'s Gluon kernel, and the decode tile (``DECODE_TILE``, 1-16 rows) as
@@ -50,7 +52,7 @@ import triton.language as tl
 from nvfp4_static.kernels import gemm_decode_warp_specialized, gemm_warp_specialized
 from nvfp4_static.kernels.act_quantize import MMA_GROUP, quantize_to_operand_halves
 from nvfp4_static.kernels.e2m1_ptx import E2M1_BYTES_TO_FP16_PTX
-from nvfp4_static.kernels.launch import KernelCall, ceil_div, runs_eagerly, traced
+from nvfp4_static.kernels.launch import KernelCall, ceil_div, next_power_of_2, runs_eagerly, traced
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 _E2M1_BYTES_TO_FP16_PTX = tl.constexpr(E2M1_BYTES_TO_FP16_PTX)
@@ -570,9 +572,9 @@ DECODE_TILE_BUCKETS = (1, 4, 16)  # the largest M of the entries it may replace
 # Called eagerly, the decode tile's launch costs more host time than an entry's (Triton encodes
 # its three TMA descriptors at each launch) and an eager decode step is bound by its host, so
 # eagerly it runs only where its GPU saving outweighs that: from 16 K tiles per split (H200, 8
-# Llama-8B-shaped layers decoding eagerly, ms per step unfused, from 6 K tiles -> from 16: 4
-# tokens 2.189 -> 1.936, 16 tokens 2.661 -> 2.137; fused siblings 1.991 -> 1.862 at 4 tokens and
-# within the run's noise at 16; bench_eager_decode_tile.py).
+# Llama-8B-shaped layers decoding eagerly, ms per step, from 6 K tiles -> from 16: 2 tokens
+# 3.235 -> 2.595, 4 tokens 2.641 -> 2.072, 16 tokens 3.079 -> 2.513; fused siblings 3.409 ->
+# 2.930, 2.545 -> 2.261, 3.431 -> 2.943; bench_eager_decode_rules.py).
 DECODE_TILE_MIN_K_TILES = 16
 # In a graph (traced, usually then replayed from a CUDA graph, or eager calls captured into one)
 # no launch costs host time per call, and the decode tile runs from 6 K tiles per split, at one
@@ -585,6 +587,15 @@ DECODE_TILE_MIN_K_TILES = 16
 # choose by the eager rule, must.
 DECODE_TILE_MIN_K_TILES_IN_GRAPHS = 6
 DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = 0.8
+# Eager calls of 2-16 rows are bound by their host, where each replayed launch is most of a
+# linear's host time: where the table's entry would run after the operand kernel (two launches),
+# they take the one-row entry's tiles quantizing their rows in the GEMM (one launch; M rounded
+# up to a power of 2 rows, ``eager_quantizing_tiles``), for a little more GPU time. H200, 8
+# Llama-8B-shaped layers called eagerly, ms per step, two launches -> one (bf16 activations,
+# bench_eager_decode_rules.py): 2 tokens 3.293 -> 2.595, 4 tokens 2.584 -> 2.072, 8 3.689 ->
+# 2.967, 16 3.095 -> 2.513 (bf16 2.994, 2.361, 3.219, 2.809); the same steps' GPU time 1.083 ->
+# 1.017, 1.098 -> 1.129, 1.134 -> 1.291, 1.123 -> 1.216. Graphs keep the table's entries.
+EAGER_QUANTIZING_MAX_ROWS = 16
 WIDE_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE)}  # by activation rows
 WIDE_TILE_BUCKETS = (256, 512)  # the largest M of the entries they may replace
 WIDE_TILE_SM_FILL = 0.75
@@ -671,6 +682,37 @@ def captured_into_a_graph(device: torch.device) -> bool:
     (``in_graph``), and the ops it traces choose by the eager rule, which ``decode_tile`` keeps
     within the graphs' rule."""
     return device.type == "cuda" and not traced() and torch.cuda.is_current_stream_capturing()
+
+
+def eager_quantizing_tiles(M: int) -> GemmConfig:
+    """The tiles an eager call of ``M`` rows (2 to ``EAGER_QUANTIZING_MAX_ROWS``) takes to quantize
+    its activation in the GEMM: the one-row entry's, quantizing ``M`` rounded up to a power of 2."""
+    if not 0 < M <= EAGER_QUANTIZING_MAX_ROWS:
+        raise ValueError(
+            f"nvfp4_static: a GEMM quantizes 1 to {EAGER_QUANTIZING_MAX_ROWS} activation rows itself, got M = {M}"
+        )
+    return replace(GEMM_CONFIGS[0][1], activation_rows=next_power_of_2(M))
+
+
+def quantizes_eagerly(
+    M: int, dtype: torch.dtype, config: Union[GemmConfig, CublasAfterDequantize], device: torch.device
+) -> bool:
+    """Whether a call of ``M`` rows of a ``dtype`` activation that the table serves with ``config``
+    (``operand_config``'s) takes ``eager_quantizing_tiles(M)`` instead: eagerly (neither traced nor
+    captured into a CUDA graph) at 2 to ``EAGER_QUANTIZING_MAX_ROWS`` rows of bf16 or fp16, where
+    ``config`` is a Triton entry taking the operand kernel's output (not the decode tile, whose GPU
+    time saving outweighs its host cost where eager calls take it). fp32 activations keep the two
+    launches: with these tiles their rows quantized in the GEMM were not shown to equal the
+    operand kernel's on a GPU."""
+    return (
+        1 < M <= EAGER_QUANTIZING_MAX_ROWS
+        and dtype in (torch.bfloat16, torch.float16)
+        and isinstance(config, GemmConfig)
+        and not config.activation_rows
+        and not config.warp_specialized
+        and not traced()
+        and not captured_into_a_graph(device)
+    )
 
 
 def operand_config(

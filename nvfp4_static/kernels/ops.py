@@ -86,9 +86,11 @@ if HAS_TRITON:
         check_operands,
         config_for_width,
         cublas_with_fused_epilogue,
+        eager_quantizing_tiles,
         fuses_epilogue_into_cublas,
         launch_nvfp4_gemm,
         launch_tiles,
+        quantizes_activation_in_gemm,
         table_config,
         taking_operand,
     )
@@ -106,6 +108,7 @@ else:
     launch_nvfp4_gemm = _without_triton("the NVFP4 GEMM on a CUDA tensor")
     check_operands = cublas_with_fused_epilogue = fuses_epilogue_into_cublas = launch_nvfp4_gemm
     table_config = taking_operand = config_for_width = launch_tiles = launch_nvfp4_gemm
+    quantizes_activation_in_gemm = eager_quantizing_tiles = launch_nvfp4_gemm
     DECODE_TILE = None
     WIDE_TILES = {}
     launch_grouped_nvfp4_gemm = _without_triton("the grouped NVFP4 GEMM of experts on a CUDA tensor")
@@ -415,20 +418,17 @@ def quantizing_nvfp4_gemm(
 ) -> torch.Tensor:
     """The static NVFP4 linear of a raw activation ``x [M, K]`` (bf16, fp16 or fp32) in the GEMM
     itself: quantized under ``act_per_tensor_scale`` in the kernel's K loop (the same values as
-    ``gemm_activation_operand``), then as ``nvfp4_gemm``; ``[M, N]`` in ``x``'s dtype. CUDA only,
-    and only with a table entry (``bucket``, by default the one serving M) that
-    ``gemm.quantizes_activation_in_gemm`` (the launcher refuses others)."""
+    ``gemm_activation_operand``), then as ``nvfp4_gemm``; ``[M, N]`` in ``x``'s dtype. CUDA only.
+    The tiles are the table entry's (``bucket``, by default the one serving M) where it
+    ``gemm.quantizes_activation_in_gemm``, else ``gemm.eager_quantizing_tiles(M)`` (M at most
+    ``gemm.EAGER_QUANTIZING_MAX_ROWS``)."""
     _require_cuda(x, "quantizing_nvfp4_gemm")
+    config = table_config(x.shape[0], bucket, weight_qdata.shape[0], 2 * weight_qdata.shape[1], x.device)
+    if not quantizes_activation_in_gemm(config):
+        config = eager_quantizing_tiles(x.shape[0])
     out = torch.empty((x.shape[0], weight_qdata.shape[0]), dtype=x.dtype, device=x.device)
     launch_nvfp4_gemm(
-        x,
-        weight_qdata,
-        weight_block_scales,
-        act_per_tensor_scale,
-        weight_per_tensor_scale,
-        bias,
-        out,
-        table_config(x.shape[0], bucket, weight_qdata.shape[0], 2 * weight_qdata.shape[1], x.device),
+        x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out, config,
         raw_activation=True,
     )
     return out
