@@ -152,11 +152,11 @@ def test_blackwell_route_with_emulated_scaled_mm_matches_cpu_backend(monkeypatch
 
 
 @requires_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize(
     "M,N,K",
-    [(1, 4096, 4096), (1, 96, 16), (13, 8192, 8192), (77, 1024, 4096), (1000, 4096, 4096), (3, 48, 16)],
+    [(1, 4096, 4096), (1, 96, 16), (13, 8192, 8192), (77, 1024, 4096), (1000, 4096, 4096), (3, 48, 16), (4, 4096, 4096)],
     ids=str,
 )
 def test_gpu_triton_backend_matches_cpu_backend(dtype, with_bias, M, N, K):
