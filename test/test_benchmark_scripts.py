@@ -35,3 +35,15 @@ def test_a_benchmark_script_imports_and_answers_help_without_a_gpu(script, bench
     usage = capsys.readouterr().out
     assert usage.startswith(f"usage: {script}.py")
     assert module.__doc__.split()[0] in usage  # the description is the script's docstring
+
+
+def test_the_eager_rules_benchmark_patches_constants_the_table_has(benchmarks_on_path):
+    """Its rules are patches of ``kernels.gemm``'s constants; a renamed constant would only fail
+    on a GPU, where ``mock.patch.object`` meets it. Each rule also changes what it names."""
+    from nvfp4_static.kernels import gemm
+
+    rules = importlib.import_module("bench_eager_decode_rules").RULES
+    assert rules["table"] == {}
+    for rule, patches in rules.items():
+        for name, value in patches.items():
+            assert getattr(gemm, name) != value, (rule, name)
