@@ -94,22 +94,27 @@ needs_gluon_hopper = pytest.mark.skipif(
 
 
 @needs_gluon_hopper
-@pytest.mark.parametrize("tokens", gemm_warp_specialized.TOKENS_PER_TILE, ids=str)
-def test_sm90a_build_keeps_three_warpgroups_without_spills(tokens, tmp_path):
+@pytest.mark.parametrize(
+    "M,tile,tokens,wgmma_tokens",
+    [(512, 256, 256, [256]), (384, 256, 192, [64, 128]), (512, 128, 128, [128])],
+    ids=["tall", "short-tall", "square"],
+)
+def test_sm90a_build_keeps_three_warpgroups_without_spills(M, tile, tokens, wgmma_tokens, tmp_path):
     """What the GPU tests cannot show on a machine without one: ptxas builds the kernel for
     sm_90a with a producer and two consumer warpgroups (setmaxnreg to the consumers' registers),
-    the weight as the wgmma's register operand (m64 by the tile's activation rows), nothing
-    spilled to local memory, and its stages within one SM's shared memory."""
+    the weight as the wgmma's register operand (m64 by the program's activation rows: 192 as
+    128 + 64), nothing spilled to local memory, and its stages within one SM's shared memory."""
     from test_gemm_hopper_code import build_for_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    M, N, K = 512, 4096, 4096
+    N, K = 4096, 4096
     a = torch.zeros(M, K, dtype=torch.float16)
     qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
     scale = torch.ones(1)
     out = torch.empty(M, N, dtype=torch.bfloat16)
     bias = torch.zeros(N, dtype=torch.bfloat16)
-    _, args, meta = gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, bias, out, tokens)
+    grid, args, meta = gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, bias, out, tile)
+    assert meta["BLOCK_M"] == tokens and grid[0] == -(-M // tokens) * (N // gemm_warp_specialized.WEIGHT_ROWS_PER_TILE)
     kernel = gemm_warp_specialized._warp_specialized_gemm_kernel
     values = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
     options = {k: v for k, v in meta.items() if k not in kernel.arg_names}
@@ -118,13 +123,23 @@ def test_sm90a_build_keeps_three_warpgroups_without_spills(tokens, tmp_path):
     assert build.num_warps == 12
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{gemm_warp_specialized.CONSUMER_REGISTERS};" in ptx
     # Register A operand: a brace list of registers before the descriptor of B.
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.f16\.f16 \{{[^}}]*\}}, \{{%r", ptx)
+    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.f16\.f16 (\S)", ptx)
+    assert sorted({int(n) for n, _ in wgmmas}) == wgmma_tokens and {a for _, a in wgmmas} == {"{"}
     assert "C7515" not in report, report
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "spill" not in report or re.search(r" 0 bytes spill stores", report), report
     block_k = gemm_warp_specialized.BLOCK_K
     stage_bytes = tokens * block_k * 2 + gemm_warp_specialized.WEIGHT_ROWS_PER_TILE * block_k // 2  # fp16, packed
     assert gemm_warp_specialized.STAGES[tokens] * stage_bytes <= build.shared_bytes <= H100_SHARED_BYTES_PER_BLOCK
+
+
+@pytest.mark.parametrize(
+    "M,tile,tokens",
+    [(1, 256, 192), (192, 256, 192), (193, 256, 256), (256, 256, 256), (257, 256, 192), (384, 256, 192),
+     (385, 256, 256), (512, 256, 256), (700, 256, 256), (1, 128, 128), (300, 128, 128), (512, 128, 128)],
+)
+def test_tall_tiles_take_192_rows_per_program_where_the_programs_stay_as_many(M, tile, tokens):
+    assert gemm_warp_specialized.tokens_per_program(M, tile) == tokens
 
 
 @needs_gluon_hopper
@@ -167,13 +182,16 @@ class CountingLaunches:
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize(
     "M,N,K",
-    [(512, 8192, 8192), (300, 14336, 4096), (257, 4160, 4128), (1, 96, 32), (700, 200, 14336)],
+    [(512, 8192, 8192), (300, 14336, 4096), (257, 4160, 4128), (1, 96, 32), (700, 200, 14336), (384, 8192, 4096),
+     (150, 2048, 1024)],
     ids=str,
 )
 @pytest.mark.parametrize("tile", [TALL_TILE, SQUARE_TILE], ids=["tall", "square"])
 def test_gpu_warp_specialized_equals_the_triton_tile_bit_for_bit(tile, dtype, with_bias, M, N, K, monkeypatch):
     """Row, column and K edges (M, N and K not multiples of the tile; one row; fewer weight rows
-    than one tile's, so one consumer's rows are partly outside the weight): the same output as the Triton kernel of the same tile, bit for bit,
+    than one tile's, so one consumer's rows are partly outside the weight), and the tall tile's
+    programs of 192 rows (M = 1, 150, 257, 300, 384: both of their wgmmas' tokens full, partly
+    or wholly past M): the same output as the Triton kernel of the same tile, bit for bit,
     within the fp64 reference's bound."""
     operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=tile)
     weight[-1] = weight[-1] if with_bias else None

@@ -4,7 +4,9 @@ For each weight shape and M, GPU times from CUDA graphs (ms): bf16 ``F.linear``;
 route for M (``static_nvfp4_linear``); and the activation operand kernel followed by one GEMM:
 the bucket's own table entry (``gemm.gemm_config(M)``), the tall 256 x 128 tile in Triton
 (``gemm.TALL_TILE_IN_TRITON``), and the tall and square (128 x 128) tiles warp-specialized
-(``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``). Each warp-specialized output is checked equal to its
+(``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``); the tall one as the table runs it (192 rows per
+program where that leaves the programs as many, ``gemm_warp_specialized.tokens_per_program``)
+and with 256 rows per program at every M. Each warp-specialized output is checked equal to its
 Triton twin's, bit for bit, before it is timed. The table takes a wide tile where its programs
 fill most SMs (``gemm.wide_tile``); the last column names the one it takes, if any.
 
@@ -13,6 +15,7 @@ Usage: python bench_warp_specialized.py [--m 129 200 256 384 512 1024] [--shapes
 
 import argparse
 from dataclasses import replace
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +23,7 @@ from bench_linear import graph_ms
 from tune_gemm import make_weight
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
-from nvfp4_static.kernels import gemm, gemm_activation_operand
+from nvfp4_static.kernels import gemm, gemm_activation_operand, gemm_warp_specialized
 from nvfp4_static.kernels.gemm import SQUARE_TILE, TALL_TILE, TALL_TILE_IN_TRITON
 
 
@@ -36,6 +39,16 @@ def operand_then_gemm(x, weight, act_scale, config):
     return run
 
 
+def with_256_rows_per_program(route):
+    """``route`` with the tall tile's programs taking 256 rows at every M."""
+
+    def run():
+        with mock.patch.object(gemm_warp_specialized, "tokens_per_program", lambda M, tokens_per_tile: tokens_per_tile):
+            return route()
+
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[129, 200, 256, 384, 512, 1024])
@@ -46,7 +59,10 @@ def main():
     if not gemm.gemm_warp_specialized.available(device):
         raise SystemExit("bench_warp_specialized: needs a Hopper GPU and a Triton with Gluon's Hopper API")
     print(f"device: {torch.cuda.get_device_name()}")
-    print("     K      N     M |   bf16  table  entry tall-triton tall-ws square-ws | bf16 / table  entry tall-ws square-ws | table takes")
+    print(
+        "     K      N     M |   bf16  table  entry tall-triton tall-ws tall-ws-256 square-ws "
+        "| bf16 / table  entry tall-ws square-ws | table takes"
+    )
     for shape in args.shapes:
         K, N = (int(side) for side in shape.split("x"))
         weight = make_weight(K, N)
@@ -60,12 +76,14 @@ def main():
                 "entry": operand_then_gemm(x, weight, act_scale, entry) if isinstance(entry, gemm.GemmConfig) else None,
                 "tall-triton": operand_then_gemm(x, weight, act_scale, TALL_TILE_IN_TRITON),
                 "tall-ws": operand_then_gemm(x, weight, act_scale, TALL_TILE),
+                "tall-ws-256": with_256_rows_per_program(operand_then_gemm(x, weight, act_scale, TALL_TILE)),
                 "square-ws": operand_then_gemm(x, weight, act_scale, SQUARE_TILE),
             }
-            for tile in (TALL_TILE, SQUARE_TILE):
+            checked = {"tall-ws": TALL_TILE, "tall-ws-256": TALL_TILE, "square-ws": SQUARE_TILE}
+            for name, tile in checked.items():
                 twin = operand_then_gemm(x, weight, act_scale, replace(tile, warp_specialized=False))
-                if not torch.equal(twin(), operand_then_gemm(x, weight, act_scale, tile)()):
-                    raise SystemExit(f"bench_warp_specialized: {tile} differs from its Triton twin at {K} x {N}, M = {M}")
+                if not torch.equal(twin(), routes[name]()):
+                    raise SystemExit(f"bench_warp_specialized: {name} differs from its Triton twin at {K} x {N}, M = {M}")
             ms = {"bf16": graph_ms(lambda: F.linear(x, weight.bf16, weight.bias))}
             ms["table"] = graph_ms(
                 lambda: static_nvfp4_linear(
@@ -78,7 +96,7 @@ def main():
             ratios = " ".join(f"{ms['bf16'] / ms[name]:.2f}" for name in ("table", "entry", "tall-ws", "square-ws"))
             print(
                 f"{K:6d} {N:6d} {M:5d} | {ms['bf16']:.4f} {ms['table']:.4f} {ms['entry']:.4f} {ms['tall-triton']:.4f} "
-                f"{ms['tall-ws']:.4f} {ms['square-ws']:.4f} | {ratios} | {takes}",
+                f"{ms['tall-ws']:.4f} {ms['tall-ws-256']:.4f} {ms['square-ws']:.4f} | {ratios} | {takes}",
                 flush=True,
             )
 

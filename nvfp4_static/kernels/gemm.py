@@ -549,7 +549,11 @@ GEMM_CONFIGS = (
 # 256 0.81 -> 0.98x, 512 0.69 -> 0.83x, M = 384 0.68 -> 0.61x (1.7 waves of half-empty row tiles).
 # On Hopper it runs warp-specialized (gemm_warp_specialized; the same output): GPU time at
 # M = 512 on an H200, 8192 x 8192 0.1141 -> 0.1012 ms (bf16 0.0957), 4096 x 14336 0.1149 ->
-# 0.1049 (bf16 0.0935); examples/benchmarks/RESULTS.md.
+# 0.1049 (bf16 0.0935); examples/benchmarks/RESULTS.md. There its programs take 192 rows where
+# that leaves them as many (M = 1-192 and 257-384; ``gemm_warp_specialized.tokens_per_program``):
+# operand kernel and GEMM, ms on an H200, 256 -> 192 rows per program, 8192 x 8192 at M = 300 /
+# 384 0.1346 / 0.1023 -> 0.0834 / 0.0844, 4096 x 14336 at M = 129 / 384 0.0708 / 0.1044 -> 0.0499
+# / 0.0889 (bench_warp_specialized.py).
 # Where the tall programs fill fewer SMs, the square tile (128 activation rows) takes their place
 # if its programs fill them, warp-specialized only (in Triton it is slower than the entries).
 # Operand kernel and GEMM, ms on an H200 (bench_warp_specialized.py), entry -> square: 8192 x 8192

@@ -1,7 +1,8 @@
 """The NVFP4 GEMM's 256 x 128 and 128 x 128 tiles on Hopper, warp-specialized, in Gluon.
 
 ``gemm.TALL_TILE``'s product (256 activation rows by 128 weight rows, 128-wide K tiles in the MMA
-order, ``W @ A^T`` with the dequantized weight as the wgmma's register operand), or
+order, ``W @ A^T`` with the dequantized weight as the wgmma's register operand; 192 rows per
+program where that leaves the programs as many, ``tokens_per_program``), or
 ``gemm.SQUARE_TILE``'s (128 activation rows, for weights whose 256-row tiles would leave SMs
 idle), by three
 warpgroups with separate jobs: one loads each K tile's activation operand and packed weight by
@@ -40,10 +41,15 @@ except ImportError:
     HAS_GLUON_HOPPER = False
 
 TOKENS_PER_TILE = (256, 128)  # the activation rows of the tiles the kernel is built for
+# Where the tall tile's last row tile would hold at most 192 of its 256 rows (M = 1-192 or
+# 257-384), its programs take 192 rows each: as many programs, three quarters of the wgmma
+# work, the same output (each output element sums the same products in the same order).
+SHORT_TALL_TOKENS = 192
 WEIGHT_ROWS_PER_TILE = 128
 BLOCK_K = 128
-# Stages of operands by tile: as many as an H100 SM's shared memory holds (72 or 40 KiB each).
-STAGES = {256: 3, 128: 5}
+# Stages of operands by rows per program: as many as an H100 SM's shared memory holds (72, 56
+# or 40 KiB each).
+STAGES = {256: 3, SHORT_TALL_TOKENS: 4, 128: 5}
 CONSUMER_REGISTERS = 232  # of the 256 a thread may have: the accumulator alone takes 128
 ROWS_PER_CONSUMER = 64  # the wgmma's M
 
@@ -116,6 +122,20 @@ if HAS_GLUON_HOPPER:
             shape=[ROWS_PER_CONSUMER, block_k // 16, 8],
         )
 
+    @gluon.constexpr_function
+    def leading_tokens(block_m):
+        """The tokens of a tile's first wgmma: all of them where ``block_m`` is a power of 2, else
+        the largest power of 2 below it (192 tokens: a wgmma of 128, then one of 64, since
+        Gluon's tensors have power-of-2 shapes)."""
+        return 1 << (block_m.bit_length() - 1)
+
+    @gluon.constexpr_function
+    def rest_stages_shape(block_m, block_k, stages):
+        """The shared memory of the tokens after ``leading_tokens`` in each stage; a tile without
+        them still passes a buffer to its partitions, one unused 8-row swizzle atom."""
+        rest = block_m - leading_tokens(block_m)
+        return [stages, rest, block_k] if rest else [1, 8, block_k]
+
     @gluon.jit
     def _dequantize_in_mma_order(packed, scale_codes, BK: gl.constexpr, BY_BLOCK: gl.constexpr, OPERAND: gl.constexpr):
         """Packed codes and their FP8 block scales -> fp16 ``q * s_b`` in the MMA order
@@ -135,28 +155,37 @@ if HAS_GLUON_HOPPER:
         return gl.convert_layout(tile, OPERAND, assert_trivial=True)
 
     @gluon.jit
-    def _load_partition(a_desc, w_desc, a_smem, w_smem, ready, empty, off_m, off_n, k_tiles,
-                        BK: gl.constexpr, NUM_STAGES: gl.constexpr):
+    def _load_partition(a_desc, a_rest_desc, w_desc, a_smem, a_rest_smem, w_smem, ready, empty, off_m, off_n, k_tiles,
+                        BLOCK_M: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr):
         """Fill stage ``k % NUM_STAGES`` with K tile ``k`` once both consumers handed it back."""
+        LEAD: gl.constexpr = leading_tokens(BLOCK_M)
+        REST: gl.constexpr = BLOCK_M - LEAD
         for k_tile in range(k_tiles):
             stage = k_tile % NUM_STAGES
             # A fresh barrier counts as having completed the phase before its first, so the
             # first pass over the stages does not wait.
             mbarrier.wait(empty.index(stage), ((k_tile // NUM_STAGES) & 1) ^ 1)
             bar = ready.index(stage)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+            if REST > 0:
+                operand_bytes: gl.constexpr = a_desc.block_type.nbytes + a_rest_desc.block_type.nbytes
+                mbarrier.expect(bar, operand_bytes + 2 * w_desc.block_type.nbytes)
+                tma_load(a_rest_desc, [off_m + LEAD, k_tile * BK], bar, a_rest_smem.index(stage))
+            else:
+                mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
             tma_load(a_desc, [off_m, k_tile * BK], bar, a_smem.index(stage))
             tma_load(w_desc, [off_n, k_tile * (BK // 2)], bar, w_smem.index(2 * stage))
             tma_load(w_desc, [off_n + ROWS, k_tile * (BK // 2)], bar, w_smem.index(2 * stage + 1))
 
     @gluon.jit
-    def _multiply_partition(a_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr, weight_scale_ptr, bias_ptr,
-                            out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
+    def _multiply_partition(a_smem, a_rest_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr, weight_scale_ptr,
+                            bias_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
                             HALF: gl.constexpr, BLOCK_M: gl.constexpr, BK: gl.constexpr,
                             NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
         """One consumer warpgroup: weight rows ``off_n + 64 * HALF`` onwards, all BLOCK_M tokens;
         the epilogue (both global scales, the bias) on its part of the output tile."""
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+        LEAD: gl.constexpr = leading_tokens(BLOCK_M)
+        REST: gl.constexpr = BLOCK_M - LEAD
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LEAD, 16])
         OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
         PACKED: gl.constexpr = packed_layout(BK)
         BY_BLOCK: gl.constexpr = packed_by_block_layout(BK)
@@ -166,7 +195,13 @@ if HAS_GLUON_HOPPER:
         blocks = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SCALES))
         scale_ptrs = scales_ptr + rows.to(gl.int64)[:, None] * (K // 16) + blocks[None, :]
         in_rows = rows[:, None] < N
-        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=ACC)
+        acc = gl.zeros([ROWS, LEAD], gl.float32, layout=ACC)
+        if REST > 0:
+            ACC_REST: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, REST, 16]
+            )
+            OPERAND_REST: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_REST, k_width=2)
+            acc_rest = gl.zeros([ROWS, REST], gl.float32, layout=ACC_REST)
         # The block scales come from global memory a K tile ahead of their use.
         codes = gl.load(scale_ptrs, mask=in_rows & (blocks[None, :] < K // 16), other=0)
         for k_tile in range(k_tiles):
@@ -177,12 +212,29 @@ if HAS_GLUON_HOPPER:
             packed = w_smem.index(2 * stage + HALF).load(PACKED)
             w = _dequantize_in_mma_order(packed, codes, BK, BY_BLOCK, OPERAND)
             acc = warpgroup_mma(w, a_smem.index(stage).permute((1, 0)), acc, is_async=True)
-            # Waiting here lets the other consumer's dequantization run beside these wgmmas.
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            # Waiting for the wgmmas here lets the other consumer's dequantization run beside them.
+            if REST > 0:
+                w_rest = gl.convert_layout(w, OPERAND_REST, assert_trivial=True)
+                rest_tokens = a_rest_smem.index(stage).permute((1, 0))
+                acc_rest = warpgroup_mma(w_rest, rest_tokens, acc_rest, is_async=True)
+                acc, acc_rest = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_rest))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(stage), count=1)
             codes = next_codes
-        out_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ACC))
-        tokens = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+        _store_output_tile(acc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, M, N, stride_om, first_row, off_m,
+                           HAS_BIAS)
+        if REST > 0:
+            _store_output_tile(acc_rest, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, M, N, stride_om, first_row,
+                               off_m + LEAD, HAS_BIAS)
+
+    @gluon.jit
+    def _store_output_tile(acc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, M, N, stride_om, first_row,
+                           first_token, HAS_BIAS: gl.constexpr):
+        """A consumer's accumulated ``[64, tokens]`` product times both global scales, plus the
+        bias, stored transposed into the output's rows ``first_token`` onwards."""
+        out_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc.type.layout))
+        tokens = first_token + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
         acc = acc * (gl.load(act_scale_ptr) * gl.load(weight_scale_ptr))
         if HAS_BIAS:
             acc += gl.load(bias_ptr + out_rows, mask=out_rows < N, other=0.0).to(gl.float32)[:, None]
@@ -194,8 +246,8 @@ if HAS_GLUON_HOPPER:
         )
 
     @gluon.jit
-    def _warp_specialized_gemm_kernel(a_desc, w_desc, scales_ptr, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr,
-                                      M, N, K, stride_om,
+    def _warp_specialized_gemm_kernel(a_desc, a_rest_desc, w_desc, scales_ptr, act_scale_ptr, weight_scale_ptr,
+                                      bias_ptr, out_ptr, M, N, K, stride_om,
                                       BLOCK_M: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
                                       HAS_BIAS: gl.constexpr, REGISTERS: gl.constexpr):
         # Consecutive programs take the same weight rows, so each weight tile is read from L2 by
@@ -205,7 +257,10 @@ if HAS_GLUON_HOPPER:
         off_m = (pid % tiles_m) * BLOCK_M
         off_n = (pid // tiles_m) * (2 * ROWS)
         k_tiles = gl.cdiv(K, BK)
-        a_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, BLOCK_M, BK], a_desc.layout)
+        a_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, leading_tokens(BLOCK_M), BK], a_desc.layout)
+        a_rest_smem = gl.allocate_shared_memory(
+            gl.float16, rest_stages_shape(BLOCK_M, BK, NUM_STAGES), a_rest_desc.layout
+        )
         w_smem = gl.allocate_shared_memory(gl.uint8, [2 * NUM_STAGES, ROWS, BK // 2], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -214,12 +269,13 @@ if HAS_GLUON_HOPPER:
             mbarrier.init(empty.index(stage), count=2)  # both consumers hand each stage back
         gl.warp_specialize(
             [
-                (_load_partition, (a_desc, w_desc, a_smem, w_smem, ready, empty, off_m, off_n, k_tiles, BK, NUM_STAGES)),
-                (_multiply_partition, (a_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr, weight_scale_ptr,
-                                       bias_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
+                (_load_partition, (a_desc, a_rest_desc, w_desc, a_smem, a_rest_smem, w_smem, ready, empty, off_m, off_n,
+                                   k_tiles, BLOCK_M, BK, NUM_STAGES)),
+                (_multiply_partition, (a_smem, a_rest_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr,
+                                       weight_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
                                        0, BLOCK_M, BK, NUM_STAGES, HAS_BIAS)),
-                (_multiply_partition, (a_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr, weight_scale_ptr,
-                                       bias_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
+                (_multiply_partition, (a_smem, a_rest_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr,
+                                       weight_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
                                        1, BLOCK_M, BK, NUM_STAGES, HAS_BIAS)),
             ],
             [4, 4],
@@ -228,12 +284,23 @@ if HAS_GLUON_HOPPER:
 
 
 @lru_cache(maxsize=None)
-def _shared_layouts(tokens_per_tile: int):
-    """The TMA tiles' shared-memory layouts (the operand's, the packed weight's)."""
-    return (
-        gl.NVMMASharedLayout.get_default_for([tokens_per_tile, BLOCK_K], gl.float16),
-        gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, BLOCK_K // 2], gl.uint8),
-    )
+def _shared_layout(rows: int, columns: int, dtype: str):
+    """The shared-memory layout of a TMA box (``dtype`` one of Gluon's type names)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, columns], getattr(gl, dtype))
+
+
+def _operand_descriptor(a: torch.Tensor, tokens: int) -> "TensorDescriptor":
+    """TMA's view of the fp16 operand in boxes of ``tokens`` rows by a K tile."""
+    M, K = a.shape
+    return TensorDescriptor(a, [M, K], [K, 1], [tokens, BLOCK_K], _shared_layout(tokens, BLOCK_K, "float16"))
+
+
+def tokens_per_program(M: int, tokens_per_tile: int) -> int:
+    """The activation rows each program takes for ``M`` rows in tiles of ``tokens_per_tile``:
+    ``SHORT_TALL_TOKENS`` in place of 256 where the programs stay as many."""
+    if tokens_per_tile == 256 and ceil_div(M, SHORT_TALL_TOKENS) == ceil_div(M, tokens_per_tile):
+        return SHORT_TALL_TOKENS
+    return tokens_per_tile
 
 
 def kernel_arguments(
@@ -255,13 +322,16 @@ def kernel_arguments(
         )
     M, K = a.shape
     N = weight_qdata.shape[0]
-    a_layout, w_layout = _shared_layouts(tokens_per_tile)
-    a_desc = TensorDescriptor(a, [M, K], [K, 1], [tokens_per_tile, BLOCK_K], a_layout)
+    tokens = tokens_per_program(M, tokens_per_tile)
+    lead = leading_tokens(tokens)
+    a_desc = _operand_descriptor(a, lead)
+    a_rest_desc = _operand_descriptor(a, tokens - lead) if tokens > lead else a_desc
+    w_layout = _shared_layout(ROWS_PER_CONSUMER, BLOCK_K // 2, "uint8")
     w_desc = TensorDescriptor(weight_qdata, [N, K // 2], [K // 2, 1], [ROWS_PER_CONSUMER, BLOCK_K // 2], w_layout)
-    grid = (ceil_div(M, tokens_per_tile) * ceil_div(N, WEIGHT_ROWS_PER_TILE), 1, 1)
-    args = (a_desc, w_desc, scale_codes, act_scale, weight_scale, bias if bias is not None else act_scale, out,
-            M, N, K, out.stride(0))
-    meta = dict(BLOCK_M=tokens_per_tile, BK=BLOCK_K, NUM_STAGES=STAGES[tokens_per_tile], HAS_BIAS=bias is not None,
+    grid = (ceil_div(M, tokens) * ceil_div(N, WEIGHT_ROWS_PER_TILE), 1, 1)
+    args = (a_desc, a_rest_desc, w_desc, scale_codes, act_scale, weight_scale, bias if bias is not None else act_scale,
+            out, M, N, K, out.stride(0))
+    meta = dict(BLOCK_M=tokens, BK=BLOCK_K, NUM_STAGES=STAGES[tokens], HAS_BIAS=bias is not None,
                 REGISTERS=CONSUMER_REGISTERS, num_warps=4)
     return grid, args, meta
 
