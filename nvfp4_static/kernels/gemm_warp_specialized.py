@@ -160,18 +160,17 @@ if HAS_GLUON_HOPPER:
         """Fill stage ``k % NUM_STAGES`` with K tile ``k`` once both consumers handed it back."""
         LEAD: gl.constexpr = leading_tokens(BLOCK_M)
         REST: gl.constexpr = BLOCK_M - LEAD
+        rest_bytes: gl.constexpr = a_rest_desc.block_type.nbytes if REST > 0 else 0
+        stage_bytes: gl.constexpr = a_desc.block_type.nbytes + rest_bytes + 2 * w_desc.block_type.nbytes
         for k_tile in range(k_tiles):
             stage = k_tile % NUM_STAGES
             # A fresh barrier counts as having completed the phase before its first, so the
             # first pass over the stages does not wait.
             mbarrier.wait(empty.index(stage), ((k_tile // NUM_STAGES) & 1) ^ 1)
             bar = ready.index(stage)
+            mbarrier.expect(bar, stage_bytes)
             if REST > 0:
-                operand_bytes: gl.constexpr = a_desc.block_type.nbytes + a_rest_desc.block_type.nbytes
-                mbarrier.expect(bar, operand_bytes + 2 * w_desc.block_type.nbytes)
                 tma_load(a_rest_desc, [off_m + LEAD, k_tile * BK], bar, a_rest_smem.index(stage))
-            else:
-                mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
             tma_load(a_desc, [off_m, k_tile * BK], bar, a_smem.index(stage))
             tma_load(w_desc, [off_n, k_tile * (BK // 2)], bar, w_smem.index(2 * stage))
             tma_load(w_desc, [off_n + ROWS, k_tile * (BK // 2)], bar, w_smem.index(2 * stage + 1))
@@ -284,21 +283,21 @@ if HAS_GLUON_HOPPER:
 
 
 @lru_cache(maxsize=None)
-def _shared_layout(rows: int, columns: int, dtype: str):
-    """The shared-memory layout of a TMA box (``dtype`` one of Gluon's type names)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, columns], getattr(gl, dtype))
+def _shared_layout(rows: int, columns: int, dtype):
+    """The shared-memory layout of a TMA box of Gluon's ``dtype``."""
+    return gl.NVMMASharedLayout.get_default_for([rows, columns], dtype)
 
 
 def _operand_descriptor(a: torch.Tensor, tokens: int) -> "TensorDescriptor":
     """TMA's view of the fp16 operand in boxes of ``tokens`` rows by a K tile."""
     M, K = a.shape
-    return TensorDescriptor(a, [M, K], [K, 1], [tokens, BLOCK_K], _shared_layout(tokens, BLOCK_K, "float16"))
+    return TensorDescriptor(a, [M, K], [K, 1], [tokens, BLOCK_K], _shared_layout(tokens, BLOCK_K, gl.float16))
 
 
 def tokens_per_program(M: int, tokens_per_tile: int) -> int:
     """The activation rows each program takes for ``M`` rows in tiles of ``tokens_per_tile``:
-    ``SHORT_TALL_TOKENS`` in place of 256 where the programs stay as many."""
-    if tokens_per_tile == 256 and ceil_div(M, SHORT_TALL_TOKENS) == ceil_div(M, tokens_per_tile):
+    ``SHORT_TALL_TOKENS`` in place of the tall tile's 256 where the programs stay as many."""
+    if tokens_per_tile > SHORT_TALL_TOKENS and ceil_div(M, SHORT_TALL_TOKENS) == ceil_div(M, tokens_per_tile):
         return SHORT_TALL_TOKENS
     return tokens_per_tile
 
@@ -326,7 +325,7 @@ def kernel_arguments(
     lead = leading_tokens(tokens)
     a_desc = _operand_descriptor(a, lead)
     a_rest_desc = _operand_descriptor(a, tokens - lead) if tokens > lead else a_desc
-    w_layout = _shared_layout(ROWS_PER_CONSUMER, BLOCK_K // 2, "uint8")
+    w_layout = _shared_layout(ROWS_PER_CONSUMER, BLOCK_K // 2, gl.uint8)
     w_desc = TensorDescriptor(weight_qdata, [N, K // 2], [K // 2, 1], [ROWS_PER_CONSUMER, BLOCK_K // 2], w_layout)
     grid = (ceil_div(M, tokens) * ceil_div(N, WEIGHT_ROWS_PER_TILE), 1, 1)
     args = (a_desc, a_rest_desc, w_desc, scale_codes, act_scale, weight_scale, bias if bias is not None else act_scale,
