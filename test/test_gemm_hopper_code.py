@@ -155,11 +155,18 @@ def programs_per_h100_sm(build: HopperBuild) -> int:
     return min(by_registers, by_shared)
 
 
+WIDE_TILE_NAMES = {
+    gemm.TALL_TILE: "-tall",
+    gemm.SQUARE_TILE: "-square",
+    **{tile: "-split-square" for tile in gemm.SPLIT_SQUARE_TILES.values()},
+}
+
+
 def table_cases():
     cases = []
     for max_m, config in TABLE_GEMMS:
         for in_gemm in (True, False) if config.programs_per_sm else (True,):
-            wide = {gemm.TALL_TILE: "-tall", gemm.SQUARE_TILE: "-square"}.get(config, "")
+            wide = WIDE_TILE_NAMES.get(config, "")
             cases.append(pytest.param(max_m, config, in_gemm, id=f"m{max_m}{wide}-{'in-gemm' if in_gemm else 'epilogue'}"))
     return cases
 

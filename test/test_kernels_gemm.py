@@ -19,6 +19,7 @@ from nvfp4_static.kernels import gemm
 from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
     GEMM_CONFIGS,
+    SPLIT_SQUARE_TILES,
     SQUARE_TILE,
     TALL_TILE,
     WIDE_TILE_BUCKETS,
@@ -49,7 +50,12 @@ from nvfp4_static.numerics import dequantize_nvfp4
 # (after dequantizing the weight).
 TRITON_ENTRIES = triton_entries()
 # Tiles that stand in for table entries, named apart from the entries they replace.
-STAND_IN_TILE_NAMES = {TALL_TILE: "tall-tile", SQUARE_TILE: "square-tile", DECODE_TILE: "decode-tile"}
+STAND_IN_TILE_NAMES = {
+    TALL_TILE: "tall-tile",
+    SQUARE_TILE: "square-tile",
+    DECODE_TILE: "decode-tile",
+    **{tile: "split-square-tile" for tile in SPLIT_SQUARE_TILES.values()},
+}
 FIRST_CUBLAS_ROWS = 1 + max(max_m for max_m, _ in TRITON_ENTRIES)
 
 LAUNCHER = "nvfp4_static.kernels.gemm:launch_nvfp4_gemm"
@@ -150,7 +156,7 @@ TABLE_SHAPES = [(3, 70, 288), (2, 24, 16)]
 def interpreter_shapes(config_name: str) -> list:
     if config_name == "row-tiles-split-k":
         return ROW_TILE_SPLIT_SHAPES
-    if config_name.startswith(("table-", "tall-tile", "decode-tile")):
+    if config_name.startswith(("table-", "tall-tile", "decode-tile", "split-square-tile")):
         return TABLE_SHAPES
     return [(3, 40, 48), (INTERPRETER_CONFIGS[config_name].rows_per_tile + 1, 40, 224), (2, 24, 16)]
 
@@ -421,37 +427,54 @@ def test_the_mma_order_runs_only_on_whole_32_element_groups():
 
 def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypatch):
     """At 132 SMs a wide tile needs 99 programs at its bucket's largest M. The tall tile (256
-    rows): 14336 columns (112 tiles of 128) from 129 rows, 8192 (64 tiles) from 257 rows (two
-    row tiles at M = 512), 4096 never. Where it does not fill them, the square tile (128 rows):
-    8192 columns at 129-256 rows (2 x 64 programs), 4096 at 257-512 (4 x 32), not 4096 at
-    129-256 (64), and only where it runs warp-specialized. Not below 129 rows, not at prefill
-    sizes, not on the interpreter's CPU tensors."""
+    rows), from 129 rows: 14336 columns (112 tiles of 128) from 129 rows, 8192 (64 tiles) from
+    257 rows (two row tiles at M = 512), 4096 never. Where it does not fill them, the square
+    tile (128 rows): 14336 columns at 65-128 rows, 8192 at 129-256 (2 x 64 programs), 4096 at
+    257-512 (4 x 32); else the square tile with its K split for one program per SM where that
+    fills them: 8192 x 8192 at 65-128 rows (2 splits), 4096 columns at 65-256 rows (4 and 2
+    splits of K = 14336), 2048 at 257-512 (2 splits); not 512 columns (4 tiles, 16 splits of K =
+    4096 at most: 64 programs). Only where the square tile runs warp-specialized; not below 65
+    rows, not at prefill sizes, not on the interpreter's CPU tensors."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: True)
+    split_128, split_256, split_512 = (SPLIT_SQUARE_TILES[max_m] for max_m in (128, 256, 512))
     assert table_config(129, None, 14336, 4096, cuda) == TALL_TILE
     assert table_config(512, None, 14336, 4096, cuda) == TALL_TILE
     assert table_config(257, None, 8192, 8192, cuda) == TALL_TILE
+    assert table_config(128, None, 14336, 4096, cuda) == SQUARE_TILE
+    assert table_config(65, None, 14336, 4096, cuda) == SQUARE_TILE
     assert table_config(256, None, 8192, 8192, cuda) == SQUARE_TILE
     assert table_config(129, None, 8192, 8192, cuda) == SQUARE_TILE
     assert table_config(512, None, 4096, 14336, cuda) == SQUARE_TILE
     assert table_config(257, None, 4096, 14336, cuda) == SQUARE_TILE
-    assert table_config(256, None, 4096, 14336, cuda) == gemm_config(256)
-    assert table_config(512, None, 2048, 8192, cuda) == gemm_config(512)  # 4 x 16 programs
-    assert table_config(128, None, 14336, 4096, cuda) == gemm_config(128)
+    assert table_config(128, None, 8192, 8192, cuda) == split_128
+    assert table_config(100, None, 4096, 14336, cuda) == split_128
+    assert table_config(256, None, 4096, 14336, cuda) == split_256
+    assert table_config(512, None, 2048, 8192, cuda) == split_512
+    assert [split_k_for(tile, N, K, cuda) for tile, N, K in [(split_128, 8192, 8192), (split_128, 4096, 14336),
+                                                               (split_256, 4096, 14336), (split_512, 2048, 8192)]] == [
+        2, 4, 2, 2
+    ]
+    assert table_config(128, None, 512, 4096, cuda) == gemm_config(128)
+    assert table_config(64, None, 14336, 4096, cuda) == gemm_config(64)
     assert table_config(513, None, 14336, 4096, cuda) == gemm_config(513)
     assert table_config(100, gemm_bucket(300), 14336, 4096, cuda) == TALL_TILE  # the bucket decides
     assert table_config(100, gemm_bucket(200), 8192, 8192, cuda) == SQUARE_TILE
     assert table_config(300, None, 14336, 4112, cuda) == replace(TALL_TILE, mma_order=False, warp_specialized=False)
     assert table_config(200, None, 8192, 4112, cuda) == replace(SQUARE_TILE, mma_order=False, warp_specialized=False)
+    assert table_config(100, None, 8192, 8208, cuda) == replace(split_128, mma_order=False, warp_specialized=False)
     assert table_config(300, None, 14336, 4096, torch.device("cpu")) == gemm_config(300)
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 64)
     assert table_config(256, None, 8192, 8192, cuda) == TALL_TILE  # 64 programs fill 64 SMs
+    assert table_config(128, None, 8192, 8192, cuda) == SQUARE_TILE
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: False)
     assert table_config(512, None, 14336, 4096, cuda) == TALL_TILE  # the Triton tall tile
     assert table_config(256, None, 8192, 8192, cuda) == gemm_config(256)
     assert table_config(512, None, 4096, 14336, cuda) == gemm_config(512)
+    assert table_config(128, None, 14336, 4096, cuda) == gemm_config(128)
+    assert table_config(128, None, 8192, 8192, cuda) == gemm_config(128)
 
 
 @pytest.mark.parametrize("K", [4096, 4112], ids=str)

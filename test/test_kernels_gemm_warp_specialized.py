@@ -20,6 +20,7 @@ from test_kernels_gemm import gemm_operands, reference_gemm
 from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized, nvfp4_gemm, ops
 from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
+    DECODE_TILE_IN_TRITON,
     SQUARE_TILE,
     SQUARE_TILE_IN_TRITON,
     TALL_TILE,
@@ -32,6 +33,8 @@ H100_SHARED_BYTES_PER_BLOCK = 232448  # 227 KiB
 
 
 def test_only_the_kernels_own_tiles_may_ask_for_it():
+    """The wide tiles as they are or with their K split for one program per SM (over any number
+    of row tiles); nothing else, nor the decode tile split otherwise than it is."""
     for tile in (TALL_TILE_IN_TRITON, SQUARE_TILE_IN_TRITON):
         for other in (
             replace(tile, block_m=64),
@@ -41,11 +44,19 @@ def test_only_the_kernels_own_tiles_may_ask_for_it():
             replace(tile, num_warps=4),
             replace(tile, mma_order=False),
             replace(tile, weight_as_mma_a=False),
-            replace(tile, programs_per_sm=1),
+            replace(tile, programs_per_sm=2),
+            replace(tile, programs_per_sm=2, row_tiles_for_split=2),
+            replace(tile, programs_per_sm=1, fill_programs_per_sm=2),
+            replace(tile, programs_per_sm=1, block_n=64),
             replace(tile, activation_rows=16),
         ):
             with pytest.raises(ValueError, match="warp_specialized runs gemm_warp_specialized's kernel"):
                 replace(other, warp_specialized=True)
+        for split in (replace(tile, programs_per_sm=1), replace(tile, programs_per_sm=1, row_tiles_for_split=4)):
+            assert replace(split, warp_specialized=True).warp_specialized
+    for other in (replace(DECODE_TILE_IN_TRITON, programs_per_sm=1), replace(DECODE_TILE_IN_TRITON, programs_per_sm=2)):
+        with pytest.raises(ValueError, match="warp_specialized runs gemm_warp_specialized's kernel"):
+            replace(other, warp_specialized=True)
     assert replace(TALL_TILE_IN_TRITON, warp_specialized=True) == TALL_TILE
     assert replace(SQUARE_TILE_IN_TRITON, warp_specialized=True) == SQUARE_TILE
     assert (TALL_TILE.block_m, SQUARE_TILE.block_m) == gemm_warp_specialized.TOKENS_PER_TILE
@@ -95,15 +106,16 @@ needs_gluon_hopper = pytest.mark.skipif(
 
 @needs_gluon_hopper
 @pytest.mark.parametrize(
-    "M,tile,tokens,wgmma_tokens",
-    [(512, 256, 256, [256]), (384, 256, 192, [64, 128]), (512, 128, 128, [128])],
-    ids=["tall", "short-tall", "square"],
+    "M,tile,tokens,wgmma_tokens,split_k",
+    [(512, 256, 256, [256], 1), (384, 256, 192, [64, 128], 1), (512, 128, 128, [128], 1), (128, 128, 128, [128], 4)],
+    ids=["tall", "short-tall", "square", "split-square"],
 )
-def test_sm90a_build_keeps_three_warpgroups_without_spills(M, tile, tokens, wgmma_tokens, tmp_path):
+def test_sm90a_build_keeps_three_warpgroups_without_spills(M, tile, tokens, wgmma_tokens, split_k, tmp_path):
     """What the GPU tests cannot show on a machine without one: ptxas builds the kernel for
     sm_90a with a producer and two consumer warpgroups (setmaxnreg to the consumers' registers),
     the weight as the wgmma's register operand (m64 by the program's activation rows: 192 as
-    128 + 64), nothing spilled to local memory, and its stages within one SM's shared memory."""
+    128 + 64), nothing spilled to local memory, and its stages within one SM's shared memory;
+    also where it writes a K split's partial products."""
     from test_gemm_hopper_code import build_for_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -113,8 +125,10 @@ def test_sm90a_build_keeps_three_warpgroups_without_spills(M, tile, tokens, wgmm
     scale = torch.ones(1)
     out = torch.empty(M, N, dtype=torch.bfloat16)
     bias = torch.zeros(N, dtype=torch.bfloat16)
-    grid, args, meta = gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, bias, out, tile)
+    partials = torch.empty(split_k, M, N) if split_k > 1 else None
+    grid, args, meta = gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, bias, out, tile, partials)
     assert meta["BLOCK_M"] == tokens and grid[0] == -(-M // tokens) * (N // gemm_warp_specialized.WEIGHT_ROWS_PER_TILE)
+    assert grid[1] == split_k and meta["WRITE_PARTIALS"] == (split_k > 1)
     kernel = gemm_warp_specialized._warp_specialized_gemm_kernel
     values = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
     options = {k: v for k, v in meta.items() if k not in kernel.arg_names}
@@ -345,7 +359,7 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(tile, modes, m
     monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
     monkeypatch.setattr(gemm_warp_specialized, "takes", lambda a, weight_qdata, out: True)
     monkeypatch.setattr(
-        gemm_warp_specialized, "launch_warp_specialized_gemm", lambda *args: calls.append((args[-2].fill_(1.0), args[-1]))
+        gemm_warp_specialized, "launch_warp_specialized_gemm", lambda *args: calls.append((args[6].fill_(1.0), args[7]))
     )
     monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
     M, N, K = 4, 64, 32
@@ -357,3 +371,81 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(tile, modes, m
         launch_nvfp4_gemm(operand, *weight, out, tile)
     assert [tokens for _, tokens in calls] == [tile.block_m]
     assert torch.equal(out, torch.ones_like(out))
+
+
+@pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])
+def test_split_square_tile_reaches_the_kernel_with_its_split_then_the_split_sum(modes, monkeypatch):
+    """The square tile with its K split, eager or through the op (which is handed the split the
+    table sized): one launch of the kernel writing ``[split_k, M, N]`` partial products (8 K
+    tiles of a 256 x 1024 weight in 4 splits of 2 on 132 SMs), then one of the epilogue kernel
+    that sums them into the output. Stood in on the CPU, as above."""
+    kernel_calls, epilogue_calls = [], []
+
+    def kernel(a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, tokens, partials):
+        kernel_calls.append((tokens, tuple(partials.shape)))
+
+    def epilogue(partials, act_scale, weight_scale, bias, out):
+        epilogue_calls.append(tuple(partials.shape))
+        out.fill_(2.0)
+
+    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
+    monkeypatch.setattr(gemm_warp_specialized, "takes", lambda a, weight_qdata, out: True)
+    monkeypatch.setattr(gemm_warp_specialized, "launch_warp_specialized_gemm", kernel)
+    monkeypatch.setattr(gemm, "launch_epilogue", epilogue)
+    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+    M, N, K = 4, 256, 1024
+    tile = gemm.SPLIT_SQUARE_TILES[128]
+    assert gemm.split_k_for(tile, N, K, torch.device("cuda")) == 4
+    operand, *weight = gemm_operands(M, N, K, seed=1, config=tile)
+    out = torch.zeros(M, N, dtype=torch.bfloat16)
+    with contextlib.ExitStack() as stack:
+        for _ in range(modes):
+            stack.enter_context(PassThrough())
+        launch_nvfp4_gemm(operand, *weight, out, tile)
+    assert kernel_calls == [(128, (4, M, N))] and epilogue_calls == [(4, M, N)]
+    assert torch.equal(out, torch.full_like(out, 2.0))
+
+
+@pytest.mark.parametrize("split_k", [0, -1, 5, 8, 9])
+def test_the_op_refuses_a_split_that_leaves_a_part_without_k_tiles(split_k, monkeypatch):
+    """K = 1024 holds 8 K tiles of 128: 5 splits of 2 leave the last empty, 8 splits of 1 do not,
+    but the op takes 1 to 4 and 8; 0, a negative count and 9 are refused too, naming the op,
+    K and the split."""
+    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+    M, N, K = 4, 64, 1024
+    operand, *weight = gemm_operands(M, N, K, seed=1, config=SQUARE_TILE)
+    op = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm.default
+    if split_k == 8:
+        monkeypatch.setattr(gemm, "launch_nvfp4_gemm", lambda *args, **kwargs: None)
+        monkeypatch.setattr(ops, "launch_nvfp4_gemm", lambda *args, **kwargs: None)
+        assert op(operand, *weight, torch.bfloat16, 128, split_k).shape == (M, N)
+        return
+    with pytest.raises(ValueError, match=rf"splits K = 1024 \(8 K tiles\) into parts .* got split_k = {split_k}"):
+        op(operand, *weight, torch.bfloat16, 128, split_k)
+
+
+@needs_gluon_hopper
+def test_kernel_arguments_refuse_partial_products_it_cannot_fill():
+    """The partial products' buffer: ``[split_k, M, N]`` fp32, every split given K tiles (K =
+    1024: 8 tiles); a wrong shape, dtype or split count is refused, naming the shapes."""
+    M, N, K = 8, 64, 1024
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    scale = torch.ones(1)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    grid, args, meta = gemm_warp_specialized.kernel_arguments(
+        a, qdata, qdata, scale, scale, None, out, 128, torch.empty(4, M, N)
+    )
+    assert grid[1] == 4 and meta["WRITE_PARTIALS"] and args[-1] == 4
+    for partials in (
+        torch.empty(4, M + 1, N),
+        torch.empty(4, M, N - 1),
+        torch.empty(M, N),
+        torch.empty(4, M, N, dtype=torch.bfloat16),
+        torch.empty(5, M, N),
+        torch.empty(0, M, N),
+        torch.empty(9, M, N),
+    ):
+        with pytest.raises(ValueError, match=r"partial products for M = 8, N = 64, K = 1024 are \[split_k, 8, 64\]"):
+            gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, None, out, 128, partials)

@@ -1,16 +1,18 @@
-"""The warp-specialized Gluon tiles (Hopper) against the Triton tiles they replace at 129-512 rows.
+"""The warp-specialized Gluon tiles (Hopper) against the Triton tiles they replace at 65-512 rows.
 
 For each weight shape and M, GPU times from CUDA graphs (ms): bf16 ``F.linear``; the table's
 route for M (``static_nvfp4_linear``); and the activation operand kernel followed by one GEMM:
 the bucket's own table entry (``gemm.gemm_config(M)``), the tall 256 x 128 tile in Triton
 (``gemm.TALL_TILE_IN_TRITON``), and the tall and square (128 x 128) tiles warp-specialized
-(``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``); the tall one as the table runs it (192 rows per
-program where that leaves the programs as many, ``gemm_warp_specialized.tokens_per_program``)
-and with 256 rows per program at every M. Each warp-specialized output is checked equal to its
-Triton twin's, bit for bit, before it is timed. The table takes a wide tile where its programs
-fill most SMs (``gemm.wide_tile``); the last column names the one it takes, if any.
+(``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``), and the square one with its K split for one program
+per SM over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``; its split sum included); the
+tall one as the table runs it (192 rows per program where that leaves the programs as many,
+``gemm_warp_specialized.tokens_per_program``) and with 256 rows per program at every M. Each
+warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed.
+The table takes a wide tile where its programs fill most SMs (``gemm.wide_tile``); the last
+column names the one it takes, if any, with the split square's K split.
 
-Usage: python bench_warp_specialized.py [--m 129 200 256 384 512 1024] [--shapes 8192x8192 ...]
+Usage: python bench_warp_specialized.py [--m 100 128 129 200 256 384 512 1024] [--shapes 8192x8192 ...]
 """
 
 import argparse
@@ -24,7 +26,7 @@ from tune_gemm import make_weight
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm, gemm_activation_operand, gemm_warp_specialized
-from nvfp4_static.kernels.gemm import SQUARE_TILE, TALL_TILE, TALL_TILE_IN_TRITON
+from nvfp4_static.kernels.gemm import SPLIT_SQUARE_TILES, SQUARE_TILE, TALL_TILE, TALL_TILE_IN_TRITON
 
 
 def operand_then_gemm(x, weight, act_scale, config):
@@ -51,7 +53,7 @@ def with_256_rows_per_program(route):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--m", type=int, nargs="+", default=[129, 200, 256, 384, 512, 1024])
+    parser.add_argument("--m", type=int, nargs="+", default=[100, 128, 129, 200, 256, 384, 512, 1024])
     parser.add_argument("--shapes", nargs="+", default=["8192x8192", "4096x14336", "14336x4096", "4096x4096"],
                         help="weights as KxN")
     args = parser.parse_args()
@@ -60,8 +62,8 @@ def main():
         raise SystemExit("bench_warp_specialized: needs a Hopper GPU and a Triton with Gluon's Hopper API")
     print(f"device: {torch.cuda.get_device_name()}")
     print(
-        "     K      N     M |   bf16  table  entry tall-triton tall-ws tall-ws-256 square-ws "
-        "| bf16 / table  entry tall-ws square-ws | table takes"
+        "     K      N     M |   bf16  table  entry tall-triton tall-ws tall-ws-256 square-ws split-ws "
+        "| bf16 / table  entry tall-ws square-ws split-ws | table takes"
     )
     for shape in args.shapes:
         K, N = (int(side) for side in shape.split("x"))
@@ -71,6 +73,8 @@ def main():
             act_scale = x.abs().max().float() / 2688
             output_scale = float(act_scale * weight.scale)
             entry = gemm.gemm_config(M)
+            bucket = gemm.GEMM_CONFIGS[gemm.gemm_bucket(M)][0]
+            split = SPLIT_SQUARE_TILES.get(bucket)
             routes = {
                 # Above 512 rows the entry is cuBLAS's route, which the table column times.
                 "entry": operand_then_gemm(x, weight, act_scale, entry) if isinstance(entry, gemm.GemmConfig) else None,
@@ -78,9 +82,12 @@ def main():
                 "tall-ws": operand_then_gemm(x, weight, act_scale, TALL_TILE),
                 "tall-ws-256": with_256_rows_per_program(operand_then_gemm(x, weight, act_scale, TALL_TILE)),
                 "square-ws": operand_then_gemm(x, weight, act_scale, SQUARE_TILE),
+                "split-ws": operand_then_gemm(x, weight, act_scale, split) if split else None,
             }
-            checked = {"tall-ws": TALL_TILE, "tall-ws-256": TALL_TILE, "square-ws": SQUARE_TILE}
+            checked = {"tall-ws": TALL_TILE, "tall-ws-256": TALL_TILE, "square-ws": SQUARE_TILE, "split-ws": split}
             for name, tile in checked.items():
+                if tile is None:
+                    continue
                 twin = operand_then_gemm(x, weight, act_scale, replace(tile, warp_specialized=False))
                 if not torch.equal(twin(), routes[name]()):
                     raise SystemExit(f"bench_warp_specialized: {name} differs from its Triton twin at {K} x {N}, M = {M}")
@@ -91,12 +98,15 @@ def main():
                 )
             )
             ms.update({name: graph_ms(route) if route else float("nan") for name, route in routes.items()})
-            bucket = gemm.GEMM_CONFIGS[gemm.gemm_bucket(M)][0]
-            takes = {TALL_TILE: "tall", SQUARE_TILE: "square", None: "-"}[gemm.wide_tile(bucket, N, device)]
-            ratios = " ".join(f"{ms['bf16'] / ms[name]:.2f}" for name in ("table", "entry", "tall-ws", "square-ws"))
+            wide = gemm.wide_tile(bucket, N, K, device)
+            takes = {TALL_TILE: "tall", SQUARE_TILE: "square", None: "-"}.get(wide)
+            takes = takes or f"split-square ({gemm.split_k_for(wide, N, K, device)})"
+            names = ("table", "entry", "tall-ws", "square-ws", "split-ws")
+            ratios = " ".join(f"{ms['bf16'] / ms[name]:.2f}" for name in names)
             print(
                 f"{K:6d} {N:6d} {M:5d} | {ms['bf16']:.4f} {ms['table']:.4f} {ms['entry']:.4f} {ms['tall-triton']:.4f} "
-                f"{ms['tall-ws']:.4f} {ms['tall-ws-256']:.4f} {ms['square-ws']:.4f} | {ratios} | {takes}",
+                f"{ms['tall-ws']:.4f} {ms['tall-ws-256']:.4f} {ms['square-ws']:.4f} {ms['split-ws']:.4f} | {ratios} "
+                f"| {takes}",
                 flush=True,
             )
 

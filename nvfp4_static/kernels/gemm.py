@@ -437,17 +437,27 @@ class GemmConfig:
                 f"nvfp4_static: GemmConfig.activation_rows must be 0 or a power of 2 dividing "
                 f"block_m = {self.block_m}, got {rows}"
             )
-        if self.warp_specialized and replace(self, warp_specialized=False) not in WARP_SPECIALIZED_TILES_IN_TRITON:
+        if self.warp_specialized and not self._warp_specialized_tile():
             raise ValueError(
                 f"nvfp4_static: GemmConfig.warp_specialized runs gemm_warp_specialized's kernel (or, at 16 rows, "
-                f"gemm_decode_warp_specialized's), whose tiles are {WARP_SPECIALIZED_TILES_IN_TRITON}; got "
-                f"{replace(self, warp_specialized=False)}"
+                f"gemm_decode_warp_specialized's), whose tiles are {WARP_SPECIALIZED_TILES_IN_TRITON}, the wide "
+                f"ones also with a K split for one program per SM; got {replace(self, warp_specialized=False)}"
             )
         if self.mma_order and self.block_k % MMA_GROUP:
             raise ValueError(
                 f"nvfp4_static: GemmConfig.mma_order permutes K within whole 32-element groups, so "
                 f"block_k must be a multiple of 32; got {self.block_k}"
             )
+
+    def _warp_specialized_tile(self) -> bool:
+        """Whether a warp-specialized kernel computes these tiles: one of
+        ``WARP_SPECIALIZED_TILES_IN_TRITON``, or a wide one with its K split for one program per SM."""
+        plain = replace(self, warp_specialized=False)
+        if plain in WARP_SPECIALIZED_TILES_IN_TRITON:
+            return True
+        if self.programs_per_sm != 1 or self.fill_programs_per_sm:
+            return False
+        return replace(plain, programs_per_sm=0, row_tiles_for_split=1) in WARP_SPECIALIZED_TILES_IN_TRITON[:2]
 
     @property
     def rows_per_tile(self) -> int:
@@ -560,8 +570,16 @@ GEMM_CONFIGS = (
 # at M = 200 / 256 0.0772 / 0.0732 -> 0.0665 / 0.0672 (bf16 0.0498 / 0.0537), at M = 129
 # 0.0761 -> 0.0854 (its second row tile holds one row); 14336 x 4096 at M = 384 / 512 0.1212 /
 # 0.1261 -> 0.1079 / 0.1123; 4096 x 4096 at M = 384 / 512 0.0412 / 0.0421 -> 0.0392 / 0.0405.
-# N is fixed per layer, so the choice needs no guard in a compiled graph; both tiles take the same
-# operand as the entry they replace (``operand_config``).
+# Where the square tile's programs over the bucket's row tiles leave SMs idle too (65-128 rows on
+# most weights, 129-512 on narrow ones), it runs with K split for one program per SM
+# (``SPLIT_SQUARE_TILES``; warp-specialized, its partial products summed by the epilogue kernel).
+# Operand kernel, GEMM and split sum, ms on an H200, entry -> split square (splits): 8192 x 8192 at
+# M = 100 / 128 0.0493 / 0.0492 -> 0.0431 / 0.0443 (2; bf16 0.0474 / 0.0470), 14336 x 4096 at
+# M = 128 0.0475 -> 0.0419 (4), at M = 200 0.0732 -> 0.0638 (2), 4096 x 4096 at M = 128 0.0249 ->
+# 0.0229 (4); unsplit, 4096 x 14336 at M = 128 0.0422 -> 0.0401. At a bucket's first rows it can
+# lose a little (8192 x 8192 at M = 65 0.0490 -> 0.0507, 4096 x 4096 at M = 129 0.0303 -> 0.0317).
+# N and K are fixed per layer, so the choice needs no guard in a compiled graph; every wide tile
+# takes the same operand as the entry it replaces (``operand_config``).
 TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
 SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
 # Decode on Hopper: gemm_decode_warp_specialized's tile in place of the entries up to 16 rows,
@@ -601,8 +619,14 @@ DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = 0.8
 # 1.017, 1.098 -> 1.129, 1.134 -> 1.291, 1.123 -> 1.216. Graphs keep the table's entries.
 EAGER_QUANTIZING_MAX_ROWS = 16
 WIDE_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE)}  # by activation rows
-WIDE_TILE_BUCKETS = (256, 512)  # the largest M of the entries they may replace
+WIDE_TILE_BUCKETS = (128, 256, 512)  # the largest M of the entries they may replace
 WIDE_TILE_SM_FILL = 0.75
+# The square tile at each bucket with its K split sized for one program per SM over the bucket's
+# row tiles (``split_k_for``).
+SPLIT_SQUARE_TILES = {
+    max_m: replace(SQUARE_TILE, programs_per_sm=1, row_tiles_for_split=ceil_div(max_m, SQUARE_TILE.block_m))
+    for max_m in WIDE_TILE_BUCKETS
+}
 EPILOGUE_BLOCK = 1024
 
 
@@ -627,31 +651,38 @@ def table_config(
     one serving ``M``, or a wide tile in its place (``wide_tile``), as it runs at reduction
     width ``K`` (``config_for_width``)."""
     max_m, config = GEMM_CONFIGS[gemm_bucket(M) if bucket is None else bucket]
-    return config_for_width(decode_tile(max_m, N, K, device) or wide_tile(max_m, N, device) or config, K)
+    return config_for_width(decode_tile(max_m, N, K, device) or wide_tile(max_m, N, K, device) or config, K)
 
 
 def triton_entries() -> list[tuple[int, GemmConfig]]:
     """``(largest M, tiles)`` of every Triton tile the table runs: its Triton entries, then
-    ``DECODE_TILE`` at its largest bucket, ``TALL_TILE`` and ``SQUARE_TILE`` at each bucket they
-    may serve."""
+    ``DECODE_TILE`` at its largest bucket, ``TALL_TILE``, ``SQUARE_TILE`` and its split form at
+    each bucket they may serve."""
     entries = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
-    wide = [(max_m, tile) for max_m in WIDE_TILE_BUCKETS for tile in (TALL_TILE, SQUARE_TILE)]
-    return entries + [(max(DECODE_TILE_BUCKETS), DECODE_TILE)] + wide
+    tall = [(max_m, TALL_TILE) for max_m in WIDE_TILE_BUCKETS if max_m > SQUARE_TILE.block_m]
+    square = [(max_m, tile) for max_m in WIDE_TILE_BUCKETS for tile in (SQUARE_TILE, SPLIT_SQUARE_TILES[max_m])]
+    return entries + [(max(DECODE_TILE_BUCKETS), DECODE_TILE)] + tall + square
 
 
-def wide_tile(max_m: Optional[int], N: int, device: torch.device) -> Optional[GemmConfig]:
-    """The tile that replaces the table entry serving up to ``max_m`` rows for ``N`` output
-    columns, if any: in a bucket of ``WIDE_TILE_BUCKETS`` on a CUDA device (the interpreter runs
+def wide_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Optional[GemmConfig]:
+    """The tile that replaces the table entry serving up to ``max_m`` rows for an ``[N, K]``
+    weight, if any: in a bucket of ``WIDE_TILE_BUCKETS`` on a CUDA device (the interpreter runs
     the table's entries), ``TALL_TILE`` where its programs at ``max_m`` rows fill
-    ``WIDE_TILE_SM_FILL`` of the SMs, else ``SQUARE_TILE`` where its programs do and it runs
-    warp-specialized."""
+    ``WIDE_TILE_SM_FILL`` of the SMs (above 128 rows: at fewer the square tile's programs are as
+    many, with fewer rows each); else, where it runs warp-specialized, ``SQUARE_TILE`` where its
+    programs fill them, or its split form (``SPLIT_SQUARE_TILES``) where that one's do."""
     if max_m not in WIDE_TILE_BUCKETS or device.type != "cuda":
         return None
     slots = WIDE_TILE_SM_FILL * _multiprocessor_count(device)
-    for tile in (TALL_TILE, SQUARE_TILE) if gemm_warp_specialized.available(device) else (TALL_TILE,):
-        if ceil_div(max_m, tile.block_m) * ceil_div(N, tile.block_n) >= slots:
-            return tile
-    return None
+    if max_m > SQUARE_TILE.block_m and ceil_div(max_m, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n) >= slots:
+        return TALL_TILE
+    if not gemm_warp_specialized.available(device):
+        return None
+    programs = ceil_div(max_m, SQUARE_TILE.block_m) * ceil_div(N, SQUARE_TILE.block_n)
+    if programs >= slots:
+        return SQUARE_TILE
+    split = SPLIT_SQUARE_TILES[max_m]
+    return split if programs * split_k_for(split, N, K, device) >= slots else None
 
 
 def decode_tile(
@@ -911,6 +942,7 @@ def launch_nvfp4_gemm(
     config: Union[GemmConfig, CublasAfterDequantize, None] = None,
     raw_activation: bool = False,
     sum_splits_in_gemm: Optional[bool] = None,
+    split_k: Optional[int] = None,
 ) -> None:
     """Run the GEMM into ``out [M, N]``, epilogue included. ``a`` is the fp16 operand
     from ``gemm_activation_operand``, or with ``raw_activation`` the activation itself (bf16,
@@ -923,9 +955,12 @@ def launch_nvfp4_gemm(
     (``sum_splits_in_gemm``, by default on real tensors outside tracing: it needs the stream's
     ``tile_counts``, which a traced graph cannot hold) or else by ``_epilogue_kernel``, or under
     tracing by ``epilogue_as_ops``; all three sum in the same order, so they give the same output.
-    A traced graph reaches the warp-specialized Gluon kernels, which Inductor cannot trace,
-    through ops: the wide tiles' product (``warp_specialized_nvfp4_gemm``), the decode tile's
-    partial products (``decode_gemm_partial_products``)."""
+    ``split_k`` replaces ``split_k_for(config, ...)`` (the warp-specialized wide tiles' op is
+    handed the split the table sized). The wide tiles' Gluon kernel writes a split's partial
+    products and ``_epilogue_kernel`` sums them. A traced graph reaches the warp-specialized Gluon
+    kernels, which Inductor cannot trace, through ops: the wide tiles' product
+    (``warp_specialized_nvfp4_gemm``), the decode tile's partial products
+    (``decode_gemm_partial_products``)."""
     K = 2 * weight_qdata.shape[1]
     if config is None:
         config = table_config(a.shape[0], None, weight_qdata.shape[0], K, a.device)
@@ -954,28 +989,32 @@ def launch_nvfp4_gemm(
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
     eager = runs_eagerly(a)
     gluon = isinstance(config, GemmConfig) and config.warp_specialized and gemm_warp_specialized.available(a.device)
+    if isinstance(config, CublasAfterDequantize):
+        split_k = 1
+    elif split_k is None:
+        split_k = split_k_for(config, N, K, a.device)
     if gluon and config != DECODE_TILE:
         if not eager:
             product = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm(
-                a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out.dtype, config.block_m
+                a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out.dtype, config.block_m, split_k
             )
             out.copy_(product)
             return
         if gemm_warp_specialized.takes(a, weight_qdata, out):
+            partials = None if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
             gemm_warp_specialized.launch_warp_specialized_gemm(
-                a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out, config.block_m
+                a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out, config.block_m, partials
             )
+            if partials is not None:
+                launch_epilogue(partials, act_scale, weight_scale, bias, out)
             return
     if isinstance(config, CublasAfterDequantize):
-        split_k = 1
         weight = torch.empty((N, K), dtype=torch.float16, device=a.device)
         launch_weight_dequantize(weight_qdata, weight_block_scales, weight, config)
         partials = torch.mm(a, weight.t(), out_dtype=torch.float32)
     elif gluon and not eager:
-        split_k = split_k_for(config, N, K, a.device)
         partials = torch.ops.nvfp4_static.decode_gemm_partial_products(a, weight_qdata, weight_block_scales, split_k)
     else:
-        split_k = split_k_for(config, N, K, a.device)
         partials = None if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
         sum_splits = split_k > 1 and (eager if sum_splits_in_gemm is None else sum_splits_in_gemm)
         scales = (act_scale, weight_scale)
@@ -988,6 +1027,19 @@ def launch_nvfp4_gemm(
     if not eager:
         out.copy_(epilogue_as_ops(partials.view(split_k, M, N), act_scale, weight_scale, bias))
         return
+    launch_epilogue(partials.view(split_k, M, N), act_scale, weight_scale, bias, out)
+
+
+def launch_epilogue(
+    partials: torch.Tensor,
+    act_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+) -> None:
+    """``_epilogue_kernel``: the ``[split_k, M, N]`` fp32 partial products summed in split
+    order, scaled, biased and stored into ``out``."""
+    split_k, M, N = partials.shape
     KernelCall(
         _epilogue_kernel,
         (ceil_div(M * N, EPILOGUE_BLOCK),),

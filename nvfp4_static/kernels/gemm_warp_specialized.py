@@ -155,9 +155,10 @@ if HAS_GLUON_HOPPER:
         return gl.convert_layout(tile, OPERAND, assert_trivial=True)
 
     @gluon.jit
-    def _load_partition(a_desc, a_rest_desc, w_desc, a_smem, a_rest_smem, w_smem, ready, empty, off_m, off_n, k_tiles,
-                        BLOCK_M: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """Fill stage ``k % NUM_STAGES`` with K tile ``k`` once both consumers handed it back."""
+    def _load_partition(a_desc, a_rest_desc, w_desc, a_smem, a_rest_smem, w_smem, ready, empty, off_m, off_n, k_first,
+                        k_tiles, BLOCK_M: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Fill stage ``k % NUM_STAGES`` with the split's K tile ``k`` (from K tile ``k_first``)
+        once both consumers handed it back."""
         LEAD: gl.constexpr = leading_tokens(BLOCK_M)
         REST: gl.constexpr = BLOCK_M - LEAD
         rest_bytes: gl.constexpr = a_rest_desc.block_type.nbytes if REST > 0 else 0
@@ -169,19 +170,21 @@ if HAS_GLUON_HOPPER:
             mbarrier.wait(empty.index(stage), ((k_tile // NUM_STAGES) & 1) ^ 1)
             bar = ready.index(stage)
             mbarrier.expect(bar, stage_bytes)
+            k = (k_first + k_tile) * BK
             if REST > 0:
-                tma_load(a_rest_desc, [off_m + LEAD, k_tile * BK], bar, a_rest_smem.index(stage))
-            tma_load(a_desc, [off_m, k_tile * BK], bar, a_smem.index(stage))
-            tma_load(w_desc, [off_n, k_tile * (BK // 2)], bar, w_smem.index(2 * stage))
-            tma_load(w_desc, [off_n + ROWS, k_tile * (BK // 2)], bar, w_smem.index(2 * stage + 1))
+                tma_load(a_rest_desc, [off_m + LEAD, k], bar, a_rest_smem.index(stage))
+            tma_load(a_desc, [off_m, k], bar, a_smem.index(stage))
+            tma_load(w_desc, [off_n, k // 2], bar, w_smem.index(2 * stage))
+            tma_load(w_desc, [off_n + ROWS, k // 2], bar, w_smem.index(2 * stage + 1))
 
     @gluon.jit
     def _multiply_partition(a_smem, a_rest_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr, weight_scale_ptr,
-                            bias_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
+                            bias_ptr, out_ptr, partials_ptr, M, N, K, stride_om, off_m, off_n, k_first, k_tiles, split,
                             HALF: gl.constexpr, BLOCK_M: gl.constexpr, BK: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
-        """One consumer warpgroup: weight rows ``off_n + 64 * HALF`` onwards, all BLOCK_M tokens;
-        the epilogue (both global scales, the bias) on its part of the output tile."""
+                            NUM_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, WRITE_PARTIALS: gl.constexpr):
+        """One consumer warpgroup: weight rows ``off_n + 64 * HALF`` onwards, all BLOCK_M tokens,
+        over the split's K tiles; then the epilogue (both global scales, the bias) on its part of
+        the output tile, or with ``WRITE_PARTIALS`` its split's partial products."""
         LEAD: gl.constexpr = leading_tokens(BLOCK_M)
         REST: gl.constexpr = BLOCK_M - LEAD
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LEAD, 16])
@@ -191,7 +194,7 @@ if HAS_GLUON_HOPPER:
         SCALES: gl.constexpr = gl.SliceLayout(2, BY_BLOCK)
         first_row = off_n + HALF * ROWS
         rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCALES))
-        blocks = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SCALES))
+        blocks = k_first * (BK // 16) + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SCALES))
         scale_ptrs = scales_ptr + rows.to(gl.int64)[:, None] * (K // 16) + blocks[None, :]
         in_rows = rows[:, None] < N
         acc = gl.zeros([ROWS, LEAD], gl.float32, layout=ACC)
@@ -205,7 +208,7 @@ if HAS_GLUON_HOPPER:
         codes = gl.load(scale_ptrs, mask=in_rows & (blocks[None, :] < K // 16), other=0)
         for k_tile in range(k_tiles):
             stage = k_tile % NUM_STAGES
-            next_blocks = (k_tile + 1) * (BK // 16) + blocks[None, :]
+            next_blocks = (k_tile + 1) * (BK // 16) + blocks[None, :]  # past the split's last: loaded, unused
             next_codes = gl.load(scale_ptrs + (k_tile + 1) * (BK // 16), mask=in_rows & (next_blocks < K // 16), other=0)
             mbarrier.wait(ready.index(stage), (k_tile // NUM_STAGES) & 1)
             packed = w_smem.index(2 * stage + HALF).load(PACKED)
@@ -221,23 +224,29 @@ if HAS_GLUON_HOPPER:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(stage), count=1)
             codes = next_codes
-        _store_output_tile(acc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, M, N, stride_om, first_row, off_m,
-                           HAS_BIAS)
+        _store_output_tile(acc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, M, N, stride_om,
+                           first_row, off_m, split, HAS_BIAS, WRITE_PARTIALS)
         if REST > 0:
-            _store_output_tile(acc_rest, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, M, N, stride_om, first_row,
-                               off_m + LEAD, HAS_BIAS)
+            _store_output_tile(acc_rest, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, M, N,
+                               stride_om, first_row, off_m + LEAD, split, HAS_BIAS, WRITE_PARTIALS)
 
     @gluon.jit
-    def _store_output_tile(acc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, M, N, stride_om, first_row,
-                           first_token, HAS_BIAS: gl.constexpr):
+    def _store_output_tile(acc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, M, N, stride_om,
+                           first_row, first_token, split, HAS_BIAS: gl.constexpr, WRITE_PARTIALS: gl.constexpr):
         """A consumer's accumulated ``[64, tokens]`` product times both global scales, plus the
-        bias, stored transposed into the output's rows ``first_token`` onwards."""
+        bias, stored transposed into the output's rows ``first_token`` onwards; or with
+        ``WRITE_PARTIALS`` stored as it is into split ``split`` of the ``[split_k, M, N]`` fp32
+        partial products (the Triton kernel's layout of them)."""
         out_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc.type.layout))
         tokens = first_token + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
+        mask = (out_rows[:, None] < N) & (tokens[None, :] < M)
+        if WRITE_PARTIALS:
+            at = (split * M + tokens.to(gl.int64))[None, :] * N + out_rows[:, None]
+            gl.store(partials_ptr + at, acc, mask=mask)
+            return
         acc = acc * (gl.load(act_scale_ptr) * gl.load(weight_scale_ptr))
         if HAS_BIAS:
             acc += gl.load(bias_ptr + out_rows, mask=out_rows < N, other=0.0).to(gl.float32)[:, None]
-        mask = (out_rows[:, None] < N) & (tokens[None, :] < M)
         gl.store(
             out_ptr + tokens.to(gl.int64)[None, :] * stride_om + out_rows[:, None],
             acc.to(out_ptr.dtype.element_ty),
@@ -246,16 +255,22 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _warp_specialized_gemm_kernel(a_desc, a_rest_desc, w_desc, scales_ptr, act_scale_ptr, weight_scale_ptr,
-                                      bias_ptr, out_ptr, M, N, K, stride_om,
+                                      bias_ptr, out_ptr, partials_ptr, M, N, K, stride_om, split_k,
                                       BLOCK_M: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                                      HAS_BIAS: gl.constexpr, REGISTERS: gl.constexpr):
+                                      HAS_BIAS: gl.constexpr, WRITE_PARTIALS: gl.constexpr,
+                                      REGISTERS: gl.constexpr):
         # Consecutive programs take the same weight rows, so each weight tile is read from L2 by
-        # the programs after the first.
+        # the programs after the first. The K splits, their ranges and the order of their sum
+        # (by the caller) are the Triton kernel's.
         pid = gl.program_id(0)
+        split = gl.program_id(1)
         tiles_m = gl.cdiv(M, BLOCK_M)
         off_m = (pid % tiles_m) * BLOCK_M
         off_n = (pid // tiles_m) * (2 * ROWS)
-        k_tiles = gl.cdiv(K, BK)
+        tiles_k = gl.cdiv(K, BK)
+        per_split = gl.cdiv(tiles_k, split_k)
+        k_first = split * per_split
+        k_tiles = gl.minimum(per_split, tiles_k - k_first)
         a_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, leading_tokens(BLOCK_M), BK], a_desc.layout)
         a_rest_smem = gl.allocate_shared_memory(
             gl.float16, rest_stages_shape(BLOCK_M, BK, NUM_STAGES), a_rest_desc.layout
@@ -269,13 +284,15 @@ if HAS_GLUON_HOPPER:
         gl.warp_specialize(
             [
                 (_load_partition, (a_desc, a_rest_desc, w_desc, a_smem, a_rest_smem, w_smem, ready, empty, off_m, off_n,
-                                   k_tiles, BLOCK_M, BK, NUM_STAGES)),
+                                   k_first, k_tiles, BLOCK_M, BK, NUM_STAGES)),
                 (_multiply_partition, (a_smem, a_rest_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr,
-                                       weight_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
-                                       0, BLOCK_M, BK, NUM_STAGES, HAS_BIAS)),
+                                       weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, M, N, K, stride_om, off_m,
+                                       off_n, k_first, k_tiles, split, 0, BLOCK_M, BK, NUM_STAGES, HAS_BIAS,
+                                       WRITE_PARTIALS)),
                 (_multiply_partition, (a_smem, a_rest_smem, w_smem, ready, empty, scales_ptr, act_scale_ptr,
-                                       weight_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_tiles,
-                                       1, BLOCK_M, BK, NUM_STAGES, HAS_BIAS)),
+                                       weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, M, N, K, stride_om, off_m,
+                                       off_n, k_first, k_tiles, split, 1, BLOCK_M, BK, NUM_STAGES, HAS_BIAS,
+                                       WRITE_PARTIALS)),
             ],
             [4, 4],
             [REGISTERS, REGISTERS],
@@ -311,9 +328,12 @@ def kernel_arguments(
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
     tokens_per_tile: int,
+    partials: Optional[torch.Tensor] = None,
 ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, meta)`` of the kernel's launch for tiles of ``tokens_per_tile`` activation
-    rows (the TMA descriptors built for these tensors)."""
+    rows (the TMA descriptors built for these tensors). Without ``partials`` the kernel writes
+    ``out``; with ``partials`` (``[split_k, M, N]`` fp32) it runs in ``split_k`` K splits and
+    writes each split's partial products there, for the caller to sum."""
     if tokens_per_tile not in TOKENS_PER_TILE:
         raise ValueError(
             f"nvfp4_static: the warp-specialized GEMM has tiles of {TOKENS_PER_TILE} activation rows, "
@@ -321,17 +341,30 @@ def kernel_arguments(
         )
     M, K = a.shape
     N = weight_qdata.shape[0]
+    split_k = 1 if partials is None else partials.shape[0]
+    k_tiles = ceil_div(K, BLOCK_K)
+    if partials is not None and (
+        partials.shape[1:] != (M, N)
+        or partials.dtype != torch.float32
+        or split_k < 1
+        or (split_k - 1) * ceil_div(k_tiles, split_k) >= k_tiles
+    ):
+        raise ValueError(
+            f"nvfp4_static: the warp-specialized GEMM's partial products for M = {M}, N = {N}, K = {K} are "
+            f"[split_k, {M}, {N}] fp32, every split given some of the {k_tiles} K tiles, got {list(partials.shape)}"
+        )
     tokens = tokens_per_program(M, tokens_per_tile)
     lead = leading_tokens(tokens)
     a_desc = _operand_descriptor(a, lead)
     a_rest_desc = _operand_descriptor(a, tokens - lead) if tokens > lead else a_desc
     w_layout = _shared_layout(ROWS_PER_CONSUMER, BLOCK_K // 2, gl.uint8)
     w_desc = TensorDescriptor(weight_qdata, [N, K // 2], [K // 2, 1], [ROWS_PER_CONSUMER, BLOCK_K // 2], w_layout)
-    grid = (ceil_div(M, tokens) * ceil_div(N, WEIGHT_ROWS_PER_TILE), 1, 1)
-    args = (a_desc, a_rest_desc, w_desc, scale_codes, act_scale, weight_scale, bias if bias is not None else act_scale,
-            out, M, N, K, out.stride(0))
+    grid = (ceil_div(M, tokens) * ceil_div(N, WEIGHT_ROWS_PER_TILE), split_k, 1)
+    unused = act_scale
+    args = (a_desc, a_rest_desc, w_desc, scale_codes, act_scale, weight_scale, unused if bias is None else bias,
+            out, unused if partials is None else partials, M, N, K, out.stride(0), split_k)
     meta = dict(BLOCK_M=tokens, BK=BLOCK_K, NUM_STAGES=STAGES[tokens], HAS_BIAS=bias is not None,
-                REGISTERS=CONSUMER_REGISTERS, num_warps=4)
+                WRITE_PARTIALS=partials is not None, REGISTERS=CONSUMER_REGISTERS, num_warps=4)
     return grid, args, meta
 
 
@@ -367,12 +400,14 @@ def launch_warp_specialized_gemm(
     bias: Optional[torch.Tensor],
     out: torch.Tensor,
     tokens_per_tile: int,
+    partials: Optional[torch.Tensor] = None,
 ) -> None:
     """``out [M, N] = (a @ dequant(W)^T) * act_scale * weight_scale + bias`` in tiles of
-    ``tokens_per_tile`` activation rows: ``a`` the fp16 operand in the MMA order, ``scale_codes``
+    ``tokens_per_tile`` activation rows, or with ``partials`` the partial products of its K
+    splits only (``kernel_arguments``): ``a`` the fp16 operand in the MMA order, ``scale_codes``
     the block scales as bytes, both global scales fp32 ``[1]``; the caller has checked
     ``available`` and ``takes``."""
     grid, args, meta = kernel_arguments(
-        a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, tokens_per_tile
+        a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, tokens_per_tile, partials
     )
     launch_prepared(KernelCall(_warp_specialized_gemm_kernel, grid, args, meta), a.device)

@@ -46,7 +46,7 @@ import torch
 from torch.library import triton_op
 
 from nvfp4_static import references
-from nvfp4_static.kernels.launch import runs_eagerly
+from nvfp4_static.kernels.launch import ceil_div, runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 
 try:
@@ -444,13 +444,14 @@ def warp_specialized_nvfp4_gemm(
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
     tokens_per_tile: int,
+    split_k: int = 1,
 ) -> torch.Tensor:
     """``nvfp4_gemm`` with the wide warp-specialized tile of ``tokens_per_tile`` activation rows
     (``gemm.TALL_TILE``: 256, ``gemm.SQUARE_TILE``: 128; ``a`` its fp16 operand in the MMA
-    order) as an op Inductor does not look into: a traced graph reaches the Gluon kernel
-    (``gemm_warp_specialized``, which tracing cannot see) through it. At run time the launcher
-    runs that kernel where the GPU and the tensors suit it and the same tile in Triton otherwise;
-    the two give the same output."""
+    order) in ``split_k`` K splits, as an op Inductor does not look into: a traced graph reaches
+    the Gluon kernel (``gemm_warp_specialized``, which tracing cannot see) through it. At run time
+    the launcher runs that kernel where the GPU and the tensors suit it and the same tile in
+    Triton otherwise; the two give the same output."""
     _require_cuda(a, "warp_specialized_nvfp4_gemm")
     require_triton("the NVFP4 GEMM on a CUDA tensor")
     if tokens_per_tile not in WIDE_TILES:
@@ -458,15 +459,23 @@ def warp_specialized_nvfp4_gemm(
             f"nvfp4_static: warp_specialized_nvfp4_gemm has tiles of {sorted(WIDE_TILES)} activation rows, "
             f"got tokens_per_tile = {tokens_per_tile}"
         )
+    k_tiles = ceil_div(a.shape[1], WIDE_TILES[tokens_per_tile].block_k)
+    if split_k < 1 or (split_k - 1) * ceil_div(k_tiles, split_k) >= k_tiles:
+        raise ValueError(
+            f"nvfp4_static: warp_specialized_nvfp4_gemm splits K = {a.shape[1]} ({k_tiles} K tiles) into parts "
+            f"that each hold some of them, got split_k = {split_k}"
+        )
     out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
     scales = (act_per_tensor_scale, weight_per_tensor_scale)
-    launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, *scales, bias, out, WIDE_TILES[tokens_per_tile])
+    tile = WIDE_TILES[tokens_per_tile]
+    launch_nvfp4_gemm(a, weight_qdata, weight_block_scales, *scales, bias, out, tile, split_k=split_k)
     return out
 
 
 @warp_specialized_nvfp4_gemm.register_fake
 def _warp_specialized_nvfp4_gemm_fake(
-    a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out_dtype, tokens_per_tile
+    a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out_dtype, tokens_per_tile,
+    split_k=1,
 ):
     return a.new_empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype)
 
