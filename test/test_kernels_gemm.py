@@ -426,15 +426,16 @@ def test_the_mma_order_runs_only_on_whole_32_element_groups():
 
 
 def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypatch):
-    """At 132 SMs a wide tile needs 99 programs at its bucket's largest M. The tall tile (256
-    rows), from 129 rows: 14336 columns (112 tiles of 128) from 129 rows, 8192 (64 tiles) from
-    257 rows (two row tiles at M = 512), 4096 never. Where it does not fill them, the square
-    tile (128 rows): 14336 columns at 65-128 rows, 8192 at 129-256 (2 x 64 programs), 4096 at
-    257-512 (4 x 32); else the square tile with its K split for one program per SM where that
-    fills them: 8192 x 8192 at 65-128 rows (2 splits), 4096 columns at 65-256 rows (4 and 2
-    splits of K = 14336), 2048 at 257-512 (2 splits); not 512 columns (4 tiles, 16 splits of K =
-    4096 at most: 64 programs). Only where the square tile runs warp-specialized; not below 65
-    rows, not at prefill sizes, not on the interpreter's CPU tensors."""
+    """At 132 SMs a wide tile needs 93 programs at its bucket's largest M. The tall tile (256
+    rows), from 129 rows: 14336 columns (112 tiles of 128) and 12288 (96) from 129 rows, 8192
+    (64 tiles) and 6144 (48) from 257 rows (two row tiles at M = 512), 4096 never. Where it does
+    not fill them, the square tile (128 rows): 14336 and 12288 columns at 65-128 rows, 8192 at
+    129-256 (2 x 64 programs), 4096 at 257-512 (4 x 32); else the square tile with its K split
+    for one program per SM where that fills them: 8192 x 8192 at 65-128 rows (2 splits), 4096
+    columns at 65-256 rows (4 and 2 splits of K = 14336), 2048 at 257-512 (2 splits); not 512
+    columns (4 tiles, 16 splits of K = 4096 at most: 64 programs), nor 11264 at 65-128 (88
+    tiles, unsplit). Only where the square tile runs warp-specialized; not below 65 rows, not at
+    prefill sizes, not on the interpreter's CPU tensors."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: True)
@@ -456,6 +457,11 @@ def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypat
                                                                (split_256, 4096, 14336), (split_512, 2048, 8192)]] == [
         2, 4, 2, 2
     ]
+    assert table_config(256, None, 12288, 4096, cuda) == TALL_TILE
+    assert table_config(512, None, 6144, 4096, cuda) == TALL_TILE
+    assert table_config(128, None, 12288, 4096, cuda) == SQUARE_TILE
+    assert table_config(256, None, 6144, 4096, cuda) == SQUARE_TILE
+    assert table_config(128, None, 11264, 4096, cuda) == gemm_config(128)
     assert table_config(128, None, 512, 4096, cuda) == gemm_config(128)
     assert table_config(64, None, 14336, 4096, cuda) == gemm_config(64)
     assert table_config(513, None, 14336, 4096, cuda) == gemm_config(513)

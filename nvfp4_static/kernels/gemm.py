@@ -620,7 +620,12 @@ DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS = 0.8
 EAGER_QUANTIZING_MAX_ROWS = 16
 WIDE_TILES = {tile.block_m: tile for tile in (TALL_TILE, SQUARE_TILE)}  # by activation rows
 WIDE_TILE_BUCKETS = (128, 256, 512)  # the largest M of the entries they may replace
-WIDE_TILE_SM_FILL = 0.75
+# A wide tile takes over where its programs fill 70% of the SMs in one wave: a wave of 96
+# programs on 132 SMs beats the next tile's 1.5 waves or the entry (H200, bench_warp_specialized.py,
+# bf16 / ours): 4096 x 12288 at M = 200 / 256 the tall tile 0.80x / 0.79x against the square's
+# 0.62x / 0.62x, at M = 100 / 128 the square tile 1.02x / 1.00x against the entry's 0.91x / 0.95x;
+# 4096 x 6144 at M = 300-512 the tall tile 0.69-0.73x against the square's 0.48-0.58x.
+WIDE_TILE_SM_FILL = 0.7
 # The square tile at each bucket with its K split sized for one program per SM over the bucket's
 # row tiles (``split_k_for``).
 SPLIT_SQUARE_TILES = {
