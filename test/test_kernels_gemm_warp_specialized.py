@@ -356,21 +356,30 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(tile, modes, m
     handing the body one mode fewer. Stood in on the CPU: the kernel's launcher, availability
     and the op's device check are patched."""
     calls = []
-    monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
-    monkeypatch.setattr(gemm_warp_specialized, "takes", lambda a, weight_qdata, out: True)
-    monkeypatch.setattr(
-        gemm_warp_specialized, "launch_warp_specialized_gemm", lambda *args: calls.append((args[6].fill_(1.0), args[7]))
-    )
-    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+    stand_in_for_the_kernel(monkeypatch, lambda *args: calls.append((args[6].fill_(1.0), args[7])))
     M, N, K = 4, 64, 32
     operand, *weight = gemm_operands(M, N, K, seed=1, config=tile)
     out = torch.zeros(M, N, dtype=torch.bfloat16)
+    launch_under_dispatch_modes(modes, operand, weight, out, tile)
+    assert [tokens for _, tokens in calls] == [tile.block_m]
+    assert torch.equal(out, torch.ones_like(out))
+
+
+def stand_in_for_the_kernel(monkeypatch, launcher) -> None:
+    """On the CPU: the wide tiles' kernel available, taking every call, launched by ``launcher``;
+    the op's device check off."""
+    monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
+    monkeypatch.setattr(gemm_warp_specialized, "takes", lambda a, weight_qdata, out: True)
+    monkeypatch.setattr(gemm_warp_specialized, "launch_warp_specialized_gemm", launcher)
+    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+
+
+def launch_under_dispatch_modes(modes: int, operand, weight: list, out, tile) -> None:
+    """``tile``'s launch inside ``modes`` pass-through dispatch modes (as under tracing)."""
     with contextlib.ExitStack() as stack:
         for _ in range(modes):
             stack.enter_context(PassThrough())
         launch_nvfp4_gemm(operand, *weight, out, tile)
-    assert [tokens for _, tokens in calls] == [tile.block_m]
-    assert torch.equal(out, torch.ones_like(out))
 
 
 @pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])
@@ -389,20 +398,14 @@ def test_split_square_tile_reaches_the_kernel_with_its_split_then_the_split_sum(
         out.fill_(2.0)
 
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
-    monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
-    monkeypatch.setattr(gemm_warp_specialized, "takes", lambda a, weight_qdata, out: True)
-    monkeypatch.setattr(gemm_warp_specialized, "launch_warp_specialized_gemm", kernel)
+    stand_in_for_the_kernel(monkeypatch, kernel)
     monkeypatch.setattr(gemm, "launch_epilogue", epilogue)
-    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
     M, N, K = 4, 256, 1024
     tile = gemm.SPLIT_SQUARE_TILES[128]
     assert gemm.split_k_for(tile, N, K, torch.device("cuda")) == 4
     operand, *weight = gemm_operands(M, N, K, seed=1, config=tile)
     out = torch.zeros(M, N, dtype=torch.bfloat16)
-    with contextlib.ExitStack() as stack:
-        for _ in range(modes):
-            stack.enter_context(PassThrough())
-        launch_nvfp4_gemm(operand, *weight, out, tile)
+    launch_under_dispatch_modes(modes, operand, weight, out, tile)
     assert kernel_calls == [(128, (4, M, N))] and epilogue_calls == [(4, M, N)]
     assert torch.equal(out, torch.full_like(out, 2.0))
 

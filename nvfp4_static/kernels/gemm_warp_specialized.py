@@ -26,7 +26,14 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static.kernels.launch import KernelCall, PreparedLaunch, ceil_div, interpreting, record_launch
+from nvfp4_static.kernels.launch import (
+    KernelCall,
+    PreparedLaunch,
+    ceil_div,
+    interpreting,
+    record_launch,
+    splits_hold_k_tiles,
+)
 
 try:
     from triton._C.libtriton import native_specialize_impl
@@ -344,10 +351,7 @@ def kernel_arguments(
     split_k = 1 if partials is None else partials.shape[0]
     k_tiles = ceil_div(K, BLOCK_K)
     if partials is not None and (
-        partials.shape[1:] != (M, N)
-        or partials.dtype != torch.float32
-        or split_k < 1
-        or (split_k - 1) * ceil_div(k_tiles, split_k) >= k_tiles
+        partials.shape[1:] != (M, N) or partials.dtype != torch.float32 or not splits_hold_k_tiles(k_tiles, split_k)
     ):
         raise ValueError(
             f"nvfp4_static: the warp-specialized GEMM's partial products for M = {M}, N = {N}, K = {K} are "

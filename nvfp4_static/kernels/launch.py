@@ -211,6 +211,12 @@ def ceil_div(a, b):
     return (a + b - 1) // b
 
 
+def splits_hold_k_tiles(k_tiles: int, split_k: int) -> bool:
+    """Whether ``split_k`` K splits of ``k_tiles`` tiles, ``ceil(k_tiles / split_k)`` each as the
+    GEMM kernels cut them, give every split at least one tile."""
+    return split_k >= 1 and (split_k - 1) * ceil_div(k_tiles, split_k) < k_tiles
+
+
 def next_power_of_2(n: int) -> int:
     """The smallest power of 2 that is ``>= n`` (1 for ``n <= 1``)."""
     return 1 << max(n - 1, 0).bit_length()

@@ -46,7 +46,7 @@ import torch
 from torch.library import triton_op
 
 from nvfp4_static import references
-from nvfp4_static.kernels.launch import ceil_div, runs_eagerly
+from nvfp4_static.kernels.launch import ceil_div, runs_eagerly, splits_hold_k_tiles
 from nvfp4_static.numerics import BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 
 try:
@@ -460,7 +460,7 @@ def warp_specialized_nvfp4_gemm(
             f"got tokens_per_tile = {tokens_per_tile}"
         )
     k_tiles = ceil_div(a.shape[1], WIDE_TILES[tokens_per_tile].block_k)
-    if split_k < 1 or (split_k - 1) * ceil_div(k_tiles, split_k) >= k_tiles:
+    if not splits_hold_k_tiles(k_tiles, split_k):
         raise ValueError(
             f"nvfp4_static: warp_specialized_nvfp4_gemm splits K = {a.shape[1]} ({k_tiles} K tiles) into parts "
             f"that each hold some of them, got split_k = {split_k}"
