@@ -107,8 +107,14 @@ needs_gluon_hopper = pytest.mark.skipif(
 @needs_gluon_hopper
 @pytest.mark.parametrize(
     "M,tile,tokens,wgmma_tokens,split_k",
-    [(512, 256, 256, [256], 1), (384, 256, 192, [64, 128], 1), (512, 128, 128, [128], 1), (128, 128, 128, [128], 4)],
-    ids=["tall", "short-tall", "square", "split-square"],
+    [
+        (512, 256, 256, [256], 1),
+        (384, 256, 192, [64, 128], 1),
+        (512, 128, 128, [128], 1),
+        (128, 128, 128, [128], 4),
+        (384, 256, 192, [64, 128], 2),
+    ],
+    ids=["tall", "short-tall", "square", "split-square", "split-short-tall"],
 )
 def test_sm90a_build_keeps_three_warpgroups_without_spills(M, tile, tokens, wgmma_tokens, split_k, tmp_path):
     """What the GPU tests cannot show on a machine without one: ptxas builds the kernel for
@@ -200,13 +206,19 @@ class CountingLaunches:
      (150, 2048, 1024)],
     ids=str,
 )
-@pytest.mark.parametrize("tile", [TALL_TILE, SQUARE_TILE], ids=["tall", "square"])
+@pytest.mark.parametrize(
+    "tile",
+    [TALL_TILE, SQUARE_TILE, gemm.SPLIT_SQUARE_TILES[128], replace(TALL_TILE, programs_per_sm=1, row_tiles_for_split=2)],
+    ids=["tall", "square", "split-square", "split-tall"],
+)
 def test_gpu_warp_specialized_equals_the_triton_tile_bit_for_bit(tile, dtype, with_bias, M, N, K, monkeypatch):
     """Row, column and K edges (M, N and K not multiples of the tile; one row; fewer weight rows
-    than one tile's, so one consumer's rows are partly outside the weight), and the tall tile's
+    than one tile's, so one consumer's rows are partly outside the weight), the tall tile's
     programs of 192 rows (M = 1, 150, 257, 300, 384: both of their wgmmas' tokens full, partly
-    or wholly past M): the same output as the Triton kernel of the same tile, bit for bit,
-    within the fp64 reference's bound."""
+    or wholly past M), and K split for one program per SM (the split sized for the GPU: on 132
+    SMs 2 to 56 splits on three to five of these weights, the last one shorter at K = 4128):
+    the same output as the Triton kernel of the same tile and split, bit for bit, within the
+    fp64 reference's bound."""
     operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=tile)
     weight[-1] = weight[-1] if with_bias else None
     launches = CountingLaunches(monkeypatch)

@@ -4,9 +4,10 @@ For each weight shape and M, GPU times from CUDA graphs (ms): bf16 ``F.linear``;
 route for M (``static_nvfp4_linear``); and the activation operand kernel followed by one GEMM:
 the bucket's own table entry (``gemm.gemm_config(M)``), the tall 256 x 128 tile in Triton
 (``gemm.TALL_TILE_IN_TRITON``), and the tall and square (128 x 128) tiles warp-specialized
-(``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``), and the square one with its K split for one program
-per SM over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``; its split sum included); the
-tall one as the table runs it (192 rows per program where that leaves the programs as many,
+(``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``), and each with its K split for one program per SM
+over the bucket's row tiles (its split sum included): the square one as the table runs it
+(``gemm.SPLIT_SQUARE_TILES``), the tall one a candidate the table does not take (above 128 rows);
+the tall one as the table runs it (192 rows per program where that leaves the programs as many,
 ``gemm_warp_specialized.tokens_per_program``) and with 256 rows per program at every M. Each
 warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed.
 The table takes a wide tile where its programs fill most SMs (``gemm.wide_tile``); the last
@@ -27,6 +28,10 @@ from tune_gemm import make_weight
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm, gemm_activation_operand, gemm_warp_specialized
 from nvfp4_static.kernels.gemm import SPLIT_SQUARE_TILES, SQUARE_TILE, TALL_TILE, TALL_TILE_IN_TRITON
+from nvfp4_static.kernels.launch import ceil_div
+
+# Columns after bf16 and the table's route: the operand kernel followed by each tile.
+TILE_COLUMNS = ("entry", "tall-triton", "tall-ws", "tall-ws-256", "square-ws", "split-square-ws", "split-tall-ws")
 
 
 def operand_then_gemm(x, weight, act_scale, config):
@@ -51,6 +56,14 @@ def with_256_rows_per_program(route):
     return run
 
 
+def split_tall_tile(max_m):
+    """The tall tile with its K split for one program per SM over the row tiles of ``max_m`` rows
+    (above 128 rows; else None)."""
+    if max_m is None or max_m <= SQUARE_TILE.block_m:
+        return None
+    return replace(TALL_TILE, programs_per_sm=1, row_tiles_for_split=ceil_div(max_m, TALL_TILE.block_m))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[100, 128, 129, 200, 256, 384, 512, 1024])
@@ -61,10 +74,7 @@ def main():
     if not gemm.gemm_warp_specialized.available(device):
         raise SystemExit("bench_warp_specialized: needs a Hopper GPU and a Triton with Gluon's Hopper API")
     print(f"device: {torch.cuda.get_device_name()}")
-    print(
-        "     K      N     M |   bf16  table  entry tall-triton tall-ws tall-ws-256 square-ws split-ws "
-        "| bf16 / table  entry tall-ws square-ws split-ws | table takes"
-    )
+    print(f"     K      N     M |   bf16  table  {'  '.join(TILE_COLUMNS)} | bf16 / table and each tile | table takes")
     for shape in args.shapes:
         K, N = (int(side) for side in shape.split("x"))
         weight = make_weight(K, N)
@@ -74,7 +84,7 @@ def main():
             output_scale = float(act_scale * weight.scale)
             entry = gemm.gemm_config(M)
             bucket = gemm.GEMM_CONFIGS[gemm.gemm_bucket(M)][0]
-            split = SPLIT_SQUARE_TILES.get(bucket)
+            split_square, split_tall = SPLIT_SQUARE_TILES.get(bucket), split_tall_tile(bucket)
             routes = {
                 # Above 512 rows the entry is cuBLAS's route, which the table column times.
                 "entry": operand_then_gemm(x, weight, act_scale, entry) if isinstance(entry, gemm.GemmConfig) else None,
@@ -82,9 +92,16 @@ def main():
                 "tall-ws": operand_then_gemm(x, weight, act_scale, TALL_TILE),
                 "tall-ws-256": with_256_rows_per_program(operand_then_gemm(x, weight, act_scale, TALL_TILE)),
                 "square-ws": operand_then_gemm(x, weight, act_scale, SQUARE_TILE),
-                "split-ws": operand_then_gemm(x, weight, act_scale, split) if split else None,
+                "split-square-ws": operand_then_gemm(x, weight, act_scale, split_square) if split_square else None,
+                "split-tall-ws": operand_then_gemm(x, weight, act_scale, split_tall) if split_tall else None,
             }
-            checked = {"tall-ws": TALL_TILE, "tall-ws-256": TALL_TILE, "square-ws": SQUARE_TILE, "split-ws": split}
+            checked = {
+                "tall-ws": TALL_TILE,
+                "tall-ws-256": TALL_TILE,
+                "square-ws": SQUARE_TILE,
+                "split-square-ws": split_square,
+                "split-tall-ws": split_tall,
+            }
             for name, tile in checked.items():
                 if tile is None:
                     continue
@@ -101,14 +118,11 @@ def main():
             wide = gemm.wide_tile(bucket, N, K, device)
             takes = {TALL_TILE: "tall", SQUARE_TILE: "square", None: "-"}.get(wide)
             takes = takes or f"split-square ({gemm.split_k_for(wide, N, K, device)})"
-            names = ("table", "entry", "tall-ws", "square-ws", "split-ws")
-            ratios = " ".join(f"{ms['bf16'] / ms[name]:.2f}" for name in names)
-            print(
-                f"{K:6d} {N:6d} {M:5d} | {ms['bf16']:.4f} {ms['table']:.4f} {ms['entry']:.4f} {ms['tall-triton']:.4f} "
-                f"{ms['tall-ws']:.4f} {ms['tall-ws-256']:.4f} {ms['square-ws']:.4f} {ms['split-ws']:.4f} | {ratios} "
-                f"| {takes}",
-                flush=True,
-            )
+            if split_tall is not None:
+                takes += f"; split-tall has {gemm.split_k_for(split_tall, N, K, device)} splits"
+            times = " ".join(f"{ms[name]:.4f}" for name in ("bf16", "table", *TILE_COLUMNS))
+            ratios = " ".join(f"{ms['bf16'] / ms[name]:.2f}" for name in ("table", *TILE_COLUMNS))
+            print(f"{K:6d} {N:6d} {M:5d} | {times} | {ratios} | {takes}", flush=True)
 
 
 if __name__ == "__main__":
