@@ -564,8 +564,9 @@ GEMM_CONFIGS = (
 # operand kernel and GEMM, ms on an H200, 256 -> 192 rows per program, 8192 x 8192 at M = 300 /
 # 384 0.1346 / 0.1023 -> 0.0834 / 0.0844, 4096 x 14336 at M = 129 / 384 0.0708 / 0.1044 -> 0.0499
 # / 0.0889 (bench_warp_specialized.py).
-# Where the tall programs fill fewer SMs, the square tile (128 activation rows) takes their place
-# if its programs fill them, warp-specialized only (in Triton it is slower than the entries).
+# Where the tall programs fill fewer SMs, and at 65-128 rows (where they would hold more rows than
+# the bucket's), the square tile (128 activation rows) takes their place if its programs fill
+# them, warp-specialized only (in Triton it is slower than the entries).
 # Operand kernel and GEMM, ms on an H200 (bench_warp_specialized.py), entry -> square: 8192 x 8192
 # at M = 200 / 256 0.0772 / 0.0732 -> 0.0665 / 0.0672 (bf16 0.0498 / 0.0537), at M = 129
 # 0.0761 -> 0.0854 (its second row tile holds one row); 14336 x 4096 at M = 384 / 512 0.1212 /
