@@ -18,7 +18,15 @@ from triton_interpreter import run_interpreted
 
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches, ReplayedLinear
 from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized
-from nvfp4_static.kernels.gemm import DECODE_TILE, GEMM_CONFIGS, SQUARE_TILE, TALL_TILE, table_config
+from nvfp4_static.kernels.gemm import (
+    DECODE_TILE,
+    GEMM_CONFIGS,
+    SPLIT_SQUARE_TILES,
+    SQUARE_TILE,
+    TALL_TILE,
+    _epilogue_kernel,
+    table_config,
+)
 from nvfp4_static.kernels.launch import KernelCall, recording_launches
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
@@ -306,18 +314,22 @@ def test_gpu_a_layer_with_unwrapped_weights_replays_its_launches():
     reason="needs a Hopper GPU and Gluon",
 )
 @pytest.mark.parametrize(
-    "M,N,K,tile", [(300, 8192, 1024, "tall"), (200, 8192, 1024, "square"), (16, 28672, 8192, "decode")]
+    "M,N,K,tile",
+    [(300, 8192, 1024, "tall"), (200, 8192, 1024, "square"), (128, 8192, 8192, "split-square"),
+     (16, 28672, 8192, "decode")],
 )
 def test_gpu_replay_redoes_the_warp_specialized_launch(M, N, K, tile):
-    """On Hopper a wide layer at 129-512 rows runs the warp-specialized Gluon GEMM, and a large
-    layer at 2-16 rows the decode one, which read the operand through a TMA descriptor (the
-    decode kernel also its split's partial products and the stream's counters): the second and
-    third calls replay it (over the arena's operand buffer), each with the route's output for its
-    own activation."""
-    tiles = {"tall": TALL_TILE, "square": SQUARE_TILE, "decode": DECODE_TILE}
+    """On Hopper a wide layer at 65-512 rows runs the warp-specialized Gluon GEMM (split in K, its
+    partial products then summed by the epilogue kernel, where its programs alone would leave SMs
+    idle), and a large layer at 2-16 rows the decode one, which read the operand through a TMA
+    descriptor (the decode kernel also its split's partial products and the stream's counters):
+    the second and third calls replay it (over the arena's operand and partial products), each
+    with the route's output for its own activation."""
+    tiles = {"tall": TALL_TILE, "square": SQUARE_TILE, "split-square": SPLIT_SQUARE_TILES[128], "decode": DECODE_TILE}
     kernel = {
         "tall": gemm_warp_specialized._warp_specialized_gemm_kernel,
         "square": gemm_warp_specialized._warp_specialized_gemm_kernel,
+        "split-square": gemm_warp_specialized._warp_specialized_gemm_kernel,
         "decode": gemm_decode_warp_specialized._decode_gemm_kernel,
     }[tile]
     assert table_config(M, None, N, K, torch.device("cuda")) == tiles[tile]
@@ -333,3 +345,4 @@ def test_gpu_replay_redoes_the_warp_specialized_launch(M, N, K, tile):
     assert isinstance(linear, ReplayedLinear)
     kernels = [launch._kernel for launch in linear._launches]
     assert kernels.count(kernel) == 1
+    assert (_epilogue_kernel in kernels) == (tile == "split-square")
