@@ -768,3 +768,22 @@ def test_launcher_refuses_a_config_that_would_misread_the_activation():
         launch_nvfp4_gemm(x.half(), *weights_and_bias, out, quantizing)
     with pytest.raises(ValueError, match="raw_activation=True .* activation_rows = 0"):
         launch_nvfp4_gemm(x, *weights_and_bias, out, operand_only, raw_activation=True)
+
+
+@pytest.mark.parametrize(
+    "block_k,K,split_k",
+    [(32, 96, 0), (32, 96, -2), (32, 96, 4), (64, 64, 2), (16, 96, 7), (None, 96, 2)],
+    ids=str,
+)
+def test_launcher_refuses_a_k_split_that_leaves_a_split_without_k_tiles(block_k, K, split_k, monkeypatch):
+    """A split handed to the launcher (as the wide tiles' op is handed one) must give every split
+    some of the K tiles: not 0 or fewer, not 4 splits of 3 tiles (32-wide on K = 96), 2 of one
+    (64-wide on K = 64) or 7 of 6 (16-wide); and cuBLAS's route (``block_k`` None) takes none.
+    Nothing is launched."""
+    monkeypatch.setattr(gemm, "launch_tiles", lambda *args: pytest.fail("launched"))
+    monkeypatch.setattr(gemm, "launch_weight_dequantize", lambda *args: pytest.fail("launched"))
+    config = CublasAfterDequantize() if block_k is None else GemmConfig(16, 16, block_k, 4, 1)
+    operand, *weight = gemm_operands(3, 16, K, seed=0)
+    out = torch.empty(3, 16)
+    with pytest.raises(ValueError, match=rf"split_k = {split_k} for K = {K}"):
+        launch_nvfp4_gemm(operand, *weight, out, config, split_k=split_k)

@@ -52,7 +52,7 @@ import triton.language as tl
 from nvfp4_static.kernels import gemm_decode_warp_specialized, gemm_warp_specialized
 from nvfp4_static.kernels.act_quantize import MMA_GROUP, quantize_to_operand_halves
 from nvfp4_static.kernels.e2m1_ptx import E2M1_BYTES_TO_FP16_PTX
-from nvfp4_static.kernels.launch import KernelCall, ceil_div, next_power_of_2, runs_eagerly, traced
+from nvfp4_static.kernels.launch import KernelCall, ceil_div, next_power_of_2, runs_eagerly, splits_hold_k_tiles, traced
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 _E2M1_BYTES_TO_FP16_PTX = tl.constexpr(E2M1_BYTES_TO_FP16_PTX)
@@ -995,10 +995,13 @@ def launch_nvfp4_gemm(
     weight_block_scales = weight_block_scales.contiguous().view(torch.uint8)
     eager = runs_eagerly(a)
     gluon = isinstance(config, GemmConfig) and config.warp_specialized and gemm_warp_specialized.available(a.device)
-    if isinstance(config, CublasAfterDequantize):
-        split_k = 1
-    elif split_k is None:
-        split_k = split_k_for(config, N, K, a.device)
+    if split_k is None:
+        split_k = 1 if isinstance(config, CublasAfterDequantize) else split_k_for(config, N, K, a.device)
+    elif isinstance(config, CublasAfterDequantize) or not splits_hold_k_tiles(ceil_div(K, config.block_k), split_k):
+        raise ValueError(
+            f"nvfp4_static: split_k = {split_k} for K = {K} with {config}: cuBLAS's route takes no split, and the "
+            f"kernels' splits must each hold some of the K tiles"
+        )
     if gluon and config != DECODE_TILE:
         if not eager:
             product = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm(
