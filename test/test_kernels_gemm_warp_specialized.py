@@ -346,8 +346,9 @@ def test_the_op_refuses_cpu_tensors():
     for tokens in (256, 128):
         with pytest.raises(ValueError, match="warp_specialized_nvfp4_gemm runs on CUDA tensors, got cpu"):
             op(a, qdata, scales, scale, scale, None, torch.bfloat16, tokens)
-        fake = op(*(t.to("meta") for t in (a, qdata, scales, scale, scale)), None, torch.bfloat16, tokens)
-        assert fake.shape == (M, N) and fake.dtype == torch.bfloat16
+        for split in ((), (2,)):
+            fake = op(*(t.to("meta") for t in (a, qdata, scales, scale, scale)), None, torch.bfloat16, tokens, *split)
+            assert fake.shape == (M, N) and fake.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("tokens", [0, 16, 64, 192, 512])
