@@ -208,7 +208,12 @@ class CountingLaunches:
 )
 @pytest.mark.parametrize(
     "tile",
-    [TALL_TILE, SQUARE_TILE, gemm.SPLIT_SQUARE_TILES[128], replace(TALL_TILE, programs_per_sm=1, row_tiles_for_split=2)],
+    [
+        TALL_TILE,
+        SQUARE_TILE,
+        gemm.SPLIT_SQUARE_TILES[128],
+        replace(TALL_TILE, programs_per_sm=1, row_tiles_for_split=2),
+    ],
     ids=["tall", "square", "split-square", "split-tall"],
 )
 def test_gpu_warp_specialized_equals_the_triton_tile_bit_for_bit(tile, dtype, with_bias, M, N, K, monkeypatch):

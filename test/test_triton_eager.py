@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchao.utils import unwrap_tensor_subclass
 from triton_interpreter import run_interpreted
 
+from nvfp4_static.backends import triton_eager
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches, ReplayedLinear
 from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized
 from nvfp4_static.kernels.gemm import (
@@ -218,6 +219,21 @@ def test_a_layer_with_unwrapped_weights_asks_for_the_replay_with_its_inner_tenso
     assert asked[0][2] is layer.bias
 
 
+def test_a_layer_keeps_replays_for_its_most_recently_recorded_shapes(monkeypatch):
+    """At most ``REPLAYED_SHAPES`` (3 here): each new shape's recording forgets the oldest one,
+    and every recording call gives the route's output. On CPU the route launches nothing, so
+    each shape is kept as one that is not replayed, which counts alike."""
+    monkeypatch.setattr(triton_eager, "REPLAYED_SHAPES", 3)
+    layer = _layer(32, 64, torch.float32, "cpu")
+    launches = layer._eager_launches
+    launches._hold(layer.weight, layer.bias)
+    for M in (1, 2, 3, 4, 5):
+        x = torch.randn(M, 64)
+        out = launches._record((M,), x, layer.weight, layer.bias, None)
+        assert torch.equal(out, static_linear(x, layer.weight, layer.bias))
+        assert list(launches._linears) == [(m,) for m in range(max(1, M - 2), M + 1)]
+
+
 # --- On a GPU: the layer's forward against the general route ---------------------------------------------
 
 
@@ -244,6 +260,23 @@ def test_gpu_replayed_forward_equals_the_route_at_every_bucket(dtype, with_bias)
                 assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias)), (shape, call)
     replayed = {key[0] for key, linear in layer._eager_launches._linears.items() if isinstance(linear, ReplayedLinear)}
     assert replayed == {torch.Size(shape) for shape in shapes if shape != past}
+
+
+@requires_cuda
+def test_gpu_a_layer_replays_its_most_recent_shapes_and_records_a_forgotten_one_again(monkeypatch):
+    """With room for 3 shapes, 5 token counts called twice each: the second call of each
+    replays, the layer keeps the last 3, and the first count, called again, is recorded again;
+    every output is the route's."""
+    monkeypatch.setattr(triton_eager, "REPLAYED_SHAPES", 3)
+    layer = _layer(512, 1024, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        for seed, M in enumerate((1, 4, 16, 64, 200, 1)):
+            for call in range(2):
+                x = _activation((M, 1024), torch.bfloat16, seed=10 * seed + call)
+                assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias)), (M, call)
+    kept = [key[0] for key in layer._eager_launches._linears]
+    assert kept == [torch.Size((M, 1024)) for M in (64, 200, 1)]
+    assert all(isinstance(linear, ReplayedLinear) for linear in layer._eager_launches._linears.values())
 
 
 @requires_cuda

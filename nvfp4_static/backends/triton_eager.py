@@ -31,9 +31,15 @@ from nvfp4_static.kernels.launch import KernelCall, PreparedLaunch, ceil_div, re
 
 __all__ = ["EagerTritonLaunches"]
 
+# Activation shapes a layer keeps replays for: a server prefilling prompts of many lengths would
+# otherwise keep one per length in every layer. A shape forgotten and seen again is recorded again
+# (its call runs the general route once).
+REPLAYED_SHAPES = 64
+
 
 class EagerTritonLaunches:
-    """One layer's replayable linears, one per (activation shape, dtype, device, stream).
+    """One layer's replayable linears, one per (activation shape, dtype, device, stream), for
+    the ``REPLAYED_SHAPES`` most recently recorded.
 
     Prepared for the weight tensors and bias the layer holds; a call with others (the layer
     moved to another device, a new weight assigned) starts over. A copy of the layer
@@ -86,10 +92,17 @@ class EagerTritonLaunches:
             return linear(x, stream) if x.is_contiguous() and x.data_ptr() % 16 == 0 else None
         if not (0 < x.numel() <= self._largest_rows * x.shape[-1] and x.is_contiguous() and x.data_ptr() % 16 == 0):
             return None
+        return self._record(key, x, weight, bias, stream)
+
+    def _record(self, key: tuple, x: torch.Tensor, weight, bias: Optional[torch.Tensor], stream) -> torch.Tensor:
+        """Run the route for ``x`` and keep its launches' replay under ``key``, making room by
+        forgetting the oldest recorded key."""
         from nvfp4_static.tensor import static_linear
 
         with recording_launches() as calls:
             out = static_linear(x, weight, bias)
+        if len(self._linears) >= REPLAYED_SHAPES:
+            del self._linears[next(iter(self._linears))]
         self._linears[key] = ReplayedLinear.of(x, out, calls, self._tensors, stream) or _not_replayed
         return out
 

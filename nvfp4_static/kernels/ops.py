@@ -474,7 +474,14 @@ def warp_specialized_nvfp4_gemm(
 
 @warp_specialized_nvfp4_gemm.register_fake
 def _warp_specialized_nvfp4_gemm_fake(
-    a, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, out_dtype, tokens_per_tile,
+    a,
+    weight_qdata,
+    weight_block_scales,
+    act_per_tensor_scale,
+    weight_per_tensor_scale,
+    bias,
+    out_dtype,
+    tokens_per_tile,
     split_k=1,
 ):
     return a.new_empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype)
