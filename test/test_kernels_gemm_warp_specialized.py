@@ -288,12 +288,14 @@ def counting_launches(monkeypatch, tile) -> CountingLaunches:
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize(
-    "M,N,K,tile", [(512, 8192, 8192, TALL_TILE), (16, 28672, 8192, DECODE_TILE)], ids=["tall", "decode"]
+    "M,N,K,tile",
+    [(512, 8192, 8192, TALL_TILE), (128, 8192, 8192, gemm.SPLIT_SQUARE_TILES[128]), (16, 28672, 8192, DECODE_TILE)],
+    ids=["tall", "split-square", "decode"],
 )
 def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(M, N, K, tile, monkeypatch):
     """Traced, a warp-specialized tile is an opaque op (Inductor cannot trace a Gluon kernel): a
-    fullgraph compile of the GEMM op where the table takes the tile launches its kernel and gives
-    eager's output."""
+    fullgraph compile of the GEMM op where the table takes the tile (the square one split in K,
+    the op handed the split) launches its kernel and gives eager's output."""
     assert gemm.table_config(M, None, N, K, torch.device("cuda")) == tile
     operand, qdata, scales, act_scale, weight_scale, bias = gemm_operands(M, N, K, seed=5, device="cuda", config=tile)
     launches = counting_launches(monkeypatch, tile)
