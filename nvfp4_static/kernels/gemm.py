@@ -457,7 +457,8 @@ class GemmConfig:
             return True
         if self.programs_per_sm != 1 or self.fill_programs_per_sm:
             return False
-        return replace(plain, programs_per_sm=0, row_tiles_for_split=1) in WARP_SPECIALIZED_TILES_IN_TRITON[:2]
+        unsplit = replace(plain, programs_per_sm=0, row_tiles_for_split=1)
+        return unsplit in (TALL_TILE_IN_TRITON, SQUARE_TILE_IN_TRITON)
 
     @property
     def rows_per_tile(self) -> int:
@@ -997,10 +998,12 @@ def launch_nvfp4_gemm(
     gluon = isinstance(config, GemmConfig) and config.warp_specialized and gemm_warp_specialized.available(a.device)
     if split_k is None:
         split_k = 1 if isinstance(config, CublasAfterDequantize) else split_k_for(config, N, K, a.device)
-    elif isinstance(config, CublasAfterDequantize) or not splits_hold_k_tiles(ceil_div(K, config.block_k), split_k):
+    elif isinstance(config, CublasAfterDequantize):
+        raise ValueError(f"nvfp4_static: split_k = {split_k} for K = {K} with {config}: cuBLAS's route takes no split")
+    elif not splits_hold_k_tiles(ceil_div(K, config.block_k), split_k):
         raise ValueError(
-            f"nvfp4_static: split_k = {split_k} for K = {K} with {config}: cuBLAS's route takes no split, and the "
-            f"kernels' splits must each hold some of the K tiles"
+            f"nvfp4_static: split_k = {split_k} for K = {K} with {config}: the GEMM splits K = {K} "
+            f"({ceil_div(K, config.block_k)} K tiles) into parts that each hold some of them, got split_k = {split_k}"
         )
     if gluon and config != DECODE_TILE:
         if not eager:

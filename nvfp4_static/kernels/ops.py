@@ -46,7 +46,7 @@ import torch
 from torch.library import triton_op
 
 from nvfp4_static import references
-from nvfp4_static.kernels.launch import ceil_div, runs_eagerly, splits_hold_k_tiles
+from nvfp4_static.kernels.launch import runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 
 try:
@@ -451,19 +451,14 @@ def warp_specialized_nvfp4_gemm(
     order) in ``split_k`` K splits, as an op Inductor does not look into: a traced graph reaches
     the Gluon kernel (``gemm_warp_specialized``, which tracing cannot see) through it. At run time
     the launcher runs that kernel where the GPU and the tensors suit it and the same tile in
-    Triton otherwise; the two give the same output."""
+    Triton otherwise; the two give the same output. The launcher refuses a split that leaves a
+    part without K tiles."""
     _require_cuda(a, "warp_specialized_nvfp4_gemm")
     require_triton("the NVFP4 GEMM on a CUDA tensor")
     if tokens_per_tile not in WIDE_TILES:
         raise ValueError(
             f"nvfp4_static: warp_specialized_nvfp4_gemm has tiles of {sorted(WIDE_TILES)} activation rows, "
             f"got tokens_per_tile = {tokens_per_tile}"
-        )
-    k_tiles = ceil_div(a.shape[1], WIDE_TILES[tokens_per_tile].block_k)
-    if not splits_hold_k_tiles(k_tiles, split_k):
-        raise ValueError(
-            f"nvfp4_static: warp_specialized_nvfp4_gemm splits K = {a.shape[1]} ({k_tiles} K tiles) into parts "
-            f"that each hold some of them, got split_k = {split_k}"
         )
     out = torch.empty((a.shape[0], weight_qdata.shape[0]), dtype=out_dtype, device=a.device)
     scales = (act_per_tensor_scale, weight_per_tensor_scale)
