@@ -47,16 +47,3 @@ def test_the_eager_rules_benchmark_patches_constants_the_table_has(benchmarks_on
     for rule, patches in rules.items():
         for name, value in patches.items():
             assert getattr(gemm, name) != value, (rule, name)
-
-
-def test_the_warp_specialized_benchmark_splits_the_tall_tile_only_above_128_rows(benchmarks_on_path):
-    """Its candidate column is a tile the warp-specialized kernel computes (a config it refuses
-    would only fail on a GPU), split over the bucket's 256-row tiles."""
-    from nvfp4_static.kernels.gemm import TALL_TILE
-
-    split_tall_tile = importlib.import_module("bench_warp_specialized").split_tall_tile
-    assert split_tall_tile(None) is None and split_tall_tile(64) is None and split_tall_tile(128) is None
-    for max_m, row_tiles in ((256, 1), (512, 2)):
-        tile = split_tall_tile(max_m)
-        assert tile.warp_specialized and (tile.block_m, tile.block_n) == (TALL_TILE.block_m, TALL_TILE.block_n)
-        assert (tile.programs_per_sm, tile.row_tiles_for_split) == (1, row_tiles)

@@ -20,6 +20,7 @@ from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
     GEMM_CONFIGS,
     SPLIT_SQUARE_TILES,
+    SPLIT_TALL_TILES,
     SQUARE_TILE,
     TALL_TILE,
     WIDE_TILE_BUCKETS,
@@ -55,6 +56,7 @@ STAND_IN_TILE_NAMES = {
     SQUARE_TILE: "square-tile",
     DECODE_TILE: "decode-tile",
     **{tile: "split-square-tile" for tile in SPLIT_SQUARE_TILES.values()},
+    **{tile: "split-tall-tile" for tile in SPLIT_TALL_TILES.values()},
 }
 FIRST_CUBLAS_ROWS = 1 + max(max_m for max_m, _ in TRITON_ENTRIES)
 
@@ -156,7 +158,7 @@ TABLE_SHAPES = [(3, 70, 288), (2, 24, 16)]
 def interpreter_shapes(config_name: str) -> list:
     if config_name == "row-tiles-split-k":
         return ROW_TILE_SPLIT_SHAPES
-    if config_name.startswith(("table-", "tall-tile", "decode-tile", "split-square-tile")):
+    if config_name.startswith(("table-", "tall-tile", "decode-tile", "split-square-tile", "split-tall-tile")):
         return TABLE_SHAPES
     return [(3, 40, 48), (INTERPRETER_CONFIGS[config_name].rows_per_tile + 1, 40, 224), (2, 24, 16)]
 
@@ -429,47 +431,52 @@ def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypat
     """At 132 SMs a wide tile needs 93 programs at its bucket's largest M. The tall tile (256
     rows), from 129 rows: 14336 columns (112 tiles of 128) and 12288 (96) from 129 rows, 8192
     (64 tiles) and 6144 (48) from 257 rows (two row tiles at M = 512), 4096 never. Where it does
-    not fill them, the square tile (128 rows): 14336 and 12288 columns at 65-128 rows, 8192 at
-    129-256 (2 x 64 programs), 4096 at 257-512 (4 x 32); else the square tile with its K split
-    for one program per SM where that fills them: 8192 x 8192 at 65-128 rows (2 splits), 4096
-    columns at 65-256 rows (4 and 2 splits of K = 14336), 2048 at 257-512 (2 splits); not 512
-    columns (4 tiles, 16 splits of K = 4096 at most: 64 programs), nor 11264 at 65-128 (88
-    tiles, unsplit). Only where the square tile runs warp-specialized; not below 65 rows, not at
-    prefill sizes, not on the interpreter's CPU tensors."""
+    not fill them, from 129 rows the tall tile with its K split for one program per SM where that
+    fills them: 8192 and 6144 columns at 129-256 rows (2 splits: 128 and 96 programs), 4096
+    columns at 129-256 (4 splits of K = 14336) and 257-512 (2), 2048 at 257-512 (4); not 11264
+    columns (88 tiles, unsplit). Else the square tile (128 rows): 14336, 12288 and 11264 columns
+    at 65-256 rows; else the square tile with its K split: 8192 x 8192 at 65-128 rows (2 splits),
+    4096 columns at 65-128 rows (4 splits of K = 14336); not 512 columns (4 tiles, 16 splits of K
+    = 4096 at most: 64 programs), nor 11264 at 65-128 (88 tiles, unsplit). Only where the split
+    and square tiles run warp-specialized (not at K = 4112: the Triton tall tile still runs
+    there); not below 65 rows, not at prefill sizes, not on the
+    interpreter's CPU tensors."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: True)
-    split_128, split_256, split_512 = (SPLIT_SQUARE_TILES[max_m] for max_m in (128, 256, 512))
+    split_128 = SPLIT_SQUARE_TILES[128]
+    tall_256, tall_512 = SPLIT_TALL_TILES[256], SPLIT_TALL_TILES[512]
     assert table_config(129, None, 14336, 4096, cuda) == TALL_TILE
     assert table_config(512, None, 14336, 4096, cuda) == TALL_TILE
     assert table_config(257, None, 8192, 8192, cuda) == TALL_TILE
-    assert table_config(128, None, 14336, 4096, cuda) == SQUARE_TILE
-    assert table_config(65, None, 14336, 4096, cuda) == SQUARE_TILE
-    assert table_config(256, None, 8192, 8192, cuda) == SQUARE_TILE
-    assert table_config(129, None, 8192, 8192, cuda) == SQUARE_TILE
-    assert table_config(512, None, 4096, 14336, cuda) == SQUARE_TILE
-    assert table_config(257, None, 4096, 14336, cuda) == SQUARE_TILE
-    assert table_config(128, None, 8192, 8192, cuda) == split_128
-    assert table_config(100, None, 4096, 14336, cuda) == split_128
-    assert table_config(256, None, 4096, 14336, cuda) == split_256
-    assert table_config(512, None, 2048, 8192, cuda) == split_512
-    assert [split_k_for(tile, N, K, cuda) for tile, N, K in [(split_128, 8192, 8192), (split_128, 4096, 14336),
-                                                               (split_256, 4096, 14336), (split_512, 2048, 8192)]] == [
-        2, 4, 2, 2
-    ]
     assert table_config(256, None, 12288, 4096, cuda) == TALL_TILE
     assert table_config(512, None, 6144, 4096, cuda) == TALL_TILE
+    assert table_config(256, None, 8192, 8192, cuda) == tall_256
+    assert table_config(129, None, 8192, 8192, cuda) == tall_256
+    assert table_config(200, None, 6144, 4096, cuda) == tall_256
+    assert table_config(256, None, 4096, 14336, cuda) == tall_256
+    assert table_config(512, None, 4096, 14336, cuda) == tall_512
+    assert table_config(257, None, 4096, 14336, cuda) == tall_512
+    assert table_config(512, None, 2048, 8192, cuda) == tall_512
+    assert table_config(128, None, 14336, 4096, cuda) == SQUARE_TILE
+    assert table_config(65, None, 14336, 4096, cuda) == SQUARE_TILE
     assert table_config(128, None, 12288, 4096, cuda) == SQUARE_TILE
-    assert table_config(256, None, 6144, 4096, cuda) == SQUARE_TILE
+    assert table_config(256, None, 11264, 4096, cuda) == SQUARE_TILE
+    assert table_config(128, None, 8192, 8192, cuda) == split_128
+    assert table_config(100, None, 4096, 14336, cuda) == split_128
+    assert [split_k_for(tile, N, K, cuda) for tile, N, K in [(split_128, 8192, 8192), (split_128, 4096, 14336),
+                                                               (tall_256, 8192, 8192), (tall_256, 6144, 4096),
+                                                               (tall_256, 4096, 14336), (tall_512, 4096, 14336),
+                                                               (tall_512, 2048, 8192)]] == [2, 4, 2, 2, 4, 2, 4]
     assert table_config(128, None, 11264, 4096, cuda) == gemm_config(128)
     assert table_config(128, None, 512, 4096, cuda) == gemm_config(128)
     assert table_config(64, None, 14336, 4096, cuda) == gemm_config(64)
     assert table_config(513, None, 14336, 4096, cuda) == gemm_config(513)
     assert table_config(100, gemm_bucket(300), 14336, 4096, cuda) == TALL_TILE  # the bucket decides
-    assert table_config(100, gemm_bucket(200), 8192, 8192, cuda) == SQUARE_TILE
+    assert table_config(100, gemm_bucket(200), 8192, 8192, cuda) == tall_256
     assert table_config(300, None, 14336, 4112, cuda) == replace(TALL_TILE, mma_order=False, warp_specialized=False)
-    assert table_config(200, None, 8192, 4112, cuda) == replace(SQUARE_TILE, mma_order=False, warp_specialized=False)
-    assert table_config(100, None, 8192, 8208, cuda) == replace(split_128, mma_order=False, warp_specialized=False)
+    for M, N, K in [(200, 8192, 4112), (200, 11264, 4112), (100, 8192, 8208), (128, 14336, 4100)]:
+        assert table_config(M, None, N, K, cuda) == config_for_width(gemm_config(M), K)  # no Gluon kernel
     assert table_config(300, None, 14336, 4096, torch.device("cpu")) == gemm_config(300)
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 64)
     assert table_config(256, None, 8192, 8192, cuda) == TALL_TILE  # 64 programs fill 64 SMs
@@ -481,6 +488,17 @@ def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypat
     assert table_config(512, None, 4096, 14336, cuda) == gemm_config(512)
     assert table_config(128, None, 14336, 4096, cuda) == gemm_config(128)
     assert table_config(128, None, 8192, 8192, cuda) == gemm_config(128)
+
+
+def test_split_wide_tiles_split_k_over_their_buckets_row_tiles_for_one_program_per_sm():
+    """The square tile's split form at every wide bucket, the tall tile's above 128 rows (at
+    fewer its programs would hold more rows than the bucket's), each sized over the bucket's
+    row tiles: 128 rows per square tile, 256 per tall one."""
+    assert sorted(SPLIT_SQUARE_TILES) == [128, 256, 512] and sorted(SPLIT_TALL_TILES) == [256, 512]
+    for max_m, row_tiles in [(128, 1), (256, 2), (512, 4)]:
+        assert SPLIT_SQUARE_TILES[max_m] == replace(SQUARE_TILE, programs_per_sm=1, row_tiles_for_split=row_tiles)
+    for max_m, row_tiles in [(256, 1), (512, 2)]:
+        assert SPLIT_TALL_TILES[max_m] == replace(TALL_TILE, programs_per_sm=1, row_tiles_for_split=row_tiles)
 
 
 @pytest.mark.parametrize("K", [4096, 4112], ids=str)

@@ -212,7 +212,7 @@ class CountingLaunches:
         TALL_TILE,
         SQUARE_TILE,
         gemm.SPLIT_SQUARE_TILES[128],
-        replace(TALL_TILE, programs_per_sm=1, row_tiles_for_split=2),
+        gemm.SPLIT_TALL_TILES[512],
     ],
     ids=["tall", "square", "split-square", "split-tall"],
 )
@@ -289,13 +289,18 @@ def counting_launches(monkeypatch, tile) -> CountingLaunches:
 @requires_hopper
 @pytest.mark.parametrize(
     "M,N,K,tile",
-    [(512, 8192, 8192, TALL_TILE), (128, 8192, 8192, gemm.SPLIT_SQUARE_TILES[128]), (16, 28672, 8192, DECODE_TILE)],
-    ids=["tall", "split-square", "decode"],
+    [
+        (512, 8192, 8192, TALL_TILE),
+        (128, 8192, 8192, gemm.SPLIT_SQUARE_TILES[128]),
+        (256, 8192, 8192, gemm.SPLIT_TALL_TILES[256]),
+        (16, 28672, 8192, DECODE_TILE),
+    ],
+    ids=["tall", "split-square", "split-tall", "decode"],
 )
 def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(M, N, K, tile, monkeypatch):
     """Traced, a warp-specialized tile is an opaque op (Inductor cannot trace a Gluon kernel): a
-    fullgraph compile of the GEMM op where the table takes the tile (the square one split in K,
-    the op handed the split) launches its kernel and gives eager's output."""
+    fullgraph compile of the GEMM op where the table takes the tile (a split one handed its split)
+    launches its kernel and gives eager's output."""
     assert gemm.table_config(M, None, N, K, torch.device("cuda")) == tile
     operand, qdata, scales, act_scale, weight_scale, bias = gemm_operands(M, N, K, seed=5, device="cuda", config=tile)
     launches = counting_launches(monkeypatch, tile)
@@ -403,8 +408,11 @@ def launch_under_dispatch_modes(modes: int, operand, weight: list, out, tile) ->
 
 
 @pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])
-def test_split_square_tile_reaches_the_kernel_with_its_split_then_the_split_sum(modes, monkeypatch):
-    """The square tile with its K split, eager or through the op (which is handed the split the
+@pytest.mark.parametrize(
+    "tile,tokens", [(gemm.SPLIT_SQUARE_TILES[128], 128), (gemm.SPLIT_TALL_TILES[256], 256)], ids=["square", "tall"]
+)
+def test_split_wide_tiles_reach_the_kernel_with_their_split_then_the_split_sum(tile, tokens, modes, monkeypatch):
+    """The wide tiles with their K split, eager or through the op (which is handed the split the
     table sized): one launch of the kernel writing ``[split_k, M, N]`` partial products (8 K
     tiles of a 256 x 1024 weight in 4 splits of 2 on 132 SMs), then one of the epilogue kernel
     that sums them into the output. Stood in on the CPU, as above."""
@@ -421,12 +429,11 @@ def test_split_square_tile_reaches_the_kernel_with_its_split_then_the_split_sum(
     stand_in_for_the_kernel(monkeypatch, kernel)
     monkeypatch.setattr(gemm, "launch_epilogue", epilogue)
     M, N, K = 4, 256, 1024
-    tile = gemm.SPLIT_SQUARE_TILES[128]
     assert gemm.split_k_for(tile, N, K, torch.device("cuda")) == 4
     operand, *weight = gemm_operands(M, N, K, seed=1, config=tile)
     out = torch.zeros(M, N, dtype=torch.bfloat16)
     launch_under_dispatch_modes(modes, operand, weight, out, tile)
-    assert kernel_calls == [(128, (4, M, N))] and epilogue_calls == [(4, M, N)]
+    assert kernel_calls == [(tokens, (4, M, N))] and epilogue_calls == [(4, M, N)]
     assert torch.equal(out, torch.full_like(out, 2.0))
 
 

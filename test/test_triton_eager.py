@@ -23,6 +23,7 @@ from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
     GEMM_CONFIGS,
     SPLIT_SQUARE_TILES,
+    SPLIT_TALL_TILES,
     SQUARE_TILE,
     TALL_TILE,
     _epilogue_kernel,
@@ -348,7 +349,8 @@ def test_gpu_a_layer_with_unwrapped_weights_replays_its_launches():
 )
 @pytest.mark.parametrize(
     "M,N,K,tile",
-    [(300, 8192, 1024, "tall"), (200, 8192, 1024, "square"), (128, 8192, 8192, "split-square"),
+    [(300, 8192, 1024, "tall"), (100, 14336, 1024, "square"), (128, 8192, 8192, "split-square"),
+     (200, 8192, 1024, "split-tall"),
      (16, 28672, 8192, "decode")],
 )
 def test_gpu_replay_redoes_the_warp_specialized_launch(M, N, K, tile):
@@ -358,13 +360,18 @@ def test_gpu_replay_redoes_the_warp_specialized_launch(M, N, K, tile):
     descriptor (the decode kernel also its split's partial products and the stream's counters):
     the second and third calls replay it (over the arena's operand and partial products), each
     with the route's output for its own activation."""
-    tiles = {"tall": TALL_TILE, "square": SQUARE_TILE, "split-square": SPLIT_SQUARE_TILES[128], "decode": DECODE_TILE}
-    kernel = {
-        "tall": gemm_warp_specialized._warp_specialized_gemm_kernel,
-        "square": gemm_warp_specialized._warp_specialized_gemm_kernel,
-        "split-square": gemm_warp_specialized._warp_specialized_gemm_kernel,
-        "decode": gemm_decode_warp_specialized._decode_gemm_kernel,
-    }[tile]
+    tiles = {
+        "tall": TALL_TILE,
+        "square": SQUARE_TILE,
+        "split-square": SPLIT_SQUARE_TILES[128],
+        "split-tall": SPLIT_TALL_TILES[256],
+        "decode": DECODE_TILE,
+    }
+    kernel = (
+        gemm_decode_warp_specialized._decode_gemm_kernel
+        if tile == "decode"
+        else gemm_warp_specialized._warp_specialized_gemm_kernel
+    )
     assert table_config(M, None, N, K, torch.device("cuda")) == tiles[tile]
     layer = _layer(N, K, torch.bfloat16, "cuda")
     with torch.no_grad():
@@ -378,4 +385,4 @@ def test_gpu_replay_redoes_the_warp_specialized_launch(M, N, K, tile):
     assert isinstance(linear, ReplayedLinear)
     kernels = [launch._kernel for launch in linear._launches]
     assert kernels.count(kernel) == 1
-    assert (_epilogue_kernel in kernels) == (tile == "split-square")
+    assert (_epilogue_kernel in kernels) == tile.startswith("split-")

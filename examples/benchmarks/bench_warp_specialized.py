@@ -5,13 +5,12 @@ route for M (``static_nvfp4_linear``); and the activation operand kernel followe
 the bucket's own table entry (``gemm.gemm_config(M)``), the tall 256 x 128 tile in Triton
 (``gemm.TALL_TILE_IN_TRITON``), and the tall and square (128 x 128) tiles warp-specialized
 (``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``), and each with its K split for one program per SM
-over the bucket's row tiles (its split sum included): the square one as the table runs it
-(``gemm.SPLIT_SQUARE_TILES``), the tall one a candidate the table does not take (above 128 rows);
-the tall one as the table runs it (192 rows per program where that leaves the programs as many,
+over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``, ``gemm.SPLIT_TALL_TILES``: the tall
+one above 128 rows; their split sum included); the tall one as the table runs it (192 rows per program where that leaves the programs as many,
 ``gemm_warp_specialized.tokens_per_program``) and with 256 rows per program at every M. Each
 warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed.
 The table takes a wide tile where its programs fill most SMs (``gemm.wide_tile``); the last
-column names the one it takes, if any, with the split square's K split.
+column names the one it takes, if any, with its K split.
 
 Usage: python bench_warp_specialized.py [--m 100 128 129 200 256 384 512 1024] [--shapes 8192x8192 ...]
 """
@@ -27,8 +26,7 @@ from tune_gemm import make_weight
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm, gemm_activation_operand, gemm_warp_specialized
-from nvfp4_static.kernels.gemm import SPLIT_SQUARE_TILES, SQUARE_TILE, TALL_TILE, TALL_TILE_IN_TRITON
-from nvfp4_static.kernels.launch import ceil_div
+from nvfp4_static.kernels.gemm import SPLIT_SQUARE_TILES, SPLIT_TALL_TILES, SQUARE_TILE, TALL_TILE, TALL_TILE_IN_TRITON
 
 # Columns after bf16 and the table's route: the operand kernel followed by each tile.
 TILE_COLUMNS = ("entry", "tall-triton", "tall-ws", "tall-ws-256", "square-ws", "split-square-ws", "split-tall-ws")
@@ -56,14 +54,6 @@ def with_256_rows_per_program(route):
     return run
 
 
-def split_tall_tile(max_m):
-    """The tall tile with its K split for one program per SM over the row tiles of ``max_m`` rows
-    (above 128 rows; else None)."""
-    if max_m is None or max_m <= SQUARE_TILE.block_m:
-        return None
-    return replace(TALL_TILE, programs_per_sm=1, row_tiles_for_split=ceil_div(max_m, TALL_TILE.block_m))
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[100, 128, 129, 200, 256, 384, 512, 1024])
@@ -84,7 +74,7 @@ def main():
             output_scale = float(act_scale * weight.scale)
             entry = gemm.gemm_config(M)
             bucket = gemm.GEMM_CONFIGS[gemm.gemm_bucket(M)][0]
-            split_square, split_tall = SPLIT_SQUARE_TILES.get(bucket), split_tall_tile(bucket)
+            split_square, split_tall = SPLIT_SQUARE_TILES.get(bucket), SPLIT_TALL_TILES.get(bucket)
             routes = {
                 # Above 512 rows the entry is cuBLAS's route, which the table column times.
                 "entry": operand_then_gemm(x, weight, act_scale, entry) if isinstance(entry, gemm.GemmConfig) else None,
@@ -116,10 +106,8 @@ def main():
             )
             ms.update({name: graph_ms(route) if route else float("nan") for name, route in routes.items()})
             wide = gemm.wide_tile(bucket, N, K, device)
-            takes = {TALL_TILE: "tall", SQUARE_TILE: "square", None: "-"}.get(wide)
-            takes = takes or f"split-square ({gemm.split_k_for(wide, N, K, device)})"
-            if split_tall is not None:
-                takes += f"; split-tall has {gemm.split_k_for(split_tall, N, K, device)} splits"
+            takes = {TALL_TILE: "tall", SQUARE_TILE: "square", split_square: "split-square", split_tall: "split-tall"}
+            takes = f"{takes[wide]} ({gemm.split_k_for(wide, N, K, device)} splits)" if wide else "-"
             times = " ".join(f"{ms[name]:.4f}" for name in ("bf16", "table", *TILE_COLUMNS))
             ratios = " ".join(f"{ms['bf16'] / ms[name]:.2f}" for name in ("table", *TILE_COLUMNS))
             print(f"{K:6d} {N:6d} {M:5d} | {times} | {ratios} | {takes}", flush=True)

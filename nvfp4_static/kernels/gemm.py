@@ -565,21 +565,24 @@ GEMM_CONFIGS = (
 # operand kernel and GEMM, ms on an H200, 256 -> 192 rows per program, 8192 x 8192 at M = 300 /
 # 384 0.1346 / 0.1023 -> 0.0834 / 0.0844, 4096 x 14336 at M = 129 / 384 0.0708 / 0.1044 -> 0.0499
 # / 0.0889 (bench_warp_specialized.py).
-# Where the tall programs fill fewer SMs, and at 65-128 rows (where they would hold more rows than
+# Above 128 rows, where the tall programs leave SMs idle, the tall tile runs with K split for one
+# program per SM where that fills them (``SPLIT_TALL_TILES``; warp-specialized only, its partial
+# products summed by the epilogue kernel). Operand kernel, GEMM and split sum, ms on an H200
+# (bench_warp_specialized.py), the square tile or its split -> the tall split (splits): 8192 x
+# 8192 at M = 129 / 200 / 256 0.0852 / 0.0659 / 0.0664 -> 0.0557 / 0.0587 / 0.0605 (2; bf16
+# 0.0486 / 0.0504 / 0.0540), 14336 x 4096 at M = 200 / 256 0.0635 / 0.0652 -> 0.0550 / 0.0577
+# (4), at M = 384 / 512 0.1063 / 0.1110 -> 0.0808 / 0.0958 (2), 4096 x 4096 at M = 129 / 384
+# 0.0316 / 0.0393 -> 0.0246 / 0.0357; it loses a little on 4096 x 4096 at M = 256 / 512 (0.0300
+# / 0.0398 -> 0.0306 / 0.0410).
+# Where neither fills them, and at 65-128 rows (where the tall programs would hold more rows than
 # the bucket's), the square tile (128 activation rows) takes their place if its programs fill
-# them, warp-specialized only (in Triton it is slower than the entries).
-# Operand kernel and GEMM, ms on an H200 (bench_warp_specialized.py), entry -> square: 8192 x 8192
-# at M = 200 / 256 0.0772 / 0.0732 -> 0.0665 / 0.0672 (bf16 0.0498 / 0.0537), at M = 129
-# 0.0761 -> 0.0854 (its second row tile holds one row); 14336 x 4096 at M = 384 / 512 0.1212 /
-# 0.1261 -> 0.1079 / 0.1123; 4096 x 4096 at M = 384 / 512 0.0412 / 0.0421 -> 0.0392 / 0.0405.
-# Where the square tile's programs over the bucket's row tiles leave SMs idle too (65-128 rows on
-# most weights, 129-512 on narrow ones), it runs with K split for one program per SM
-# (``SPLIT_SQUARE_TILES``; warp-specialized, its partial products summed by the epilogue kernel).
-# Operand kernel, GEMM and split sum, ms on an H200, entry -> split square (splits): 8192 x 8192 at
-# M = 100 / 128 0.0493 / 0.0492 -> 0.0431 / 0.0443 (2; bf16 0.0474 / 0.0470), 14336 x 4096 at
-# M = 128 0.0475 -> 0.0419 (4), at M = 200 0.0732 -> 0.0638 (2), 4096 x 4096 at M = 128 0.0249 ->
-# 0.0229 (4); unsplit, 4096 x 14336 at M = 128 0.0422 -> 0.0401. At a bucket's first rows it can
-# lose a little (8192 x 8192 at M = 65 0.0490 -> 0.0507, 4096 x 4096 at M = 129 0.0303 -> 0.0317).
+# them, warp-specialized only (in Triton it is slower than the entries): operand kernel and GEMM,
+# ms on an H200, entry -> square, 4096 x 14336 at M = 128 0.0422 -> 0.0401. Else the square tile
+# with K split for one program per SM where that fills them (``SPLIT_SQUARE_TILES``), entry ->
+# split square (splits): 8192 x 8192 at M = 100 / 128 0.0493 / 0.0492 -> 0.0431 / 0.0443 (2; bf16
+# 0.0474 / 0.0470), 14336 x 4096 at M = 128 0.0475 -> 0.0419 (4), 4096 x 4096 at M = 128 0.0249
+# -> 0.0229 (4). At a bucket's first rows it can lose a little (8192 x 8192 at M = 65 0.0490 ->
+# 0.0507).
 # N and K are fixed per layer, so the choice needs no guard in a compiled graph; every wide tile
 # takes the same operand as the entry it replaces (``operand_config``).
 TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
@@ -628,11 +631,18 @@ WIDE_TILE_BUCKETS = (128, 256, 512)  # the largest M of the entries they may rep
 # 0.62x / 0.62x, at M = 100 / 128 the square tile 1.02x / 1.00x against the entry's 0.91x / 0.95x;
 # 4096 x 6144 at M = 300-512 the tall tile 0.69-0.73x against the square's 0.48-0.58x.
 WIDE_TILE_SM_FILL = 0.7
-# The square tile at each bucket with its K split sized for one program per SM over the bucket's
-# row tiles (``split_k_for``).
-SPLIT_SQUARE_TILES = {
-    max_m: replace(SQUARE_TILE, programs_per_sm=1, row_tiles_for_split=ceil_div(max_m, SQUARE_TILE.block_m))
-    for max_m in WIDE_TILE_BUCKETS
+
+
+def split_for_one_program_per_sm(tile: GemmConfig, max_m: int) -> GemmConfig:
+    """``tile`` with its K split sized for one program per SM over the row tiles of ``max_m``
+    rows (``split_k_for``)."""
+    return replace(tile, programs_per_sm=1, row_tiles_for_split=ceil_div(max_m, tile.block_m))
+
+
+# The wide tiles' split forms at each bucket they may serve (the tall one above 128 rows).
+SPLIT_SQUARE_TILES = {max_m: split_for_one_program_per_sm(SQUARE_TILE, max_m) for max_m in WIDE_TILE_BUCKETS}
+SPLIT_TALL_TILES = {
+    max_m: split_for_one_program_per_sm(TALL_TILE, max_m) for max_m in WIDE_TILE_BUCKETS if max_m > SQUARE_TILE.block_m
 }
 EPILOGUE_BLOCK = 1024
 
@@ -663,10 +673,10 @@ def table_config(
 
 def triton_entries() -> list[tuple[int, GemmConfig]]:
     """``(largest M, tiles)`` of every Triton tile the table runs: its Triton entries, then
-    ``DECODE_TILE`` at its largest bucket, ``TALL_TILE``, ``SQUARE_TILE`` and its split form at
-    each bucket they may serve."""
+    ``DECODE_TILE`` at its largest bucket, ``TALL_TILE``, ``SQUARE_TILE`` and their split forms
+    at each bucket they may serve."""
     entries = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
-    tall = [(max_m, TALL_TILE) for max_m in WIDE_TILE_BUCKETS if max_m > SQUARE_TILE.block_m]
+    tall = [(max_m, tile) for max_m, split in SPLIT_TALL_TILES.items() for tile in (TALL_TILE, split)]
     square = [(max_m, tile) for max_m in WIDE_TILE_BUCKETS for tile in (SQUARE_TILE, SPLIT_SQUARE_TILES[max_m])]
     return entries + [(max(DECODE_TILE_BUCKETS), DECODE_TILE)] + tall + square
 
@@ -676,20 +686,25 @@ def wide_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Opt
     weight, if any: in a bucket of ``WIDE_TILE_BUCKETS`` on a CUDA device (the interpreter runs
     the table's entries), ``TALL_TILE`` where its programs at ``max_m`` rows fill
     ``WIDE_TILE_SM_FILL`` of the SMs (above 128 rows: at fewer the square tile's programs are as
-    many, with fewer rows each); else, where it runs warp-specialized, ``SQUARE_TILE`` where its
-    programs fill them, or its split form (``SPLIT_SQUARE_TILES``) where that one's do."""
+    many, with fewer rows each); else, where they run warp-specialized (on a Hopper GPU, K a
+    multiple of 32: ``config_for_width``), the first whose programs fill them of: the tall tile's split form (``SPLIT_TALL_TILES``, above 128 rows),
+    ``SQUARE_TILE``, its split form (``SPLIT_SQUARE_TILES``)."""
     if max_m not in WIDE_TILE_BUCKETS or device.type != "cuda":
         return None
     slots = WIDE_TILE_SM_FILL * _multiprocessor_count(device)
-    if max_m > SQUARE_TILE.block_m and ceil_div(max_m, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n) >= slots:
+    tall_programs = ceil_div(max_m, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n)
+    if max_m in SPLIT_TALL_TILES and tall_programs >= slots:
         return TALL_TILE
-    if not gemm_warp_specialized.available(device):
+    if K % MMA_GROUP or not gemm_warp_specialized.available(device):
         return None
-    programs = ceil_div(max_m, SQUARE_TILE.block_m) * ceil_div(N, SQUARE_TILE.block_n)
-    if programs >= slots:
-        return SQUARE_TILE
-    split = SPLIT_SQUARE_TILES[max_m]
-    return split if programs * split_k_for(split, N, K, device) >= slots else None
+    square_programs = ceil_div(max_m, SQUARE_TILE.block_m) * ceil_div(N, SQUARE_TILE.block_n)
+    candidates = [(square_programs, SQUARE_TILE), (square_programs, SPLIT_SQUARE_TILES[max_m])]
+    if max_m in SPLIT_TALL_TILES:
+        candidates.insert(0, (tall_programs, SPLIT_TALL_TILES[max_m]))
+    for programs, tile in candidates:
+        if programs * split_k_for(tile, N, K, device) >= slots:
+            return tile
+    return None
 
 
 def decode_tile(
