@@ -687,8 +687,9 @@ def wide_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Opt
     the table's entries), ``TALL_TILE`` where its programs at ``max_m`` rows fill
     ``WIDE_TILE_SM_FILL`` of the SMs (above 128 rows: at fewer the square tile's programs are as
     many, with fewer rows each); else, where they run warp-specialized (on a Hopper GPU, K a
-    multiple of 32: ``config_for_width``), the first whose programs fill them of: the tall tile's split form (``SPLIT_TALL_TILES``, above 128 rows),
-    ``SQUARE_TILE``, its split form (``SPLIT_SQUARE_TILES``)."""
+    multiple of 32: ``config_for_width``), the first whose programs fill them of: the tall
+    tile's split form (``SPLIT_TALL_TILES``, above 128 rows), ``SQUARE_TILE``, its split form
+    (``SPLIT_SQUARE_TILES``)."""
     if max_m not in WIDE_TILE_BUCKETS or device.type != "cuda":
         return None
     slots = WIDE_TILE_SM_FILL * _multiprocessor_count(device)
