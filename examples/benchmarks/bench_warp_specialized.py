@@ -6,9 +6,9 @@ the bucket's own table entry (``gemm.gemm_config(M)``), the tall 256 x 128 tile 
 (``gemm.TALL_TILE_IN_TRITON``), and the tall and square (128 x 128) tiles warp-specialized
 (``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``), and each with its K split for one program per SM
 over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``, ``gemm.SPLIT_TALL_TILES``: the tall
-one above 128 rows; their split sum included); the tall one as the table runs it (192 rows per program where that leaves the programs as many,
-``gemm_warp_specialized.tokens_per_program``) and with 256 rows per program at every M. Each
-warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed.
+one above 128 rows; their split sum included); the tall one as the table runs it (192 rows per
+program where that leaves the programs as many, ``gemm_warp_specialized.tokens_per_program``)
+and with 256 rows per program at every M. Each warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed.
 The table takes a wide tile where its programs fill most SMs (``gemm.wide_tile``); the last
 column names the one it takes, if any, with its K split.
 
