@@ -8,9 +8,10 @@ the bucket's own table entry (``gemm.gemm_config(M)``), the tall 256 x 128 tile 
 over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``, ``gemm.SPLIT_TALL_TILES``: the tall
 one above 128 rows; their split sum included); the tall one as the table runs it (192 rows per
 program where that leaves the programs as many, ``gemm_warp_specialized.tokens_per_program``)
-and with 256 rows per program at every M. Each warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed.
-The table takes a wide tile where its programs fill most SMs (``gemm.wide_tile``); the last
-column names the one it takes, if any, with its K split.
+and with 256 rows per program at every M. Each warp-specialized output is checked equal to its
+Triton twin's, bit for bit, before it is timed. The table takes a wide tile where its programs
+fill most SMs (``gemm.wide_tile``); the last column names the one it takes, if any, with its K
+split.
 
 Usage: python bench_warp_specialized.py [--m 100 128 129 200 256 384 512 1024] [--shapes 8192x8192 ...]
 """
