@@ -47,3 +47,26 @@ def test_the_eager_rules_benchmark_patches_constants_the_table_has(benchmarks_on
     for rule, patches in rules.items():
         for name, value in patches.items():
             assert getattr(gemm, name) != value, (rule, name)
+
+
+@pytest.mark.parametrize(
+    "rows,expected",
+    [
+        (256, {1: 256, 160: 256, 200: 256, 300: 256, 384: 256, 512: 256}),
+        (160, {1: 160, 160: 160, 161: 192, 200: 256, 257: 160, 320: 160, 321: 192, 384: 192, 385: 256}),
+    ],
+    ids=["256", "160"],
+)
+def test_the_warp_specialized_benchmark_sets_the_tall_tiles_rows_per_program(benchmarks_on_path, rows, expected):
+    """Its columns with other rows per tall program: 256 at every M; the 160-row candidate where
+    ceil(M / 160) row tiles are as many as of 256, elsewhere the table's rule (192 where that
+    leaves them as many, else 256). The square tile keeps its 128 rows in both."""
+    from nvfp4_static.kernels import gemm_warp_specialized
+
+    bench = importlib.import_module("bench_warp_specialized")
+    for M, tokens in expected.items():
+        route = bench.with_rows_per_program(lambda: gemm_warp_specialized.tokens_per_program(M, 256), rows)
+        assert route() == tokens, M
+        square = bench.with_rows_per_program(lambda: gemm_warp_specialized.tokens_per_program(M, 128), rows)
+        assert square() == 128, M
+    assert gemm_warp_specialized.tokens_per_program(200, 256) == 256  # the patch is undone

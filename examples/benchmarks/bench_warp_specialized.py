@@ -8,29 +8,42 @@ the bucket's own table entry (``gemm.gemm_config(M)``), the tall 256 x 128 tile 
 over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``, ``gemm.SPLIT_TALL_TILES``: the tall
 one above 128 rows; their split sum included); the tall one as the table runs it (192 rows per
 program where that leaves the programs as many, ``gemm_warp_specialized.tokens_per_program``)
-and with 256 rows per program at every M. Each warp-specialized output is checked equal to its
-Triton twin's, bit for bit, before it is timed. The table takes a wide tile where its programs
-fill most SMs (``gemm.wide_tile``); the last column names the one it takes, if any, with its K
-split.
+and with 256 rows per program at every M; and candidates the table does not take: the tall one
+and its split with 160 rows per program where that leaves the programs as many ("-160"). Each
+warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed;
+with ``--rounds R`` each time is the median of R rounds over every column, interleaved. The
+table takes a wide tile where its programs fill most SMs (``gemm.wide_tile``); the last column
+names the one it takes, if any, with its K split.
 
 Usage: python bench_warp_specialized.py [--m 100 128 129 200 256 384 512 1024] [--shapes 8192x8192 ...]
+    [--rounds 1]
 """
 
 import argparse
+import statistics
 from dataclasses import replace
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from bench_linear import graph_ms
+from bench_linear import captured
+from triton.testing import do_bench
 from tune_gemm import make_weight
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm, gemm_activation_operand, gemm_warp_specialized
 from nvfp4_static.kernels.gemm import SPLIT_SQUARE_TILES, SPLIT_TALL_TILES, SQUARE_TILE, TALL_TILE, TALL_TILE_IN_TRITON
+from nvfp4_static.kernels.launch import ceil_div
 
 # Columns after bf16 and the table's route: the operand kernel followed by each tile.
-TILE_COLUMNS = ("entry", "tall-triton", "tall-ws", "tall-ws-256", "square-ws", "split-square-ws", "split-tall-ws")
+TILE_COLUMNS = (
+    "entry", "tall-triton", "tall-ws", "tall-ws-256", "tall-ws-160", "square-ws", "split-square-ws", "split-tall-ws",
+    "split-tall-ws-160",
+)
+# The candidate columns' rows per tall program (a wgmma of 128 tokens and one of 32) where that
+# leaves the programs as many as 256 rows would (M = 1-160 and 257-320); the table takes 192
+# where that does (``gemm_warp_specialized.tokens_per_program``).
+CANDIDATE_SHORT_TALL_TOKENS = 160
 
 
 def operand_then_gemm(x, weight, act_scale, config):
@@ -45,11 +58,19 @@ def operand_then_gemm(x, weight, act_scale, config):
     return run
 
 
-def with_256_rows_per_program(route):
-    """``route`` with the tall tile's programs taking 256 rows at every M."""
+def with_rows_per_program(route, rows):
+    """``route`` with the tall tile's programs taking ``rows`` rows: at every M where ``rows`` is
+    the tile's own, else where that leaves the programs as many as the tile's rows would, and
+    elsewhere the table's rule (``gemm_warp_specialized.tokens_per_program``)."""
+    table_rule = gemm_warp_specialized.tokens_per_program
+
+    def rule(M, tokens_per_tile):
+        if rows == tokens_per_tile or (rows < tokens_per_tile and ceil_div(M, rows) == ceil_div(M, tokens_per_tile)):
+            return rows
+        return table_rule(M, tokens_per_tile)
 
     def run():
-        with mock.patch.object(gemm_warp_specialized, "tokens_per_program", lambda M, tokens_per_tile: tokens_per_tile):
+        with mock.patch.object(gemm_warp_specialized, "tokens_per_program", rule):
             return route()
 
     return run
@@ -60,6 +81,7 @@ def main():
     parser.add_argument("--m", type=int, nargs="+", default=[100, 128, 129, 200, 256, 384, 512, 1024])
     parser.add_argument("--shapes", nargs="+", default=["8192x8192", "4096x14336", "14336x4096", "4096x4096"],
                         help="weights as KxN")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds per cell (median)")
     args = parser.parse_args()
     device = torch.device("cuda")
     if not gemm.gemm_warp_specialized.available(device):
@@ -81,17 +103,25 @@ def main():
                 "entry": operand_then_gemm(x, weight, act_scale, entry) if isinstance(entry, gemm.GemmConfig) else None,
                 "tall-triton": operand_then_gemm(x, weight, act_scale, TALL_TILE_IN_TRITON),
                 "tall-ws": operand_then_gemm(x, weight, act_scale, TALL_TILE),
-                "tall-ws-256": with_256_rows_per_program(operand_then_gemm(x, weight, act_scale, TALL_TILE)),
+                "tall-ws-256": with_rows_per_program(operand_then_gemm(x, weight, act_scale, TALL_TILE), 256),
+                "tall-ws-160": with_rows_per_program(
+                    operand_then_gemm(x, weight, act_scale, TALL_TILE), CANDIDATE_SHORT_TALL_TOKENS
+                ),
                 "square-ws": operand_then_gemm(x, weight, act_scale, SQUARE_TILE),
                 "split-square-ws": operand_then_gemm(x, weight, act_scale, split_square) if split_square else None,
                 "split-tall-ws": operand_then_gemm(x, weight, act_scale, split_tall) if split_tall else None,
+                "split-tall-ws-160": with_rows_per_program(
+                    operand_then_gemm(x, weight, act_scale, split_tall), CANDIDATE_SHORT_TALL_TOKENS
+                ) if split_tall else None,
             }
             checked = {
                 "tall-ws": TALL_TILE,
                 "tall-ws-256": TALL_TILE,
+                "tall-ws-160": TALL_TILE,
                 "square-ws": SQUARE_TILE,
                 "split-square-ws": split_square,
                 "split-tall-ws": split_tall,
+                "split-tall-ws-160": split_tall,
             }
             for name, tile in checked.items():
                 if tile is None:
@@ -99,13 +129,20 @@ def main():
                 twin = operand_then_gemm(x, weight, act_scale, replace(tile, warp_specialized=False))
                 if not torch.equal(twin(), routes[name]()):
                     raise SystemExit(f"bench_warp_specialized: {name} differs from its Triton twin at {K} x {N}, M = {M}")
-            ms = {"bf16": graph_ms(lambda: F.linear(x, weight.bf16, weight.bias))}
-            ms["table"] = graph_ms(
-                lambda: static_nvfp4_linear(
+            timed = {
+                "bf16": lambda: F.linear(x, weight.bf16, weight.bias),
+                "table": lambda: static_nvfp4_linear(
                     x, weight.qdata, weight.block_scales, weight.scale, act_scale, weight.bias, output_scale
-                )
-            )
-            ms.update({name: graph_ms(route) if route else float("nan") for name, route in routes.items()})
+                ),
+                **{name: route for name, route in routes.items() if route},
+            }
+            graphs = {name: captured(run) for name, run in timed.items()}
+            rounds = [
+                {name: do_bench(graph.replay, return_mode="median") for name, graph in graphs.items()}
+                for _ in range(args.rounds)
+            ]
+            ms = {name: statistics.median(times[name] for times in rounds) for name in graphs}
+            ms.update({name: float("nan") for name, route in routes.items() if not route})
             wide = gemm.wide_tile(bucket, N, K, device)
             takes = {TALL_TILE: "tall", SQUARE_TILE: "square", split_square: "split-square", split_tall: "split-tall"}
             takes = f"{takes[wide]} ({gemm.split_k_for(wide, N, K, device)} splits)" if wide else "-"
