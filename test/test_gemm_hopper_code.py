@@ -166,7 +166,8 @@ WIDE_TILE_NAMES = {
 def table_cases():
     """Each table GEMM, with its K split's sum in the GEMM and after it where it splits K; the
     tall tile's split form only with the sum after it, as its Gluon kernel takes it (the table
-    never runs that tile in Triton, whose in-GEMM sum spills it)."""
+    runs that tile in Triton only for an operand the Gluon kernel does not take, none of the routes'
+    own, and there its in-GEMM sum spills)."""
     cases = []
     for max_m, config in TABLE_GEMMS:
         sums = (True, False) if config.programs_per_sm else (True,)
