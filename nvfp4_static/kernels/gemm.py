@@ -699,10 +699,8 @@ def wide_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Opt
     if K % MMA_GROUP or not gemm_warp_specialized.available(device):
         return None
     square_programs = ceil_div(max_m, SQUARE_TILE.block_m) * ceil_div(N, SQUARE_TILE.block_n)
-    candidates = [(square_programs, SQUARE_TILE), (square_programs, SPLIT_SQUARE_TILES[max_m])]
-    if max_m in SPLIT_TALL_TILES:
-        candidates.insert(0, (tall_programs, SPLIT_TALL_TILES[max_m]))
-    for programs, tile in candidates:
+    tall_split = [(tall_programs, SPLIT_TALL_TILES[max_m])] if max_m in SPLIT_TALL_TILES else []
+    for programs, tile in tall_split + [(square_programs, SQUARE_TILE), (square_programs, SPLIT_SQUARE_TILES[max_m])]:
         if programs * split_k_for(tile, N, K, device) >= slots:
             return tile
     return None

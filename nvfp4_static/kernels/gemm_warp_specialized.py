@@ -13,10 +13,14 @@ the tensor cores wait; here neither waits for the other, and one dequantizes whi
 wgmmas run (M = 512 on 8192 x 8192: the tensor pipe active 74% of the Triton tile's cycles on an
 H100, 89% of this kernel's on an H200; ``examples/benchmarks/RESULTS.md``).
 
+With a K split for one program per SM (``gemm.SPLIT_TALL_TILES``, ``gemm.SPLIT_SQUARE_TILES``)
+each program writes its split's fp32 partial products, which ``gemm._epilogue_kernel`` then
+sums in split order, as it sums the Triton kernel's.
+
 The arithmetic is the Triton tile's: the same dequantization (``e2m1_ptx``), the same wgmma
 instructions in the same K order, so both give the same output bit for bit. Gluon
 kernels do not run in Triton's interpreter and Inductor cannot trace them: ``gemm`` runs this one
-for ``gemm.TALL_TILE`` and ``gemm.SQUARE_TILE`` on sm_90 (eager, or at run time inside
+for ``gemm.TALL_TILE``, ``gemm.SQUARE_TILE`` and their split forms on sm_90 (eager, or at run time inside
 ``warp_specialized_nvfp4_gemm``, the opaque op a traced graph calls) and the same tile in Triton
 everywhere else.
 """
