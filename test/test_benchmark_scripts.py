@@ -49,24 +49,15 @@ def test_the_eager_rules_benchmark_patches_constants_the_table_has(benchmarks_on
             assert getattr(gemm, name) != value, (rule, name)
 
 
-@pytest.mark.parametrize(
-    "rows,expected",
-    [
-        (256, {1: 256, 160: 256, 200: 256, 300: 256, 384: 256, 512: 256}),
-        (160, {1: 160, 160: 160, 161: 192, 200: 256, 257: 160, 320: 160, 321: 192, 384: 192, 385: 256}),
-    ],
-    ids=["256", "160"],
-)
-def test_the_warp_specialized_benchmark_sets_the_tall_tiles_rows_per_program(benchmarks_on_path, rows, expected):
-    """Its columns with other rows per tall program: 256 at every M; the 160-row candidate where
-    ceil(M / 160) row tiles are as many as of 256, elsewhere the table's rule (192 where that
-    leaves them as many, else 256). The square tile keeps its 128 rows in both."""
+def test_the_warp_specialized_benchmark_gives_tall_programs_their_whole_tile(benchmarks_on_path):
+    """Its "tall-ws-256" column: 256 rows per tall program at every M, where the table takes 192
+    at some (1-192, 257-384); the square tile keeps its 128."""
     from nvfp4_static.kernels import gemm_warp_specialized
 
     bench = importlib.import_module("bench_warp_specialized")
-    for M, tokens in expected.items():
-        route = bench.with_rows_per_program(lambda: gemm_warp_specialized.tokens_per_program(M, 256), rows)
-        assert route() == tokens, M
-        square = bench.with_rows_per_program(lambda: gemm_warp_specialized.tokens_per_program(M, 128), rows)
+    for M in (1, 160, 200, 300, 384, 512):
+        tall = bench.with_whole_tile_programs(lambda: gemm_warp_specialized.tokens_per_program(M, 256))
+        assert tall() == 256, M
+        square = bench.with_whole_tile_programs(lambda: gemm_warp_specialized.tokens_per_program(M, 128))
         assert square() == 128, M
-    assert gemm_warp_specialized.tokens_per_program(200, 256) == 256  # the patch is undone
+    assert gemm_warp_specialized.tokens_per_program(150, 256) == 192  # the patch is undone

@@ -113,19 +113,15 @@ needs_gluon_hopper = pytest.mark.skipif(
         (512, 128, 128, [128], 1),
         (128, 128, 128, [128], 4),
         (384, 256, 192, [64, 128], 2),
-        (300, 256, 160, [32, 128], 1),
     ],
-    ids=["tall", "short-tall", "square", "split-square", "split-short-tall", "160-row-candidate"],
+    ids=["tall", "short-tall", "square", "split-square", "split-short-tall"],
 )
-def test_sm90a_build_keeps_three_warpgroups_without_spills(
-    M, tile, tokens, wgmma_tokens, split_k, tmp_path, monkeypatch
-):
+def test_sm90a_build_keeps_three_warpgroups_without_spills(M, tile, tokens, wgmma_tokens, split_k, tmp_path):
     """What the GPU tests cannot show on a machine without one: ptxas builds the kernel for
     sm_90a with a producer and two consumer warpgroups (setmaxnreg to the consumers' registers),
     the weight as the wgmma's register operand (m64 by the program's activation rows: 192 as
     128 + 64), nothing spilled to local memory, and its stages within one SM's shared memory;
-    also where it writes a K split's partial products, and with the 160-row programs that
-    bench_warp_specialized.py times as a candidate (128 + 32)."""
+    also where it writes a K split's partial products."""
     from test_gemm_hopper_code import build_for_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -136,8 +132,6 @@ def test_sm90a_build_keeps_three_warpgroups_without_spills(
     out = torch.empty(M, N, dtype=torch.bfloat16)
     bias = torch.zeros(N, dtype=torch.bfloat16)
     partials = torch.empty(split_k, M, N) if split_k > 1 else None
-    if tokens not in (gemm_warp_specialized.tokens_per_program(M, tile), tile):  # a candidate's rows
-        monkeypatch.setattr(gemm_warp_specialized, "tokens_per_program", lambda M, tokens_per_tile: tokens)
     grid, args, meta = gemm_warp_specialized.kernel_arguments(a, qdata, qdata, scale, scale, bias, out, tile, partials)
     assert meta["BLOCK_M"] == tokens and grid[0] == -(-M // tokens) * (N // gemm_warp_specialized.WEIGHT_ROWS_PER_TILE)
     assert grid[1] == split_k and meta["WRITE_PARTIALS"] == (split_k > 1)

@@ -8,9 +8,7 @@ the bucket's own table entry (``gemm.gemm_config(M)``), the tall 256 x 128 tile 
 over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``, ``gemm.SPLIT_TALL_TILES``: the tall
 one above 128 rows; their split sum included); the tall one as the table runs it (192 rows per
 program where that leaves the programs as many, ``gemm_warp_specialized.tokens_per_program``)
-and with 256 rows per program at every M; and candidates the table does not take: the tall one
-and its split with 160 rows per program where that leaves the programs as many ("-160"). Each
-warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed;
+and with 256 rows per program at every M. Each warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed;
 with ``--rounds R`` each time is the median of R rounds over every column, interleaved. The
 table takes a wide tile where its programs fill most SMs (``gemm.wide_tile``); the last column
 names the one it takes, if any, with its K split.
@@ -33,17 +31,9 @@ from tune_gemm import make_weight
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm, gemm_activation_operand, gemm_warp_specialized
 from nvfp4_static.kernels.gemm import SPLIT_SQUARE_TILES, SPLIT_TALL_TILES, SQUARE_TILE, TALL_TILE, TALL_TILE_IN_TRITON
-from nvfp4_static.kernels.launch import ceil_div
 
 # Columns after bf16 and the table's route: the operand kernel followed by each tile.
-TILE_COLUMNS = (
-    "entry", "tall-triton", "tall-ws", "tall-ws-256", "tall-ws-160", "square-ws", "split-square-ws", "split-tall-ws",
-    "split-tall-ws-160",
-)
-# The candidate columns' rows per tall program (a wgmma of 128 tokens and one of 32) where that
-# leaves the programs as many as 256 rows would (M = 1-160 and 257-320); the table takes 192
-# where that does (``gemm_warp_specialized.tokens_per_program``).
-CANDIDATE_SHORT_TALL_TOKENS = 160
+TILE_COLUMNS = ("entry", "tall-triton", "tall-ws", "tall-ws-256", "square-ws", "split-square-ws", "split-tall-ws")
 
 
 def operand_then_gemm(x, weight, act_scale, config):
@@ -58,19 +48,13 @@ def operand_then_gemm(x, weight, act_scale, config):
     return run
 
 
-def with_rows_per_program(route, rows):
-    """``route`` with the tall tile's programs taking ``rows`` rows: at every M where ``rows`` is
-    the tile's own, else where that leaves the programs as many as the tile's rows would, and
-    elsewhere the table's rule (``gemm_warp_specialized.tokens_per_program``)."""
-    table_rule = gemm_warp_specialized.tokens_per_program
-
-    def rule(M, tokens_per_tile):
-        if rows == tokens_per_tile or (rows < tokens_per_tile and ceil_div(M, rows) == ceil_div(M, tokens_per_tile)):
-            return rows
-        return table_rule(M, tokens_per_tile)
+def with_whole_tile_programs(route):
+    """``route`` with each program taking its tile's rows at every M (256 for the tall tile),
+    in place of the table's fewer where that leaves the programs as many
+    (``gemm_warp_specialized.tokens_per_program``)."""
 
     def run():
-        with mock.patch.object(gemm_warp_specialized, "tokens_per_program", rule):
+        with mock.patch.object(gemm_warp_specialized, "tokens_per_program", lambda M, tokens_per_tile: tokens_per_tile):
             return route()
 
     return run
@@ -103,25 +87,17 @@ def main():
                 "entry": operand_then_gemm(x, weight, act_scale, entry) if isinstance(entry, gemm.GemmConfig) else None,
                 "tall-triton": operand_then_gemm(x, weight, act_scale, TALL_TILE_IN_TRITON),
                 "tall-ws": operand_then_gemm(x, weight, act_scale, TALL_TILE),
-                "tall-ws-256": with_rows_per_program(operand_then_gemm(x, weight, act_scale, TALL_TILE), 256),
-                "tall-ws-160": with_rows_per_program(
-                    operand_then_gemm(x, weight, act_scale, TALL_TILE), CANDIDATE_SHORT_TALL_TOKENS
-                ),
+                "tall-ws-256": with_whole_tile_programs(operand_then_gemm(x, weight, act_scale, TALL_TILE)),
                 "square-ws": operand_then_gemm(x, weight, act_scale, SQUARE_TILE),
                 "split-square-ws": operand_then_gemm(x, weight, act_scale, split_square) if split_square else None,
                 "split-tall-ws": operand_then_gemm(x, weight, act_scale, split_tall) if split_tall else None,
-                "split-tall-ws-160": with_rows_per_program(
-                    operand_then_gemm(x, weight, act_scale, split_tall), CANDIDATE_SHORT_TALL_TOKENS
-                ) if split_tall else None,
             }
             checked = {
                 "tall-ws": TALL_TILE,
                 "tall-ws-256": TALL_TILE,
-                "tall-ws-160": TALL_TILE,
                 "square-ws": SQUARE_TILE,
                 "split-square-ws": split_square,
                 "split-tall-ws": split_tall,
-                "split-tall-ws-160": split_tall,
             }
             for name, tile in checked.items():
                 if tile is None:

@@ -58,10 +58,9 @@ TOKENS_PER_TILE = (256, 128)  # the activation rows of the tiles the kernel is b
 SHORT_TALL_TOKENS = 192
 WEIGHT_ROWS_PER_TILE = 128
 BLOCK_K = 128
-# Stages of operands by rows per program: as many as an H100 SM's shared memory holds (72, 56,
-# 48 or 40 KiB each). 160 rows: a candidate that examples/benchmarks/bench_warp_specialized.py
-# times, the table does not take it.
-STAGES = {256: 3, SHORT_TALL_TOKENS: 4, 160: 4, 128: 5}
+# Stages of operands by rows per program: as many as an H100 SM's shared memory holds (72, 56
+# or 40 KiB each).
+STAGES = {256: 3, SHORT_TALL_TOKENS: 4, 128: 5}
 CONSUMER_REGISTERS = 232  # of the 256 a thread may have: the accumulator alone takes 128
 ROWS_PER_CONSUMER = 64  # the wgmma's M
 
