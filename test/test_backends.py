@@ -217,6 +217,31 @@ def test_traced_linear_picks_the_tables_bucket_for_every_m_from_one_graph(monkey
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_traced_branches_choose_the_tiles_their_bucket_runs_on_the_weight(monkeypatch):
+    """Each branch of the cond tree asks ``operand_config`` which tiles its bucket runs (CPU, no
+    kernels: a Hopper GPU of 132 SMs stood in, each branch returning a marker of its bucket and
+    whether the tall tile runs there). Compiled for a dynamic M, on a weight of 14336 rows the
+    tall tile runs at 129-512 rows and, in cuBLAS's place, at 513-2048, not above; on one of 1024
+    rows in neither."""
+
+    def tall_tile_marker(bucket, output_scale, x, weights, bias):
+        config = gemm.operand_config(bucket, weights[0].shape[0], 2 * weights[0].shape[1], torch.device("cuda"), True)
+        return x.new_full((*x.shape[:-1], 1), float(bucket) + 0.5 * (config == gemm.TALL_TILE))
+
+    monkeypatch.setattr(triton_backend, "_linear_in_bucket", tall_tile_marker)
+    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: True)
+    for N, tall_at in [(14336, {300, 512, 513, 2048}), (1024, set())]:
+        weights = (torch.zeros(N, 2048, dtype=torch.uint8), torch.zeros(N, 256), torch.ones(()), torch.ones(()))
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda x: triton_backend._linear_branching_on_m(None, x, weights, None), fullgraph=True, dynamic=True
+        )
+        for M in (16, 300, 512, 513, 2048, 2049):
+            marker = compiled(torch.zeros(M, 4096)).unique().tolist()
+            assert marker == [gemm_bucket(M) + 0.5 * (M in tall_at)], (N, M)
+
+
 @requires_cuda
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 def test_gpu_compiled_fullgraph_one_graph_for_every_m(with_bias, monkeypatch):
@@ -243,9 +268,10 @@ def test_gpu_compiled_fullgraph_one_graph_for_every_m(with_bias, monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("M,N,K", [(1000, 4096, 4096), (4096, 8192, 8192)], ids=str)
+@pytest.mark.parametrize("M,N,K", [(1000, 1024, 4096), (4096, 8192, 8192)], ids=str)
 def test_gpu_triton_backend_with_a_host_output_scale_matches_cpu_backend(dtype, with_bias, M, N, K):
-    """Large M with the scale product on the host: cuBLAS takes the whole epilogue."""
+    """Large M with the scale product on the host: cuBLAS takes the whole epilogue (1000 rows of
+    1024 columns: too few tall programs to take cuBLAS's place on Hopper)."""
     x, weight_qdata, weight_block_scales, weight_scale, act_scale, bias = linear_inputs(
         M, N, K, dtype, seed=M, device="cuda", with_bias=with_bias
     )
@@ -269,7 +295,7 @@ def test_gpu_compiled_api_linear_at_prefill_size_scales_by_the_scale_tensors():
     nvfp4_weight = NVFP4StaticTensor.from_float(weight, torch.tensor(4.0), backend_override="triton")
     assert nvfp4_weight.output_scale is not None
     compiled = torch.compile(torch.nn.functional.linear, fullgraph=True)
-    x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2100, 1024, device="cuda", dtype=torch.bfloat16)  # cuBLAS's rows on any GPU
     inputs = (x, nvfp4_weight.qdata, nvfp4_weight.scale, nvfp4_weight.per_tensor_scale, nvfp4_weight.act_per_tensor_scale, bias)
     with torch.no_grad():
         eager = torch.nn.functional.linear(x, nvfp4_weight, bias)

@@ -149,7 +149,7 @@ def test_decoder_layers_compiled_one_by_one_share_one_graph():
 
 # Rows of a batch the Triton route runs as dequantize + cuBLAS, which eagerly takes the product of
 # the global scales as its alpha (bf16 and fp16 outputs, above GEMM_CONFIGS' last Triton bucket of
-# 512 rows).
+# 512 rows; the tiny Llama's weights have too few columns for the tall tile to take cuBLAS's place).
 CUBLAS_BATCH, CUBLAS_LENGTH = 2, 300
 # bf16 logits of the compiled tiny Llama against its eager ones (the compiled epilogue rounds
 # elsewhere, which can flip an activation's E2M1 code): 28.8-29.6 dB on an H200; a layer

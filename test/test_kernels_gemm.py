@@ -19,6 +19,7 @@ from nvfp4_static.kernels import gemm
 from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
     GEMM_CONFIGS,
+    PREFILL_TALL_TILE_BUCKET,
     SPLIT_SQUARE_TILES,
     SPLIT_TALL_TILES,
     SQUARE_TILE,
@@ -439,8 +440,9 @@ def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypat
     4096 columns at 65-128 rows (4 splits of K = 14336); not 512 columns (4 tiles, 16 splits of K
     = 4096 at most: 64 programs), nor 11264 at 65-128 (88 tiles, unsplit). Only where the split
     and square tiles run warp-specialized (not at K = 4112: the Triton tall tile still runs
-    there); not below 65 rows, not at prefill sizes, not on the
-    interpreter's CPU tensors."""
+    there); not below 65 rows, not on the interpreter's CPU tensors. At 513-2048 rows the tall
+    tile in cuBLAS's place where it runs warp-specialized and its programs at 2048 rows fill the
+    SMs (4096 columns: 256 programs; not 1024: 64); cuBLAS above 2048 rows."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: True)
@@ -471,7 +473,12 @@ def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypat
     assert table_config(128, None, 11264, 4096, cuda) == gemm_config(128)
     assert table_config(128, None, 512, 4096, cuda) == gemm_config(128)
     assert table_config(64, None, 14336, 4096, cuda) == gemm_config(64)
-    assert table_config(513, None, 14336, 4096, cuda) == gemm_config(513)
+    assert table_config(513, None, 14336, 4096, cuda) == TALL_TILE
+    assert table_config(2048, None, 4096, 4096, cuda) == TALL_TILE
+    assert table_config(600, None, 1024, 4096, cuda) == gemm_config(600)  # 64 programs
+    assert table_config(1024, None, 14336, 4112, cuda) == gemm_config(1024)  # no Gluon kernel
+    assert table_config(2049, None, 14336, 4096, cuda) == gemm_config(2049)
+    assert isinstance(gemm_config(600), CublasAfterDequantize) and gemm_config(600) == gemm_config(2049)
     assert table_config(100, gemm_bucket(300), 14336, 4096, cuda) == TALL_TILE  # the bucket decides
     assert table_config(100, gemm_bucket(200), 8192, 8192, cuda) == tall_256
     assert table_config(300, None, 14336, 4112, cuda) == replace(TALL_TILE, mma_order=False, warp_specialized=False)
@@ -488,6 +495,7 @@ def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypat
     assert table_config(512, None, 4096, 14336, cuda) == gemm_config(512)
     assert table_config(128, None, 14336, 4096, cuda) == gemm_config(128)
     assert table_config(128, None, 8192, 8192, cuda) == gemm_config(128)
+    assert table_config(1024, None, 14336, 4096, cuda) == gemm_config(1024)  # cuBLAS, not the Triton tall tile
 
 
 def test_split_wide_tiles_split_k_over_their_buckets_row_tiles_for_one_program_per_sm():
@@ -502,20 +510,30 @@ def test_split_wide_tiles_split_k_over_their_buckets_row_tiles_for_one_program_p
 
 
 @pytest.mark.parametrize("K", [4096, 4112], ids=str)
-@pytest.mark.parametrize("tile", [TALL_TILE, SQUARE_TILE], ids=["tall", "square"])
-@pytest.mark.parametrize("max_m", WIDE_TILE_BUCKETS, ids=str)
-def test_wide_tiles_take_the_operand_of_the_entry_they_replace(max_m, tile, K):
-    """The route prepares the operand from ``operand_config``, which does not weigh the wide
-    tiles; the tile the op then runs must read that operand: same kind (quantized by the operand
-    kernel, not by the GEMM), same dtype, same order."""
-    entry = operand_config(gemm_bucket(max_m), 14336, K, torch.device("cuda"))
-    wide = config_for_width(tile, K)
-    assert quantizes_activation_in_gemm(wide) == quantizes_activation_in_gemm(entry) is False
-    assert operand_in_mma_order(wide) == operand_in_mma_order(entry) == (K % 32 == 0)
-    for scale in (None, 1e-3):
-        assert activation_operand_dtype(wide, torch.bfloat16, scale, None) == activation_operand_dtype(
-            entry, torch.bfloat16, scale, None
-        )
+@pytest.mark.parametrize("N", [14336, 1024], ids=str)
+@pytest.mark.parametrize("max_m", [*WIDE_TILE_BUCKETS, PREFILL_TALL_TILE_BUCKET], ids=str)
+def test_the_route_prepares_the_operand_of_the_tile_its_bucket_runs(max_m, N, K, monkeypatch):
+    """The route prepares the operand from ``operand_config``; the op then runs ``table_config``'s
+    tile for the bucket, which must read that operand: the same config. Where a wide tile
+    replaces a Triton entry (128-512 rows) it reads the entry's operand (fp16, in the MMA order
+    at K a multiple of 32); where the tall tile replaces cuBLAS (513-2048 rows) the operand is
+    the tall tile's, not the bf16 one cuBLAS takes with its fused epilogue."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: True)
+    bucket = gemm_bucket(max_m)
+    config = operand_config(bucket, N, K, cuda)
+    assert config == table_config(max_m, bucket, N, K, cuda)
+    entry = config_for_width(gemm_config(max_m), K)
+    assert not quantizes_activation_in_gemm(config)
+    dtypes = [activation_operand_dtype(tile, torch.bfloat16, 1e-3, None) for tile in (config, entry)]
+    if max_m in WIDE_TILE_BUCKETS:
+        assert dtypes == [torch.float16] * 2
+        assert operand_in_mma_order(config) == operand_in_mma_order(entry) == (K % 32 == 0)
+    elif N == 14336 and K == 4096:
+        assert config == TALL_TILE and dtypes == [torch.float16, torch.bfloat16] and operand_in_mma_order(config)
+    else:
+        assert config == entry and dtypes == [torch.bfloat16] * 2
 
 
 def test_only_large_m_with_a_host_scale_and_a_matching_bias_fuses_the_epilogue_into_cublas():

@@ -294,8 +294,9 @@ def counting_launches(monkeypatch, tile) -> CountingLaunches:
         (128, 8192, 8192, gemm.SPLIT_SQUARE_TILES[128]),
         (256, 8192, 8192, gemm.SPLIT_TALL_TILES[256]),
         (16, 28672, 8192, DECODE_TILE),
+        (1024, 4096, 4096, TALL_TILE),
     ],
-    ids=["tall", "split-square", "split-tall", "decode"],
+    ids=["tall", "split-square", "split-tall", "decode", "tall-over-cublas"],
 )
 def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(M, N, K, tile, monkeypatch):
     """Traced, a warp-specialized tile is an opaque op (Inductor cannot trace a Gluon kernel): a
@@ -318,14 +319,15 @@ def test_gpu_compiled_op_reaches_the_warp_specialized_kernel(M, N, K, tile, monk
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize(
-    "tile,N,launching", [(TALL_TILE, 14336, (300,)), (DECODE_TILE, 28672, (16, 3))], ids=["tall", "decode"]
+    "tile,N,launching", [(TALL_TILE, 14336, (300, 700)), (DECODE_TILE, 28672, (16, 3))], ids=["tall", "decode"]
 )
 def test_gpu_dynamic_shape_graph_branches_into_the_warp_specialized_kernel(tile, N, launching, monkeypatch):
     """A graph compiled for a dynamic token count holds every bucket's GEMM behind a cond; the
     warp-specialized tiles' are the opaque op. On a wide weight the tall tile's kernel launches at
-    300 rows; on a wider one, unsplit with 16 K tiles (eager and compiled alike take the decode
-    tile there), the decode tile's at 16 and 3 (the M <= 4 bucket too, whose entry takes another
-    operand); at every token count tried the compiled linear gives the eager one's output."""
+    300 rows and at 700 (in cuBLAS's place, whose operand is another), not at 2100 (cuBLAS); on a
+    wider one, unsplit with 16 K tiles (eager and compiled alike take the decode tile there), the
+    decode tile's at 16 and 3 (the M <= 4 bucket too, whose entry takes another operand); at
+    every token count tried the compiled linear gives the eager one's output."""
     from nvfp4_static.backends.triton_route import static_nvfp4_linear
 
     K = 4096
@@ -336,7 +338,7 @@ def test_gpu_dynamic_shape_graph_branches_into_the_warp_specialized_kernel(tile,
         return static_nvfp4_linear(x, qdata, scales, weight_scale, act_scale, bias)
 
     compiled = torch.compile(linear, dynamic=True, fullgraph=True)
-    for M in (16, 300, 3, 17, 700):
+    for M in (16, 300, 3, 17, 700, 2100):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         before = launches.count
         eager = linear(x)

@@ -21,13 +21,13 @@ from nvfp4_static.backends.triton_eager import EagerTritonLaunches, ReplayedLine
 from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized
 from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
-    GEMM_CONFIGS,
     SPLIT_SQUARE_TILES,
     SPLIT_TALL_TILES,
     SQUARE_TILE,
     TALL_TILE,
     _epilogue_kernel,
     table_config,
+    triton_entries,
 )
 from nvfp4_static.kernels.launch import KernelCall, recording_launches
 from nvfp4_static.linear import NVFP4StaticLinear
@@ -248,12 +248,12 @@ def _activation(shape, dtype, seed):
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 def test_gpu_replayed_forward_equals_the_route_at_every_bucket(dtype, with_bias):
     """Each M twice with new values (the first call records, the second replays), every tile
-    bucket up to the cuBLAS one and past it, and leading dims."""
+    bucket up to the last replayed one (the Triton entries') and past it, and leading dims."""
     layer = _layer(1024, 2048, dtype, "cuda", with_bias)
-    last_triton = max(max_m for max_m, _ in GEMM_CONFIGS if max_m is not None)  # then cuBLAS
-    past = (last_triton + 1, 2048)
+    last_replayed = max(max_m for max_m, _ in triton_entries())  # then the general route
+    past = (last_replayed + 1, 2048)
     shapes = list(dict.fromkeys([(1, 2048), (2, 2048), (5, 2048), (16, 2048), (17, 2048), (33, 2048), (64, 2048),
-                                 (last_triton, 2048), past, (2, 3, 2048), (1, 1, 2048)]))
+                                 (last_replayed, 2048), past, (2, 3, 2048), (1, 1, 2048)]))
     with torch.no_grad():
         for seed, shape in enumerate(shapes):
             for call in range(2):

@@ -1,14 +1,17 @@
-"""The warp-specialized Gluon tiles (Hopper) against the Triton tiles they replace at 65-512 rows.
+"""The warp-specialized Gluon tiles (Hopper) against what they replace: Triton tiles at 65-512
+rows, cuBLAS's route at 513-2048.
 
 For each weight shape and M, GPU times from CUDA graphs (ms): bf16 ``F.linear``; the table's
 route for M (``static_nvfp4_linear``); and the activation operand kernel followed by one GEMM:
-the bucket's own table entry (``gemm.gemm_config(M)``), the tall 256 x 128 tile in Triton
-(``gemm.TALL_TILE_IN_TRITON``), and the tall and square (128 x 128) tiles warp-specialized
-(``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``), and each with its K split for one program per SM
-over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``, ``gemm.SPLIT_TALL_TILES``: the tall
-one above 128 rows; their split sum included); the tall one as the table runs it (192 rows per
-program where that leaves the programs as many, ``gemm_warp_specialized.tokens_per_program``)
-and with 256 rows per program at every M. Each warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed;
+the bucket's own table entry (``gemm.gemm_config(M)``; above 512 rows cuBLAS after the weight's
+dequantization, its epilogue fused, as the table runs it where no tile replaces it), the tall
+256 x 128 tile in Triton (``gemm.TALL_TILE_IN_TRITON``), and the tall and square (128 x 128)
+tiles warp-specialized (``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``), and each with its K split for
+one program per SM over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``,
+``gemm.SPLIT_TALL_TILES``: the tall one above 128 rows; their split sum included); the tall one
+as the table runs it (192 rows per program where that leaves the programs as many,
+``gemm_warp_specialized.tokens_per_program``) and with 256 rows per program at every M. Each
+warp-specialized output is checked equal to its Triton twin's, bit for bit, before it is timed;
 with ``--rounds R`` each time is the median of R rounds over every column, interleaved. The
 table takes a wide tile where its programs fill most SMs (``gemm.wide_tile``); the last column
 names the one it takes, if any, with its K split.
@@ -48,6 +51,17 @@ def operand_then_gemm(x, weight, act_scale, config):
     return run
 
 
+def operand_then_cublas(x, weight, act_scale, output_scale):
+    """The operand kernel (in ``x``'s dtype), then the weight's dequantization and cuBLAS with the
+    epilogue fused: the table's route where cuBLAS runs the product."""
+
+    def run():
+        operand = gemm_activation_operand(x, act_scale, x.dtype)
+        return gemm.cublas_with_fused_epilogue(operand, weight.qdata, weight.block_scales, output_scale, weight.bias)
+
+    return run
+
+
 def with_whole_tile_programs(route):
     """``route`` with each program taking its tile's rows at every M (256 for the tall tile),
     in place of the table's fewer where that leaves the programs as many
@@ -83,8 +97,11 @@ def main():
             bucket = gemm.GEMM_CONFIGS[gemm.gemm_bucket(M)][0]
             split_square, split_tall = SPLIT_SQUARE_TILES.get(bucket), SPLIT_TALL_TILES.get(bucket)
             routes = {
-                # Above 512 rows the entry is cuBLAS's route, which the table column times.
-                "entry": operand_then_gemm(x, weight, act_scale, entry) if isinstance(entry, gemm.GemmConfig) else None,
+                "entry": (
+                    operand_then_gemm(x, weight, act_scale, entry)
+                    if isinstance(entry, gemm.GemmConfig)
+                    else operand_then_cublas(x, weight, act_scale, output_scale)
+                ),
                 "tall-triton": operand_then_gemm(x, weight, act_scale, TALL_TILE_IN_TRITON),
                 "tall-ws": operand_then_gemm(x, weight, act_scale, TALL_TILE),
                 "tall-ws-256": with_whole_tile_programs(operand_then_gemm(x, weight, act_scale, TALL_TILE)),

@@ -15,11 +15,11 @@ first call under capture records the graphs' (``kernels.gemm.captured_into_a_gra
 outputs agree either way within the GEMM's tolerance.
 
 Replayed: plain, contiguous, 16-byte aligned CUDA activations of at most the largest M that
-``kernels.gemm.GEMM_CONFIGS`` serves with its own kernels (Triton's, and on Hopper the
-warp-specialized Gluon GEMM; above it cuBLAS runs the product, and the host work is small beside
-the GPU's), outside any tracing or dispatch mode, with the
-weight's tensors in the layout convert makes. Every other call returns None and the layer takes
-the general route.
+``kernels.gemm.GEMM_CONFIGS`` serves with Triton tiles (run in Triton or, on Hopper, as the
+warp-specialized Gluon GEMM; above it cuBLAS runs the product, or on Hopper up to 2048 rows the
+tall Gluon tile, and the host work is small beside the GPU's), outside any tracing or dispatch
+mode, with the weight's tensors in the layout convert makes. Every other call returns None and
+the layer takes the general route.
 """
 
 from dataclasses import replace

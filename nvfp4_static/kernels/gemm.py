@@ -538,6 +538,15 @@ class CublasAfterDequantize:
 # three per SM instead (``fill_programs_per_sm``): 1.01-1.23x faster on the weights it changes at
 # M = 1-32 (4096 x 6144, 4096 x 12288, 8192 x 10240), the others unchanged. From 513 rows cuBLAS
 # after dequantizing.
+# At 513-2048 rows on Hopper the warp-specialized tall tile takes cuBLAS's place where its programs
+# fill the SMs (``wide_tile``): dequantizing each weight tile in registers once per 256 rows costs
+# less there than writing the whole weight in fp16 and reading it back, and the activation
+# operand is the same pass either way. Operand kernel and GEMM against cuBLAS's route (operand
+# kernel, weight dequantization, cuBLAS), bf16 / ours on an H200 at M = 1024 / 2048: 8192 x 8192
+# 0.79x / 0.88x -> 0.95x / 0.95x, 4096 x 14336 0.79x / 0.90x -> 0.84x / 0.93x, 14336 x 4096
+# 0.74x / 0.85x -> 0.89x / 0.91x; at 4096 rows cuBLAS's route is as fast or faster (0.95x /
+# 0.96x / 0.90x against 0.93x / 0.90x / 0.91x).
+PREFILL_TALL_TILE_BUCKET = 2048
 # Few buckets on purpose: a graph compiled for a dynamic M holds every bucket's kernels behind a
 # cond (backends.triton_route), so each bucket adds compile time and host work per call.
 GEMM_CONFIGS = (
@@ -550,6 +559,7 @@ GEMM_CONFIGS = (
     (256, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True,
                      row_tiles_for_split=2)),
     (512, GemmConfig(128, 64, 128, 4, 3, weight_as_mma_a=True, mma_order=True)),
+    (PREFILL_TALL_TILE_BUCKET, CublasAfterDequantize()),
     (None, CublasAfterDequantize()),
 )
 # Wide weights at 129-512 rows: one program per SM of 256 activation rows by 128 weight rows
@@ -583,8 +593,8 @@ GEMM_CONFIGS = (
 # 0.0474 / 0.0470), 14336 x 4096 at M = 128 0.0475 -> 0.0419 (4), 4096 x 4096 at M = 128 0.0249
 # -> 0.0229 (4). At a bucket's first rows it can lose a little (8192 x 8192 at M = 65 0.0490 ->
 # 0.0507).
-# N and K are fixed per layer, so the choice needs no guard in a compiled graph; every wide tile
-# takes the same operand as the entry it replaces (``operand_config``).
+# N and K are fixed per layer, so the choice needs no guard in a compiled graph; the route
+# prepares the operand of the tile the bucket runs (``operand_config``).
 TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
 SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
 # Decode on Hopper: gemm_decode_warp_specialized's tile in place of the entries up to 16 rows,
@@ -630,7 +640,9 @@ WIDE_TILE_BUCKETS = (128, 256, 512)  # the largest M of the entries they may rep
 # bf16 / ours): 4096 x 12288 at M = 200 / 256 the tall tile 0.80x / 0.79x against the square's
 # 0.62x / 0.62x, at M = 100 / 128 the square tile 1.02x / 1.00x against the entry's 0.91x / 0.95x;
 # 4096 x 6144 at M = 300-512 the tall tile 0.69-0.73x against the square's 0.48-0.58x.
-WIDE_TILE_SM_FILL = 0.7
+# In percent: the route reads it inside torch.cond branches, where dynamo (torch 2.11) makes a
+# module's float a graph input that it then fails to lift into the branch; an int stays a constant.
+WIDE_TILE_SM_FILL_PERCENT = 70
 
 
 def split_for_one_program_per_sm(tile: GemmConfig, max_m: int) -> GemmConfig:
@@ -685,15 +697,19 @@ def wide_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Opt
     """The tile that replaces the table entry serving up to ``max_m`` rows for an ``[N, K]``
     weight, if any: in a bucket of ``WIDE_TILE_BUCKETS`` on a CUDA device (the interpreter runs
     the table's entries), ``TALL_TILE`` where its programs at ``max_m`` rows fill
-    ``WIDE_TILE_SM_FILL`` of the SMs (above 128 rows: at fewer the square tile's programs are as
+    ``WIDE_TILE_SM_FILL_PERCENT`` of the SMs (above 128 rows: at fewer the square tile's programs are as
     many, with fewer rows each); else, where they run warp-specialized (on a Hopper GPU, K a
     multiple of 32: ``config_for_width``), the first whose programs fill them of: the tall
     tile's split form (``SPLIT_TALL_TILES``, above 128 rows), ``SQUARE_TILE``, its split form
-    (``SPLIT_SQUARE_TILES``)."""
-    if max_m not in WIDE_TILE_BUCKETS or device.type != "cuda":
+    (``SPLIT_SQUARE_TILES``). In ``PREFILL_TALL_TILE_BUCKET``, in cuBLAS's place, ``TALL_TILE``
+    only where it runs warp-specialized and its programs fill the SMs."""
+    if max_m not in (*WIDE_TILE_BUCKETS, PREFILL_TALL_TILE_BUCKET) or device.type != "cuda":
         return None
-    slots = WIDE_TILE_SM_FILL * _multiprocessor_count(device)
+    slots = WIDE_TILE_SM_FILL_PERCENT * _multiprocessor_count(device) / 100
     tall_programs = ceil_div(max_m, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n)
+    if max_m == PREFILL_TALL_TILE_BUCKET:
+        warp_specialized = not K % MMA_GROUP and gemm_warp_specialized.available(device)
+        return TALL_TILE if warp_specialized and tall_programs >= slots else None
     if max_m in SPLIT_TALL_TILES and tall_programs >= slots:
         return TALL_TILE
     if K % MMA_GROUP or not gemm_warp_specialized.available(device):
@@ -775,11 +791,11 @@ def operand_config(
     bucket: int, N: int, K: int, device: torch.device, in_graph: bool = False
 ) -> Union[GemmConfig, CublasAfterDequantize]:
     """The tiles ``bucket`` runs for an ``[N, K]`` weight on ``device``, for what their
-    activation operand is (raw or quantized, dtype, MMA order): the entry's, or the decode
-    tile's where it replaces the entry (a wide tile takes its entry's operand); ``in_graph``
-    for a traced graph, which takes the decode tile on the graphs' rule (``decode_tile``)."""
+    activation operand is (raw or quantized, dtype, MMA order): the decode tile's or a wide
+    tile's where it replaces the entry, else the entry's; ``in_graph`` for a traced graph, which
+    takes the decode tile on the graphs' rule (``decode_tile``)."""
     max_m, entry = GEMM_CONFIGS[bucket]
-    return config_for_width(decode_tile(max_m, N, K, device, in_graph) or entry, K)
+    return config_for_width(decode_tile(max_m, N, K, device, in_graph) or wide_tile(max_m, N, K, device) or entry, K)
 
 
 def config_for_width(
