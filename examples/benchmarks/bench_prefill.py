@@ -1,9 +1,10 @@
 """Where a prefill-sized static NVFP4 linear spends its time on a GPU without FP4 tensor cores.
 
-From 513 tokens the Triton route runs three kernels: the activation's quantization into a bf16
-operand (``gemm_activation_operand``), the weight's dequantization (``launch_weight_dequantize``)
-and a cuBLAS GEMM with both global scales and the bias in its epilogue. This script times each
-part alone beside bf16's ``F.linear`` and the whole linear, in one run, and the floor of each
+From 513 tokens (on Hopper from 2049, or where the tall tile would leave SMs idle) the Triton
+route runs three kernels: the activation's quantization into a bf16 operand
+(``gemm_activation_operand``), the weight's dequantization (``launch_weight_dequantize``) and a
+cuBLAS GEMM with both global scales and the bias in its epilogue. This script times each part
+alone beside bf16's ``F.linear`` and the whole linear, in one run, and the floor of each
 memory-bound part: its bytes read and written at the device-to-device copy rate measured in the
 same run. Times are medians of CUDA-graph replays (``bench_linear.graph_ms``); each column is
 measured in ``--rounds`` interleaved rounds and the median round is shown, so that clock drift
