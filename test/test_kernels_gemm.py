@@ -441,8 +441,8 @@ def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypat
     = 4096 at most: 64 programs), nor 11264 at 65-128 (88 tiles, unsplit). Only where the split
     and square tiles run warp-specialized (not at K = 4112: the Triton tall tile still runs
     there); not below 65 rows, not on the interpreter's CPU tensors. At 513-2048 rows the tall
-    tile in cuBLAS's place where it runs warp-specialized and its programs at 2048 rows fill the
-    SMs (4096 columns: 256 programs; not 1024: 64); cuBLAS above 2048 rows."""
+    tile in cuBLAS's place where it runs warp-specialized and its programs at 513 rows fill the
+    SMs (4096 columns: 96 programs; not 2048: 48, nor 1024); cuBLAS above 2048 rows."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(gemm, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(gemm.gemm_warp_specialized, "available", lambda device: True)
@@ -475,7 +475,8 @@ def test_wide_tiles_serve_mid_size_m_where_their_programs_fill_the_sms(monkeypat
     assert table_config(64, None, 14336, 4096, cuda) == gemm_config(64)
     assert table_config(513, None, 14336, 4096, cuda) == TALL_TILE
     assert table_config(2048, None, 4096, 4096, cuda) == TALL_TILE
-    assert table_config(600, None, 1024, 4096, cuda) == gemm_config(600)  # 64 programs
+    assert table_config(600, None, 1024, 4096, cuda) == gemm_config(600)
+    assert table_config(2048, None, 2048, 4096, cuda) == gemm_config(2048)  # 48 programs at 513 rows
     assert table_config(1024, None, 14336, 4112, cuda) == gemm_config(1024)  # no Gluon kernel
     assert table_config(2049, None, 14336, 4096, cuda) == gemm_config(2049)
     assert isinstance(gemm_config(600), CublasAfterDequantize) and gemm_config(600) == gemm_config(2049)

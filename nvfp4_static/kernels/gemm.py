@@ -539,7 +539,8 @@ class CublasAfterDequantize:
 # M = 1-32 (4096 x 6144, 4096 x 12288, 8192 x 10240), the others unchanged. From 513 rows cuBLAS
 # after dequantizing.
 # At 513-2048 rows on Hopper the warp-specialized tall tile takes cuBLAS's place where its programs
-# fill the SMs (``wide_tile``): dequantizing each weight tile in registers once per 256 rows costs
+# fill the SMs from 513 rows (``wide_tile``; 4096 x 4096 at 513 rows, 96 programs on 132 SMs: as
+# fast as cuBLAS's route): dequantizing each weight tile in registers once per 256 rows costs
 # less there than writing the whole weight in fp16 and reading it back, and the activation
 # operand is the same pass either way. Operand kernel and GEMM against cuBLAS's route (operand
 # kernel, weight dequantization, cuBLAS), bf16 / ours on an H200 at M = 1024 / 2048: 8192 x 8192
@@ -697,16 +698,19 @@ def wide_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Opt
     """The tile that replaces the table entry serving up to ``max_m`` rows for an ``[N, K]``
     weight, if any: in a bucket of ``WIDE_TILE_BUCKETS`` on a CUDA device (the interpreter runs
     the table's entries), ``TALL_TILE`` where its programs at ``max_m`` rows fill
-    ``WIDE_TILE_SM_FILL_PERCENT`` of the SMs (above 128 rows: at fewer the square tile's programs are as
-    many, with fewer rows each); else, where they run warp-specialized (on a Hopper GPU, K a
-    multiple of 32: ``config_for_width``), the first whose programs fill them of: the tall
-    tile's split form (``SPLIT_TALL_TILES``, above 128 rows), ``SQUARE_TILE``, its split form
-    (``SPLIT_SQUARE_TILES``). In ``PREFILL_TALL_TILE_BUCKET``, in cuBLAS's place, ``TALL_TILE``
-    only where it runs warp-specialized and its programs fill the SMs."""
+    ``WIDE_TILE_SM_FILL_PERCENT`` of the SMs (above 128 rows: at fewer the square tile's
+    programs are as many, with fewer rows each); else, where they run warp-specialized (on a
+    Hopper GPU, K a multiple of 32: ``config_for_width``), the first whose programs fill them
+    of: the tall tile's split form (``SPLIT_TALL_TILES``, above 128 rows), ``SQUARE_TILE``, its
+    split form (``SPLIT_SQUARE_TILES``). In ``PREFILL_TALL_TILE_BUCKET``, in cuBLAS's place,
+    ``TALL_TILE`` only where it runs warp-specialized and its programs fill the SMs from the
+    bucket's first row (513)."""
     if max_m not in (*WIDE_TILE_BUCKETS, PREFILL_TALL_TILE_BUCKET) or device.type != "cuda":
         return None
     slots = WIDE_TILE_SM_FILL_PERCENT * _multiprocessor_count(device) / 100
-    tall_programs = ceil_div(max_m, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n)
+    # The prefill bucket's programs are counted at its first row, the others' at their last.
+    rows = max(WIDE_TILE_BUCKETS) + 1 if max_m == PREFILL_TALL_TILE_BUCKET else max_m
+    tall_programs = ceil_div(rows, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n)
     if max_m == PREFILL_TALL_TILE_BUCKET:
         warp_specialized = not K % MMA_GROUP and gemm_warp_specialized.available(device)
         return TALL_TILE if warp_specialized and tall_programs >= slots else None
