@@ -542,11 +542,12 @@ class CublasAfterDequantize:
 # fill the SMs from 513 rows (``wide_tile``; 4096 x 4096 at 513 rows, 96 programs on 132 SMs: as
 # fast as cuBLAS's route): dequantizing each weight tile in registers once per 256 rows costs
 # less there than writing the whole weight in fp16 and reading it back, and the activation
-# operand is the same pass either way. Operand kernel and GEMM against cuBLAS's route (operand
-# kernel, weight dequantization, cuBLAS), bf16 / ours on an H200 at M = 1024 / 2048: 8192 x 8192
-# 0.79x / 0.88x -> 0.95x / 0.95x, 4096 x 14336 0.79x / 0.90x -> 0.84x / 0.93x, 14336 x 4096
-# 0.74x / 0.85x -> 0.89x / 0.91x; at 4096 rows cuBLAS's route is as fast or faster (0.95x /
-# 0.96x / 0.90x against 0.93x / 0.90x / 0.91x).
+# operand is the same pass either way. The route with the tall tile against cuBLAS's (operand
+# kernel, weight dequantization, cuBLAS), bf16 / ours on an H200 at M = 1024 / 2048
+# (bench_warp_specialized.py): 8192 x 8192 0.79x / 0.95x -> 0.93x / 1.00x, 4096 x 14336 0.80x /
+# 0.92x -> 0.84x / 0.95x, 14336 x 4096 0.74x / 0.90x -> 0.90x / 0.92x; at 4096 rows cuBLAS's
+# route was as fast or faster (0.95x / 0.96x / 0.90x against 0.93x / 0.90x / 0.91x, a scratch
+# probe; examples/benchmarks/RESULTS.md).
 PREFILL_TALL_TILE_BUCKET = 2048
 # Few buckets on purpose: a graph compiled for a dynamic M holds every bucket's kernels behind a
 # cond (backends.triton_route), so each bucket adds compile time and host work per call.
@@ -677,11 +678,10 @@ def gemm_config(M: int) -> Union[GemmConfig, CublasAfterDequantize]:
 def table_config(
     M, bucket: Optional[int], N: int, K: int, device: torch.device
 ) -> Union[GemmConfig, CublasAfterDequantize]:
-    """The tiles for an ``[N, K]`` weight on ``device``: the entry ``bucket`` names, else the
-    one serving ``M``, or a wide tile in its place (``wide_tile``), as it runs at reduction
-    width ``K`` (``config_for_width``)."""
-    max_m, config = GEMM_CONFIGS[gemm_bucket(M) if bucket is None else bucket]
-    return config_for_width(decode_tile(max_m, N, K, device) or wide_tile(max_m, N, K, device) or config, K)
+    """The tiles for an ``[N, K]`` weight on ``device``: those of the entry ``bucket`` names,
+    else of the one serving ``M``, as ``operand_config`` gives them (a decode or wide tile in
+    the entry's place, at reduction width ``K``)."""
+    return operand_config(gemm_bucket(M) if bucket is None else bucket, N, K, device)
 
 
 def triton_entries() -> list[tuple[int, GemmConfig]]:
@@ -708,15 +708,16 @@ def wide_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Opt
     if max_m not in (*WIDE_TILE_BUCKETS, PREFILL_TALL_TILE_BUCKET) or device.type != "cuda":
         return None
     slots = WIDE_TILE_SM_FILL_PERCENT * _multiprocessor_count(device) / 100
-    # The prefill bucket's programs are counted at its first row, the others' at their last.
-    rows = max(WIDE_TILE_BUCKETS) + 1 if max_m == PREFILL_TALL_TILE_BUCKET else max_m
-    tall_programs = ceil_div(rows, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n)
+    warp_specialized = not K % MMA_GROUP and gemm_warp_specialized.available(device)
     if max_m == PREFILL_TALL_TILE_BUCKET:
-        warp_specialized = not K % MMA_GROUP and gemm_warp_specialized.available(device)
-        return TALL_TILE if warp_specialized and tall_programs >= slots else None
+        # Its programs counted at the bucket's first row, where they are fewest.
+        first_row = max(WIDE_TILE_BUCKETS) + 1
+        fills = ceil_div(first_row, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n) >= slots
+        return TALL_TILE if warp_specialized and fills else None
+    tall_programs = ceil_div(max_m, TALL_TILE.block_m) * ceil_div(N, TALL_TILE.block_n)
     if max_m in SPLIT_TALL_TILES and tall_programs >= slots:
         return TALL_TILE
-    if K % MMA_GROUP or not gemm_warp_specialized.available(device):
+    if not warp_specialized:
         return None
     square_programs = ceil_div(max_m, SQUARE_TILE.block_m) * ceil_div(N, SQUARE_TILE.block_n)
     tall_split = [(tall_programs, SPLIT_TALL_TILES[max_m])] if max_m in SPLIT_TALL_TILES else []
