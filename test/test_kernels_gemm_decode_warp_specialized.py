@@ -285,15 +285,18 @@ def test_operand_config_names_the_decode_tiles_operand_where_it_runs(capturing, 
 
 @needs_gluon_hopper
 @pytest.mark.parametrize(
-    "split_k,sums", [(1, False), (4, True), (4, False), (1, None)], ids=["one-split", "sums", "products", "products-1"]
+    "split_k,sums",
+    [(1, False), (4, True), (4, False), (1, None), (4, "in program"), (2, "in program")],
+    ids=["one-split", "sums", "products", "products-1", "in-program-4", "in-program-2"],
 )
 def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, tmp_path):
     """ptxas builds the kernel for sm_90a with a loading and four multiplying warpgroups
     (setmaxnreg to the consumers' registers), the weight as the register operand of m64n16k16
-    wgmmas, nothing spilled, its stages within one SM's shared memory; summing a split K, the
-    counters are taken with acquire-release atomics, and writing the partial products only
-    (``sums`` False, or None for one split) it takes no counters. Each form stores to the output
-    or to the partial products, not both."""
+    wgmmas, nothing spilled, its stages (and, summing splits in one program, the buffers its
+    consumers sum through) within one SM's shared memory; summing a split K across programs, the
+    counters are taken with acquire-release atomics; writing the partial products only (``sums``
+    False, or None for one split) or summing in one program it takes no counters. Each form
+    stores to the output or to the partial products, not both."""
     from test_gemm_hopper_code import build_for_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -304,10 +307,12 @@ def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, tmp_pat
     scale = torch.ones(1)
     out = torch.empty(M, N, dtype=torch.bfloat16)
     bias = torch.zeros(N, dtype=torch.bfloat16)
-    partials = None if sums is False and split_k == 1 else torch.zeros(split_k, M, N)
-    counts = torch.zeros(decode.counters(N), dtype=torch.int32) if sums else None
+    in_program = sums == "in program"
+    partials = None if (sums is False and split_k == 1) or in_program else torch.zeros(split_k, M, N)
+    counts = torch.zeros(decode.counters(N), dtype=torch.int32) if sums is True else None
     _, args, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, bias, out, partials, counts, split_k, True)
     assert meta["launch_pdl"]
+    assert meta["SPLITS_HERE"] == (split_k if in_program else 1)
     kernel = decode._decode_gemm_kernel
     values = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
     options = {k: v for k, v in meta.items() if k not in kernel.arg_names}
@@ -318,20 +323,33 @@ def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, tmp_pat
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16 \{[^}]*\}, \{%r", ptx)
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "spill" not in report or re.search(r" 0 bytes spill stores", report), report
-    assert ("atom.global.gpu.acq_rel.add" in ptx) == bool(sums)
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == (sums is True)
     # The output is bf16 (16-bit stores), the partial products fp32.
-    assert bool(re.search(r"st\.global(\.[a-z0-9]+)*\.b16", ptx)) == (partials is None or bool(sums))
+    assert bool(re.search(r"st\.global(\.[a-z0-9]+)*\.b16", ptx)) == (partials is None or sums is True)
     assert bool(re.search(r"st\.global(\.[a-z0-9]+)*\.(b32|f32)", ptx)) == (partials is not None)
     # Launched to overlap the operand kernel: the loading warpgroup waits for that kernel after
-    # the first stage's weight and scale loads (one of each per consumer), before the operand's.
-    # (The compiler repeats the wait on the path of a split without K tiles.)
+    # the first stage's weight and scale loads (one of each per consumer), before the operand's
+    # (one per split the program runs), which follow the wait or sit in the block it jumps to.
+    splits_here = meta["SPLITS_HERE"]
     wait = ptx.index("griddepcontrol.wait")
-    assert ptx[:wait].count("cp.async.bulk.tensor") == 2 * decode.CONSUMERS
-    assert ptx.index("cp.async.bulk.tensor", wait) < ptx.index("mbarrier.try_wait", wait)
-    stage_bytes = decode.TOKENS * decode.BLOCK_K * 2 + decode.WEIGHT_ROWS_PER_PROGRAM * (
+    assert ptx[ptx.rindex("mbarrier.try_wait", 0, wait) : wait].count("cp.async.bulk.tensor") == 2 * decode.CONSUMERS
+    assert tma_loads_after_the_wait(ptx) == splits_here
+    stage_bytes = splits_here * decode.TOKENS * decode.BLOCK_K * 2 + decode.WEIGHT_ROWS_PER_PROGRAM * (
         decode.BLOCK_K // 2 + decode.BLOCK_K // 16
     )
-    assert decode.STAGES * stage_bytes <= build.shared_bytes <= H100_SHARED_BYTES_PER_BLOCK
+    summing_bytes = (decode.CONSUMERS - decode.CONSUMERS // splits_here) * 64 * decode.TOKENS * 4
+    assert decode.STAGES * stage_bytes + summing_bytes <= build.shared_bytes <= H100_SHARED_BYTES_PER_BLOCK
+
+
+def tma_loads_after_the_wait(ptx: str) -> int:
+    """The TMA loads issued after ``griddepcontrol.wait`` up to the next branch or barrier wait,
+    following an unconditional branch right after it."""
+    code = re.sub(r"//[^\n]*", "", ptx)
+    rest = code[code.index("griddepcontrol.wait") :].split("\n", 1)[1]
+    jump = re.match(r"\s*bra(?:\.uni)?\s+(\$L__\w+);", rest)
+    if jump:
+        rest = code[code.index(jump.group(1) + ":") :]
+    return rest[: re.search(r"\bbra\b|mbarrier\.try_wait", rest).start()].count("cp.async.bulk.tensor")
 
 
 @needs_gluon_hopper
@@ -346,15 +364,39 @@ def test_kernel_arguments_refuse_more_than_16_rows(M):
         decode.kernel_arguments(a, qdata, qdata, scale, scale, None, out, out, scale, 1)
 
 
-@pytest.mark.parametrize("split_k", [2, 5])
-def test_kernel_arguments_refuse_splits_without_a_buffer_for_their_products(split_k):
-    M, N, K = 4, 64, 2048
+@pytest.mark.parametrize("split_k,K", [(3, 2304), (5, 2560), (8, 2048), (2, 2304), (4, 2560)], ids=str)
+def test_kernel_arguments_refuse_splits_without_a_buffer_for_their_products(split_k, K):
+    """Without a buffer the kernel sums only 2 or 4 splits of as many K tiles each, in one
+    program (2304 = 9 K tiles, 2560 = 10)."""
+    M, N = 4, 64
     a = torch.zeros(M, K, dtype=torch.float16)
     qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
     scale = torch.ones(1)
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=rf"in {split_k} K splits needs a buffer for their partial products"):
+    assert not decode.sums_in_program(split_k, K)
+    with pytest.raises(ValueError, match=rf"in {split_k} K splits of K = {K} needs a buffer for their partial products"):
         decode.kernel_arguments(a, qdata, qdata, scale, scale, None, out, None, None, split_k)
+
+
+@needs_gluon_hopper
+@pytest.mark.parametrize("split_k,K,programs", [(2, 2048, 8), (4, 2048, 16), (4, 4096, 16), (2, 2560, 8)], ids=str)
+def test_splits_summed_in_program_take_one_program_per_row_group(split_k, K, programs):
+    """2 or 4 splits of as many K tiles each, without a buffer: one program per 256 / split
+    weight rows runs all of them (its consumers in 4 / split row groups), on a grid of one split;
+    with a buffer, one program per split."""
+    M, N = 4, 1024
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    codes = torch.zeros(N, K // 16, dtype=torch.uint8)
+    scale = torch.ones(1)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    assert decode.sums_in_program(split_k, K)
+    grid, _, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, None, out, None, None, split_k)
+    assert grid == (programs, 1, 1) and meta["SPLITS_HERE"] == split_k
+    assert not meta["WRITE_PARTIALS"] and not meta["SUM_SPLITS"]
+    partials = torch.zeros(split_k, M, N)
+    grid, _, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, None, out, partials, None, split_k)
+    assert grid == (N // decode.WEIGHT_ROWS_PER_PROGRAM, split_k, 1) and meta["SPLITS_HERE"] == 1
 
 
 def test_the_partial_products_op_refuses_cpu_tensors_and_its_fake_gives_the_shape():
@@ -477,20 +519,22 @@ def test_the_partial_products_op_refuses_operands_it_would_misread(operand, qdat
 
 @pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, with_bias, monkeypatch):
+@pytest.mark.parametrize("K", [1024, 1280], ids=["even", "uneven"])
+def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(K, modes, with_bias, monkeypatch):
     """The decode tile's launch reaches the kernel's launcher exactly once, with the split the
-    Triton tile would run: eagerly with the stream's counters, so the kernel sums the splits
-    into the output; under dispatch modes (as in tracing) through the partial-products op with
-    no counters (a CUDA graph capturing it keeps no buffer), and the splits' sum, both global
-    scales and the bias come from torch ops after it. Only the eager launch overlaps the operand
-    kernel (which releases it early only when launched eagerly). Stood in on the CPU: the
+    Triton tile would run: eagerly so that the kernel sums the splits into the output, in their
+    programs where they hold as many K tiles each (no buffer, no counters), else with a buffer
+    and the stream's counters; under dispatch modes (as in tracing) through the partial-products
+    op with no counters (a CUDA graph capturing it keeps no buffer), and the splits' sum, both
+    global scales and the bias come from torch ops after it. Only the eager launch overlaps the
+    operand kernel (which releases it early only when launched eagerly). Stood in on the CPU: the
     launcher (which writes split s's products as s + 1, or the output as 7), availability, the
     op's device check and the stream's counters are patched."""
     calls = []
 
     def launcher(a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap):
-        calls.append((tuple(partials.shape), counts, split_k, overlap))
-        if counts is None:
+        calls.append((None if partials is None else tuple(partials.shape), counts, split_k, overlap))
+        if partials is not None and counts is None:
             for split in range(split_k):
                 partials[split].fill_(split + 1.0)
         else:
@@ -502,19 +546,21 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(modes, with_bi
     monkeypatch.setattr(decode, "launch_decode_gemm", launcher)
     monkeypatch.setattr(gemm, "tile_counts", lambda device, tiles: stream_counts)
     monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
-    M, N, K = 4, 64, 1024
+    M, N = 4, 64
     operand, qdata, scales, act_scale, weight_scale, bias = gemm_operands(M, N, K, seed=1, config=DECODE_TILE)
     bias = bias if with_bias else None
     split = gemm.split_k_for(DECODE_TILE, N, K, operand.device)
-    assert split == 2  # CPU: one "SM", at most half the K tiles per split
+    assert split == 2  # CPU: one "SM", at most half the K tiles per split (4 or 5 tiles: 2 + 2, 3 + 2)
     out = torch.zeros(M, N, dtype=torch.float32)
     with contextlib.ExitStack() as stack:
         for _ in range(modes):
             stack.enter_context(PassThrough())
         launch_nvfp4_gemm(operand, qdata, scales, act_scale, weight_scale, bias, out, DECODE_TILE)
-    assert [(shape, split_k, overlap) for shape, _, split_k, overlap in calls] == [((split, M, N), split, modes == 0)]
+    in_program = modes == 0 and K == 1024
+    shape = None if in_program else (split, M, N)
+    assert [(shape, split_k, overlap) for shape, _, split_k, overlap in calls] == [(shape, split, modes == 0)]
     if modes == 0:
-        assert calls[0][1] is stream_counts
+        assert calls[0][1] is (None if in_program else stream_counts)
         assert torch.equal(out, torch.full_like(out, 7.0))
         return
     assert calls[0][1] is None
@@ -555,10 +601,11 @@ def test_gpu_decode_tile_equals_the_triton_tile_bit_for_bit(dtype, with_bias, M,
 def test_gpu_thirty_launches_give_one_output_and_leave_the_counters_zero():
     """The program that sums a column tile's splits is whichever stores the last one: whatever
     the order, the sum is in split order, so every launch gives the same output; the counters
-    are zero after each launch (the next one relies on it)."""
-    M, N, K = 16, 8192, 8192
+    are zero after each launch (the next one relies on it). 8 splits: summed across programs."""
+    M, N, K = 16, 4096, 14336
     operand, *weight = gemm_operands(M, N, K, seed=2, device="cuda", config=DECODE_TILE)
-    assert gemm.split_k_for(DECODE_TILE, N, K, operand.device) > 1
+    split = gemm.split_k_for(DECODE_TILE, N, K, operand.device)
+    assert split > 1 and not decode.sums_in_program(split, K)
     outs = []
     for _ in range(30):
         outs.append(torch.empty((M, N), dtype=torch.bfloat16, device="cuda"))

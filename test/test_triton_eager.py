@@ -351,15 +351,15 @@ def test_gpu_a_layer_with_unwrapped_weights_replays_its_launches():
     "M,N,K,tile",
     [(300, 8192, 1024, "tall"), (100, 14336, 1024, "square"), (128, 8192, 8192, "split-square"),
      (200, 8192, 1024, "split-tall"),
-     (16, 28672, 8192, "decode")],
+     (16, 28672, 8192, "decode"), (16, 14336, 8192, "decode")],
 )
 def test_gpu_replay_redoes_the_warp_specialized_launch(M, N, K, tile):
     """On Hopper a wide layer at 65-512 rows runs the warp-specialized Gluon GEMM (split in K, its
     partial products then summed by the epilogue kernel, where its programs alone would leave SMs
     idle), and a large layer at 2-16 rows the decode one, which read the operand through a TMA
-    descriptor (the decode kernel also its split's partial products and the stream's counters):
-    the second and third calls replay it (over the arena's operand and partial products), each
-    with the route's output for its own activation."""
+    descriptor (the decode kernel on 28672 x 8192 in one split, on 14336 x 8192 in two that its
+    programs sum themselves): the second and third calls replay it (over the arena's operand and
+    partial products), each with the route's output for its own activation."""
     tiles = {
         "tall": TALL_TILE,
         "square": SQUARE_TILE,

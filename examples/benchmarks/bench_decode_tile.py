@@ -9,10 +9,14 @@ takes in eager calls (``gemm.DECODE_TILE_MIN_K_TILES``) and in a graph
 (``gemm.DECODE_TILE_MIN_K_TILES_IN_GRAPHS``; these times are a graph's, and eager calls pay a
 host time the graph does not). Column
 ``no overlap``: the decode tile again, its operand kernel not letting it start before that kernel
-ends (``act_quantize.overlaps_kernels`` off), which shows what starting early saves. Before
-timing, the decode tile's output is checked equal, bit for bit, to its Triton twin's
-(``gemm.DECODE_TILE_IN_TRITON``). With ``--rounds R`` each cell is the median of R rounds, the
-three columns interleaved in each, for differences under a microsecond.
+ends (``act_quantize.overlaps_kernels`` off), which shows what starting early saves. Column
+``across``: the decode tile again, its K splits summed across programs through global memory
+(``gemm_decode_warp_specialized.sums_in_program`` off) where its programs would sum them
+themselves (2 or 4 splits of as many K tiles), which shows what summing in the program saves.
+Before timing, the decode tile's output is checked equal, bit for bit, to its Triton twin's
+(``gemm.DECODE_TILE_IN_TRITON``) and to its own with the splits summed across programs. With
+``--rounds R`` each cell is the median of R rounds, the columns interleaved in each, for
+differences under a microsecond.
 
 Usage: python bench_decode_tile.py [--m 1 4 16] [--shapes 8192x8192 ...] [--rounds 1]
 """
@@ -26,7 +30,7 @@ from bench_linear import bare_read_ms, graph_ms
 from tune_gemm import make_weight
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
-from nvfp4_static.kernels import act_quantize, gemm, gemm_activation_operand
+from nvfp4_static.kernels import act_quantize, gemm, gemm_activation_operand, gemm_decode_warp_specialized
 from nvfp4_static.kernels.gemm import DECODE_TILE, DECODE_TILE_IN_TRITON
 
 SHAPES = (
@@ -54,6 +58,12 @@ def without_overlap(measure):
         return measure()
 
 
+def across_programs(measure):
+    """``measure()`` with the decode tile's K splits summed across programs, never in one."""
+    with mock.patch.object(gemm_decode_warp_specialized, "sums_in_program", lambda split_k, K: False):
+        return measure()
+
+
 def tiles_taken(M: int, N: int, K: int, device: torch.device) -> tuple:
     """The tiles an eager call and a graph take for ``M`` rows of an ``[N, K]`` weight."""
     graph = gemm.operand_config(gemm.gemm_bucket(M), N, K, device, in_graph=True)
@@ -65,14 +75,19 @@ def tile_name(config) -> str:
 
 
 def same_as_the_triton_twin(x, weight, act_scale) -> bool:
+    """Whether the decode tile's output equals its Triton twin's, and its own with the K splits
+    summed across programs, bit for bit."""
     operand = gemm_activation_operand(x, act_scale, mma_order=True)
-    outs = []
-    for config in (DECODE_TILE, DECODE_TILE_IN_TRITON):
-        outs.append(torch.empty((x.shape[0], weight.qdata.shape[0]), dtype=x.dtype, device=x.device))
-        gemm.launch_nvfp4_gemm(
-            operand, weight.qdata, weight.block_scales, act_scale, weight.scale, weight.bias, outs[-1], config
-        )
-    return torch.equal(*outs)
+
+    def output(config):
+        out = torch.empty((x.shape[0], weight.qdata.shape[0]), dtype=x.dtype, device=x.device)
+        scales = (weight.block_scales, act_scale, weight.scale)
+        gemm.launch_nvfp4_gemm(operand, weight.qdata, *scales, weight.bias, out, config)
+        return out
+
+    ours = output(DECODE_TILE)
+    across = across_programs(lambda: output(DECODE_TILE))
+    return torch.equal(ours, output(DECODE_TILE_IN_TRITON)) and torch.equal(ours, across)
 
 
 def main():
@@ -86,7 +101,7 @@ def main():
         raise SystemExit("bench_decode_tile.py needs a Hopper GPU and Gluon's Hopper API")
     print(f"device: {torch.cuda.get_device_name()}")
     print(f"{'K':>6} {'N':>6} {'M':>3} | {'split':>5} {'K tiles':>7} | {'read':>7} {'entry':>7} {'decode':>7} "
-          f"{'no overlap':>10} | {'entry/decode':>12} {'eager/graph':>13}")
+          f"{'no overlap':>10} {'across':>7} | {'entry/decode':>12} {'eager/graph':>13}")
     everywhere, nowhere = 1, 1 << 30
     for shape in args.shapes:
         K, N = (int(size) for size in shape.split("x"))
@@ -104,13 +119,14 @@ def main():
                     linear_ms(x, weight, act_scale, nowhere),
                     linear_ms(x, weight, act_scale, everywhere),
                     without_overlap(lambda: linear_ms(x, weight, act_scale, everywhere)),
+                    across_programs(lambda: linear_ms(x, weight, act_scale, everywhere)),
                 )
                 for _ in range(args.rounds)
             ]
-            entry, decode, apart = (statistics.median(column) for column in zip(*rounds))
+            entry, decode, apart, across = (statistics.median(column) for column in zip(*rounds))
             takes = [tile_name(config) for config in tiles_taken(M, N, K, device)]
             print(f"{K:>6} {N:>6} {M:>3} | {split:>5} {k_tiles:>7.1f} | {read:>7.4f} {entry:>7.4f} {decode:>7.4f} "
-                  f"{apart:>10.4f} | {entry / decode:>12.2f} {'/'.join(takes):>13}")
+                  f"{apart:>10.4f} {across:>7.4f} | {entry / decode:>12.2f} {'/'.join(takes):>13}")
 
 
 if __name__ == "__main__":

@@ -1126,7 +1126,13 @@ def launch_tiles(
         and gemm_decode_warp_specialized.takes(a, weight_qdata, scale_codes, out)
     )
     if decode_kernel:
-        counts = tile_counts(a.device, gemm_decode_warp_specialized.counters(N)) if sum_splits else None
+        if sum_splits and gemm_decode_warp_specialized.sums_in_program(split_k, K):
+            partials = None  # each program sums its splits itself
+        counts = (
+            tile_counts(a.device, gemm_decode_warp_specialized.counters(N))
+            if sum_splits and partials is not None
+            else None
+        )
         gemm_decode_warp_specialized.launch_decode_gemm(
             a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k,
             overlap_operand_kernel,

@@ -16,14 +16,18 @@ Eagerly the kernel is launched to start while the operand kernel before it still
 the first K tile's weight and scales, then waits for the operand kernel's end, then loads the
 operand, about 1 us less per linear.
 
-The program that stores the last split of a column tile sums the splits' partial products in
-split order and applies the epilogue (both global scales, the bias), so one launch gives the
-output. In a traced graph the kernel writes the partial products only and the graph sums and
-scales them (``gemm.epilogue_as_ops``), in the kernel that reads the output. The splits, their K
-ranges, the wgmmas and the order of the sums are ``gemm.DECODE_TILE_IN_TRITON``'s: the same output
-bit for bit. ``gemm`` runs this kernel for
-``gemm.DECODE_TILE`` on sm_90 where the tensors suit it (``takes``), and the Triton tile
-elsewhere.
+Where the K split is 2 or 4 (and divides the K tiles evenly) one program runs every split of
+its weight rows: its consumers take 64 rows each in ``4 / split`` row groups, each consumer one
+split's K range, and the first consumer of a row group sums its group's products in split order
+through shared memory, then applies the epilogue (both global scales, the bias). No partial
+product leaves the SM and no program waits on another's. Other splits run one split per
+program; the program that stores the last split of a column tile sums the splits' partial
+products in split order and applies the epilogue, so one launch gives the output. In a traced
+graph the kernel writes the partial products only, one split per program, and the graph sums
+and scales them (``gemm.epilogue_as_ops``), in the kernel that reads the output. The splits,
+their K ranges, the wgmmas and the order of the sums are ``gemm.DECODE_TILE_IN_TRITON``'s: the
+same output bit for bit. ``gemm`` runs this kernel for ``gemm.DECODE_TILE`` on sm_90 where the
+tensors suit it (``takes``), and the Triton tile elsewhere.
 """
 
 from functools import lru_cache
@@ -38,8 +42,12 @@ from nvfp4_static.kernels.launch import KernelCall, ceil_div
 TOKENS = 16  # activation rows: the wgmma's N
 BLOCK_K = 256
 CONSUMERS = 4  # multiplying warpgroups per program, 64 weight rows each
-WEIGHT_ROWS_PER_PROGRAM = CONSUMERS * gemm_warp_specialized.ROWS_PER_CONSUMER
-STAGES = 3  # of 44 KiB: operand 8, packed weight 32, block scales 4
+WEIGHT_ROWS_PER_PROGRAM = CONSUMERS * gemm_warp_specialized.ROWS_PER_CONSUMER  # one split per program
+# Each stage holds 32 KiB of packed weight, 4 of block scales and 8 of operand per K range in it
+# (44 KiB with one split per program, 68 with 4 in it: with its 12 KiB for the sums, 218 of an
+# SM's 227).
+STAGES = 3
+SPLITS_IN_ONE_PROGRAM = (2, 4)
 CONSUMER_REGISTERS = 112
 THREADS_PER_CONSUMER = 128
 
@@ -60,6 +68,12 @@ def takes(a: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torc
         and a.shape[1] % BLOCK_K == 0
         and out.stride(1) == 1
     )
+
+
+def sums_in_program(split_k: int, K: int) -> bool:
+    """Whether the kernel runs ``split_k`` K splits of a ``K``-wide reduction in one program per
+    row group and sums them there: 2 or 4 splits, of as many K tiles each."""
+    return split_k in SPLITS_IN_ONE_PROGRAM and ceil_div(K, BLOCK_K) % split_k == 0
 
 
 def counters(N: int) -> int:
@@ -83,6 +97,15 @@ if HAS_GLUON_HOPPER:
         warpgroup_mma_wait,
     )
 
+    @gluon.constexpr_function
+    def sums_shape(consumers, splits_here, tokens):
+        """The shared memory in which a program's consumers hand their products to their row
+        group's first one (``splits_here`` > 1: one ``[64, tokens]`` fp32 buffer per other
+        consumer), else an unused buffer of 8 rows."""
+        if splits_here > 1:
+            return [consumers - consumers // splits_here, gemm_warp_specialized.ROWS_PER_CONSUMER, tokens]
+        return [1, 8, tokens]
+
     @gluon.jit
     def _wait_for_previous_kernel():
         """Wait until the kernel launched before this one has ended and its writes are visible
@@ -90,14 +113,16 @@ if HAS_GLUON_HOPPER:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _load_partition(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, off_n, k_first, k_tiles,
-                        BK: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-        """Fill stage ``i % NUM_STAGES`` with the split's K tile ``i`` once every consumer handed
-        it back: each consumer's packed weight rows and block scales, then the operand tile. The
-        weight does not depend on the kernel before this one (the operand kernel, which may let
-        this one start while it runs), so the first tile's weight loads go out before waiting for
-        that kernel, and its operand load after."""
-        tile_bytes: gl.constexpr = a_desc.block_type.nbytes + CONSUMERS * (
+    def _load_partition(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, off_n, k_first, per_split,
+                        k_tiles, BK: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                        SPLITS_HERE: gl.constexpr):
+        """Fill stage ``i % NUM_STAGES`` with K tile ``i`` of each split the program runs once every
+        consumer handed it back: each consumer's packed weight rows and block scales (consumer
+        ``c`` takes row group ``c // SPLITS_HERE`` over split ``c % SPLITS_HERE``), then each
+        split's operand tile. The weight does not depend on the kernel before this one (the
+        operand kernel, which may let this one start while it runs), so the first tile's weight
+        loads go out before waiting for that kernel, and its operand loads after."""
+        tile_bytes: gl.constexpr = SPLITS_HERE * a_desc.block_type.nbytes + CONSUMERS * (
             w_desc.block_type.nbytes + s_desc.block_type.nbytes
         )
         for i in range(k_tiles):
@@ -106,24 +131,29 @@ if HAS_GLUON_HOPPER:
             mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
             bar = ready.index(stage)
             mbarrier.expect(bar, tile_bytes)
-            k = (k_first + i) * BK
             for c in gl.static_range(CONSUMERS):
-                tma_load(w_desc, [off_n + c * ROWS, k // 2], bar, w_smem.index(stage * CONSUMERS + c))
-                tma_load(s_desc, [off_n + c * ROWS, k // 16], bar, s_smem.index(stage * CONSUMERS + c))
+                k = (k_first + (c % SPLITS_HERE) * per_split + i) * BK
+                rows = off_n + (c // SPLITS_HERE) * ROWS
+                tma_load(w_desc, [rows, k // 2], bar, w_smem.index(stage * CONSUMERS + c))
+                tma_load(s_desc, [rows, k // 16], bar, s_smem.index(stage * CONSUMERS + c))
             if i == 0:
                 _wait_for_previous_kernel()
-            tma_load(a_desc, [0, k], bar, a_smem.index(stage))
+            for split in gl.static_range(SPLITS_HERE):
+                k = (k_first + split * per_split + i) * BK
+                tma_load(a_desc, [0, k], bar, a_smem.index(stage * SPLITS_HERE + split))
 
     @gluon.jit
-    def _multiply_partition(a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr, bias_ptr,
-                            out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n, k_tiles, split,
-                            split_k, PART: gl.constexpr, TOKENS: gl.constexpr, BK: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, WRITE_PARTIALS: gl.constexpr,
-                            SUM_SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr):
-        """One consumer warpgroup: weight rows ``off_n + 64 * PART`` onwards over the split's K
-        tiles; then its part of the output from this split alone, or its partial products (with
-        ``SUM_SPLITS``, where this program stores the column tile's last split, the output from
-        all of them)."""
+    def _multiply_partition(a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr, weight_scale_ptr,
+                            bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n, k_tiles,
+                            split, split_k, PART: gl.constexpr, TOKENS: gl.constexpr, BK: gl.constexpr,
+                            NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, SPLITS_HERE: gl.constexpr,
+                            WRITE_PARTIALS: gl.constexpr, SUM_SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """One consumer warpgroup: the 64 weight rows of its row group (``PART // SPLITS_HERE``)
+        over the K tiles of its split; then its part of the output from this split alone, or its
+        partial products (with ``SUM_SPLITS``, where this program stores the column tile's last
+        split, the output from all of them). With the program's splits summed in it
+        (``SPLITS_HERE`` > 1) the row group's first consumer waits for the others' products in
+        shared memory and stores the output."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TOKENS, 16]
         )
@@ -131,6 +161,8 @@ if HAS_GLUON_HOPPER:
         PACKED: gl.constexpr = packed_layout(BK)
         BY_BLOCK: gl.constexpr = packed_by_block_layout(BK)
         SCALES: gl.constexpr = gl.SliceLayout(2, BY_BLOCK)
+        ROW_GROUP: gl.constexpr = PART // SPLITS_HERE
+        SPLIT_HERE: gl.constexpr = PART % SPLITS_HERE
         acc = gl.zeros([ROWS, TOKENS], gl.float32, layout=ACC)
         for i in range(k_tiles):
             stage = i % NUM_STAGES
@@ -138,90 +170,124 @@ if HAS_GLUON_HOPPER:
             packed = w_smem.index(stage * CONSUMERS + PART).load(PACKED)
             codes = s_smem.index(stage * CONSUMERS + PART).load(SCALES)
             w = _dequantize_in_mma_order(packed, codes, BK, BY_BLOCK, OPERAND)
-            acc = warpgroup_mma(w, a_smem.index(stage).permute((1, 0)), acc, is_async=True)
+            operand = a_smem.index(stage * SPLITS_HERE + SPLIT_HERE).permute((1, 0))
+            acc = warpgroup_mma(w, operand, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(stage), count=1)
 
-        # From here each thread holds 8 tokens of one weight row, (row, half, token) with token
-        # 8 * half + t: the same elements in every split's program, so the thread storing a
-        # split's partial products and the one summing them in the last split's program are
-        # ordered by one counter of their own (release, then acquire), with no barrier.
-        BY_ROW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [16, 2, 1], [4, 1, 1], [2, 1, 0])
-        ROW_HALVES: gl.constexpr = gl.SliceLayout(2, BY_ROW)
-        total = gl.convert_layout(gl.reshape(acc, [ROWS, 2, TOKENS // 2]), BY_ROW)
-        row_in_tile = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ROW_HALVES))[:, None]
-        half = gl.arange(0, 2, layout=gl.SliceLayout(0, ROW_HALVES))[None, :]
-        within = gl.arange(0, TOKENS // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, BY_ROW)))[None, None, :]
-        rows = gl.expand_dims(off_n + PART * ROWS + row_in_tile, 2)
-        tokens = gl.expand_dims(half, 2) * (TOKENS // 2) + within
-        mask = (rows < N) & (tokens < M)
-        EPILOGUE: gl.constexpr = SUM_SPLITS or not WRITE_PARTIALS
-        if EPILOGUE:
-            # Loaded before the splits are summed, so these loads wait alongside the counter's.
-            output_scale = gl.load(act_scale_ptr) * gl.load(weight_scale_ptr)
-            if HAS_BIAS:
-                bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-        if WRITE_PARTIALS:
-            at = tokens * N + rows  # in a split's [M, N] partial products
-            gl.store(partials_ptr + split * M * N + at, total, mask=mask)
-            if SUM_SPLITS:
-                counter_ptrs = counts_ptr + (column * CONSUMERS + PART) * (ROWS * 2) + row_in_tile * 2 + half
-                one = gl.full([ROWS, 2], 1, gl.int32, ROW_HALVES)
-                arrived = gl.atomic_add(counter_ptrs, one, sem="acq_rel", scope="gpu")
-                last = arrived == split_k - 1
-                mask = mask & gl.expand_dims(last, 2)
-                total = gl.zeros([ROWS, 2, TOKENS // 2], gl.float32, layout=BY_ROW)
-                for s in range(split_k):
-                    total += gl.load(partials_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
-                # Left zero for the next launch.
-                gl.store(counter_ptrs, gl.zeros_like(arrived), mask=last)
-        if EPILOGUE:
-            total = total * output_scale
-            if HAS_BIAS:
-                total += bias
-            gl.store(out_ptr + tokens.to(gl.int64) * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=mask)
+        first_row = off_n + ROW_GROUP * ROWS
+        if SPLITS_HERE > 1:
+            # The row group's other consumers hand their products over in shared memory, each in
+            # the accumulator's own layout, so every thread of the first one sums its own elements
+            # in split order, as the splits' programs' products are summed.
+            if SPLIT_HERE > 0:
+                sums_smem.index(ROW_GROUP * (SPLITS_HERE - 1) + SPLIT_HERE - 1).store(acc)
+                mbarrier.arrive(summed.index(ROW_GROUP), count=1)
+            else:
+                mbarrier.wait(summed.index(ROW_GROUP), 0)
+                total = gl.zeros([ROWS, TOKENS], gl.float32, layout=ACC) + acc
+                for other in gl.static_range(1, SPLITS_HERE):
+                    total += sums_smem.index(ROW_GROUP * (SPLITS_HERE - 1) + other - 1).load(ACC)
+                out_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ACC))
+                out_tokens = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, ACC))
+                total = total * (gl.load(act_scale_ptr) * gl.load(weight_scale_ptr))
+                if HAS_BIAS:
+                    total += gl.load(bias_ptr + out_rows, mask=out_rows < N, other=0.0).to(gl.float32)[:, None]
+                gl.store(
+                    out_ptr + out_tokens.to(gl.int64)[None, :] * stride_om + out_rows[:, None],
+                    total.to(out_ptr.dtype.element_ty),
+                    mask=(out_rows[:, None] < N) & (out_tokens[None, :] < M),
+                )
+        else:
+            # From here each thread holds 8 tokens of one weight row, (row, half, token) with
+            # token 8 * half + t: the same elements in every split's program, so the thread
+            # storing a split's partial products and the one summing them in the last split's
+            # program are ordered by one counter of their own (release, then acquire), with no
+            # barrier.
+            BY_ROW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [16, 2, 1], [4, 1, 1], [2, 1, 0])
+            ROW_HALVES: gl.constexpr = gl.SliceLayout(2, BY_ROW)
+            total = gl.convert_layout(gl.reshape(acc, [ROWS, 2, TOKENS // 2]), BY_ROW)
+            row_in_tile = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ROW_HALVES))[:, None]
+            half = gl.arange(0, 2, layout=gl.SliceLayout(0, ROW_HALVES))[None, :]
+            within = gl.arange(0, TOKENS // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, BY_ROW)))[None, None, :]
+            rows = gl.expand_dims(first_row + row_in_tile, 2)
+            tokens = gl.expand_dims(half, 2) * (TOKENS // 2) + within
+            mask = (rows < N) & (tokens < M)
+            EPILOGUE: gl.constexpr = SUM_SPLITS or not WRITE_PARTIALS
+            if EPILOGUE:
+                # Loaded before the splits are summed, so these loads wait alongside the counter's.
+                output_scale = gl.load(act_scale_ptr) * gl.load(weight_scale_ptr)
+                if HAS_BIAS:
+                    bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+            if WRITE_PARTIALS:
+                at = tokens * N + rows  # in a split's [M, N] partial products
+                gl.store(partials_ptr + split * M * N + at, total, mask=mask)
+                if SUM_SPLITS:
+                    counter_ptrs = counts_ptr + (column * CONSUMERS + PART) * (ROWS * 2) + row_in_tile * 2 + half
+                    one = gl.full([ROWS, 2], 1, gl.int32, ROW_HALVES)
+                    arrived = gl.atomic_add(counter_ptrs, one, sem="acq_rel", scope="gpu")
+                    last = arrived == split_k - 1
+                    mask = mask & gl.expand_dims(last, 2)
+                    total = gl.zeros([ROWS, 2, TOKENS // 2], gl.float32, layout=BY_ROW)
+                    for s in range(split_k):
+                        total += gl.load(partials_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+                    # Left zero for the next launch.
+                    gl.store(counter_ptrs, gl.zeros_like(arrived), mask=last)
+            if EPILOGUE:
+                total = total * output_scale
+                if HAS_BIAS:
+                    total += bias
+                gl.store(out_ptr + tokens.to(gl.int64) * stride_om + rows, total.to(out_ptr.dtype.element_ty),
+                         mask=mask)
 
     @gluon.jit
     def _decode_gemm_kernel(a_desc, w_desc, s_desc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, partials_ptr,
                             counts_ptr, M, N, K, stride_om, split_k,
                             TOKENS: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                            CONSUMERS: gl.constexpr, WRITE_PARTIALS: gl.constexpr, SUM_SPLITS: gl.constexpr,
-                            HAS_BIAS: gl.constexpr, REGISTERS: gl.constexpr):
+                            CONSUMERS: gl.constexpr, SPLITS_HERE: gl.constexpr, WRITE_PARTIALS: gl.constexpr,
+                            SUM_SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr, REGISTERS: gl.constexpr):
+        ROW_GROUPS: gl.constexpr = CONSUMERS // SPLITS_HERE
         column = gl.program_id(0)
-        split = gl.program_id(1)
-        off_n = column * (CONSUMERS * ROWS)
+        split = gl.program_id(1) * SPLITS_HERE  # the program's first
+        off_n = column * (ROW_GROUPS * ROWS)
         tiles_k = gl.cdiv(K, BK)
         per_split = gl.cdiv(tiles_k, split_k)
         k_first = split * per_split
-        k_tiles = gl.minimum(per_split, tiles_k - k_first)
-        a_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, TOKENS, BK], a_desc.layout)
+        k_tiles = gl.minimum(per_split, tiles_k - k_first)  # every split's, where a program runs several
+        a_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES * SPLITS_HERE, TOKENS, BK], a_desc.layout)
         w_smem = gl.allocate_shared_memory(gl.uint8, [CONSUMERS * NUM_STAGES, ROWS, BK // 2], w_desc.layout)
         s_smem = gl.allocate_shared_memory(gl.uint8, [CONSUMERS * NUM_STAGES, ROWS, BK // 16], s_desc.layout)
+        SUMS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        sums_smem = gl.allocate_shared_memory(gl.float32, sums_shape(CONSUMERS, SPLITS_HERE, TOKENS), SUMS)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        summed = gl.allocate_shared_memory(gl.int64, [ROW_GROUPS, 1], mbarrier.MBarrierLayout())
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(stage), count=1)
             mbarrier.init(empty.index(stage), count=CONSUMERS)
+        if SPLITS_HERE > 1:
+            for group in gl.static_range(ROW_GROUPS):
+                mbarrier.init(summed.index(group), count=SPLITS_HERE - 1)
         gl.warp_specialize(
             [
                 (_load_partition, (a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, off_n, k_first,
-                                   k_tiles, BK, NUM_STAGES, CONSUMERS)),
-                (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
-                                       bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
-                                       k_tiles, split, split_k, 0, TOKENS, BK, NUM_STAGES, CONSUMERS,
-                                       WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
-                (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
-                                       bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
-                                       k_tiles, split, split_k, 1, TOKENS, BK, NUM_STAGES, CONSUMERS,
-                                       WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
-                (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
-                                       bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
-                                       k_tiles, split, split_k, 2, TOKENS, BK, NUM_STAGES, CONSUMERS,
-                                       WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
-                (_multiply_partition, (a_smem, w_smem, s_smem, ready, empty, act_scale_ptr, weight_scale_ptr,
-                                       bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n,
-                                       k_tiles, split, split_k, 3, TOKENS, BK, NUM_STAGES, CONSUMERS,
-                                       WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
+                                   per_split, k_tiles, BK, NUM_STAGES, CONSUMERS, SPLITS_HERE)),
+                (_multiply_partition, (a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr,
+                                       weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om,
+                                       column, off_n, k_tiles, split, split_k, 0, TOKENS, BK, NUM_STAGES,
+                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
+                (_multiply_partition, (a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr,
+                                       weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om,
+                                       column, off_n, k_tiles, split, split_k, 1, TOKENS, BK, NUM_STAGES,
+                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
+                (_multiply_partition, (a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr,
+                                       weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om,
+                                       column, off_n, k_tiles, split, split_k, 2, TOKENS, BK, NUM_STAGES,
+                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
+                (_multiply_partition, (a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr,
+                                       weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om,
+                                       column, off_n, k_tiles, split, split_k, 3, TOKENS, BK, NUM_STAGES,
+                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
             ],
             [4, 4, 4, 4],
             [REGISTERS, REGISTERS, REGISTERS, REGISTERS],
@@ -242,28 +308,34 @@ def kernel_arguments(
     overlap: bool = False,
 ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, meta)`` of the kernel's launch in ``split_k`` K splits (the TMA
-    descriptors built for these tensors). Without ``partials`` (one split only) the kernel writes
-    ``out``; with ``partials`` (``[split_k, M, N]`` fp32) it writes each split's partial products
-    there, and with ``counts`` too (``counters(N)`` int32, zero) the last split's program sums
-    them into ``out``. With ``overlap`` the kernel is launched to start while the operand kernel
-    before it runs (programmatic dependent launch), its weight loads overlapping that kernel."""
+    descriptors built for these tensors). Without ``partials`` the kernel writes ``out``: from
+    one split, or from splits it sums in their programs (``sums_in_program``); with ``partials``
+    (``[split_k, M, N]`` fp32) it writes each split's partial products there, and with ``counts``
+    too (``counters(N)`` int32, zero) the last split's program sums them into ``out``. With
+    ``overlap`` the kernel is launched to start while the operand kernel before it runs
+    (programmatic dependent launch), its weight loads overlapping that kernel."""
     M, K = a.shape
     N = weight_qdata.shape[0]
     if M > TOKENS:
         raise ValueError(f"nvfp4_static: the warp-specialized decode GEMM takes at most {TOKENS} rows, got {M}")
-    if partials is None and split_k > 1:
-        raise ValueError(f"nvfp4_static: the decode GEMM in {split_k} K splits needs a buffer for their partial products")
+    if partials is None and split_k > 1 and not sums_in_program(split_k, K):
+        raise ValueError(
+            f"nvfp4_static: the decode GEMM in {split_k} K splits of K = {K} needs a buffer for their partial "
+            f"products (one program sums {' or '.join(map(str, SPLITS_IN_ONE_PROGRAM))} splits of as many K tiles each)"
+        )
+    splits_here = split_k if partials is None else 1
     a_layout, w_layout, s_layout = _shared_layouts()
     rows = gemm_warp_specialized.ROWS_PER_CONSUMER
     a_desc = TensorDescriptor(a, [M, K], [K, 1], [TOKENS, BLOCK_K], a_layout)
     w_desc = TensorDescriptor(weight_qdata, [N, K // 2], [K // 2, 1], [rows, BLOCK_K // 2], w_layout)
     s_desc = TensorDescriptor(scale_codes, [N, K // 16], [K // 16, 1], [rows, BLOCK_K // 16], s_layout)
-    grid = (ceil_div(N, WEIGHT_ROWS_PER_PROGRAM), split_k, 1)
+    grid = (ceil_div(N * splits_here, WEIGHT_ROWS_PER_PROGRAM), split_k // splits_here, 1)
     unused = act_scale
     args = (a_desc, w_desc, s_desc, act_scale, weight_scale, unused if bias is None else bias, out,
             unused if partials is None else partials, unused if counts is None else counts, M, N, K, out.stride(0),
             split_k)
-    meta = dict(TOKENS=TOKENS, BK=BLOCK_K, NUM_STAGES=STAGES, CONSUMERS=CONSUMERS, WRITE_PARTIALS=partials is not None,
+    meta = dict(TOKENS=TOKENS, BK=BLOCK_K, NUM_STAGES=STAGES, CONSUMERS=CONSUMERS, SPLITS_HERE=splits_here,
+                WRITE_PARTIALS=partials is not None,
                 SUM_SPLITS=partials is not None and counts is not None, HAS_BIAS=bias is not None,
                 REGISTERS=CONSUMER_REGISTERS, num_warps=4, launch_pdl=overlap)
     return grid, args, meta
