@@ -364,18 +364,35 @@ def test_kernel_arguments_refuse_more_than_16_rows(M):
         decode.kernel_arguments(a, qdata, qdata, scale, scale, None, out, out, scale, 1)
 
 
-@pytest.mark.parametrize("split_k,K", [(3, 2304), (5, 2560), (8, 2048), (2, 2304), (4, 2560)], ids=str)
-def test_kernel_arguments_refuse_splits_without_a_buffer_for_their_products(split_k, K):
+@pytest.mark.parametrize(
+    "split_k,K,M", [(3, 2304, 4), (5, 2560, 4), (8, 2048, 4), (2, 2304, 4), (4, 2560, 4), (2, 4608, 1), (4, 9216, 1)],
+    ids=str,
+)
+def test_kernel_arguments_refuse_splits_without_a_buffer_for_their_products(split_k, K, M):
     """Without a buffer the kernel sums only 2 or 4 splits of as many K tiles each, in one
-    program (2304 = 9 K tiles, 2560 = 10)."""
-    M, N = 4, 64
+    program, and at one row only splits of up to 8 K tiles (2304 = 9 K tiles, 2560 = 10, 4608 =
+    18, 9216 = 36)."""
+    N = 64
     a = torch.zeros(M, K, dtype=torch.float16)
     qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
     scale = torch.ones(1)
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    assert not decode.sums_in_program(split_k, K)
-    with pytest.raises(ValueError, match=rf"in {split_k} K splits of K = {K} needs a buffer for their partial products"):
+    assert not decode.sums_in_program(split_k, K, M)
+    with pytest.raises(ValueError, match=rf"in {split_k} K splits of K = {K} at M = {M} needs a buffer for their"):
         decode.kernel_arguments(a, qdata, qdata, scale, scale, None, out, None, None, split_k)
+
+
+def test_one_row_sums_in_the_program_only_splits_of_up_to_8_k_tiles():
+    """At one row 4 splits of 28 K tiles (28672 x 8192) are summed across programs, which was
+    faster there; from two rows in the program. Splits of 8 K tiles or fewer are summed in the
+    program at every M."""
+    assert not decode.sums_in_program(4, 28672, 1)
+    assert decode.sums_in_program(4, 28672, 2) and decode.sums_in_program(4, 28672, 16)
+    assert not decode.sums_in_program(2, 4352, 1)  # 17 K tiles: uneven at any M
+    assert not decode.sums_in_program(2, 4608, 1) and decode.sums_in_program(2, 4608, 2)  # 9 each
+    for M in (1, 4, 16):
+        assert decode.sums_in_program(4, 8192, M) and decode.sums_in_program(2, 4096, M)
+        assert decode.sums_in_program(4, 4096, M)  # 4 each
 
 
 @needs_gluon_hopper
@@ -390,7 +407,7 @@ def test_splits_summed_in_program_take_one_program_per_row_group(split_k, K, pro
     codes = torch.zeros(N, K // 16, dtype=torch.uint8)
     scale = torch.ones(1)
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    assert decode.sums_in_program(split_k, K)
+    assert decode.sums_in_program(split_k, K, M)
     grid, _, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, None, out, None, None, split_k)
     assert grid == (programs, 1, 1) and meta["SPLITS_HERE"] == split_k
     assert not meta["WRITE_PARTIALS"] and not meta["SUM_SPLITS"]
@@ -519,12 +536,16 @@ def test_the_partial_products_op_refuses_operands_it_would_misread(operand, qdat
 
 @pytest.mark.parametrize("modes", [0, 1, 2], ids=["eager", "one-mode", "two-modes"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("K", [1024, 1280], ids=["even", "uneven"])
-def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(K, modes, with_bias, monkeypatch):
+@pytest.mark.parametrize(
+    "M,K,summed_in_program",
+    [(4, 1024, True), (4, 1280, False), (1, 9216, False), (4, 9216, True)],
+    ids=["even", "uneven", "one-row-long", "long"],
+)
+def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(M, K, summed_in_program, modes, with_bias, monkeypatch):
     """The decode tile's launch reaches the kernel's launcher exactly once, with the split the
     Triton tile would run: eagerly so that the kernel sums the splits into the output, in their
-    programs where they hold as many K tiles each (no buffer, no counters), else with a buffer
-    and the stream's counters; under dispatch modes (as in tracing) through the partial-products
+    programs where they hold as many K tiles each (no buffer, no counters; at one row only up to
+    8 K tiles each), else with a buffer and the stream's counters; under dispatch modes (as in tracing) through the partial-products
     op with no counters (a CUDA graph capturing it keeps no buffer), and the splits' sum, both
     global scales and the bias come from torch ops after it. Only the eager launch overlaps the
     operand kernel (which releases it early only when launched eagerly). Stood in on the CPU: the
@@ -546,17 +567,20 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(K, modes, with
     monkeypatch.setattr(decode, "launch_decode_gemm", launcher)
     monkeypatch.setattr(gemm, "tile_counts", lambda device, tiles: stream_counts)
     monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
-    M, N = 4, 64
+    N = 64
     operand, qdata, scales, act_scale, weight_scale, bias = gemm_operands(M, N, K, seed=1, config=DECODE_TILE)
     bias = bias if with_bias else None
     split = gemm.split_k_for(DECODE_TILE, N, K, operand.device)
-    assert split == 2  # CPU: one "SM", at most half the K tiles per split (4 or 5 tiles: 2 + 2, 3 + 2)
+    # CPU: one "SM", four programs on it, at most half the K tiles per split: 4 tiles in 2 + 2,
+    # 5 in 3 + 2, 36 in 4 x 9.
+    assert split == (4 if K == 9216 else 2)
+    assert decode.sums_in_program(split, K, M) == summed_in_program
     out = torch.zeros(M, N, dtype=torch.float32)
     with contextlib.ExitStack() as stack:
         for _ in range(modes):
             stack.enter_context(PassThrough())
         launch_nvfp4_gemm(operand, qdata, scales, act_scale, weight_scale, bias, out, DECODE_TILE)
-    in_program = modes == 0 and K == 1024
+    in_program = modes == 0 and summed_in_program
     shape = None if in_program else (split, M, N)
     assert [(shape, split_k, overlap) for shape, _, split_k, overlap in calls] == [(shape, split, modes == 0)]
     if modes == 0:
@@ -564,7 +588,7 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(K, modes, with
         assert torch.equal(out, torch.full_like(out, 7.0))
         return
     assert calls[0][1] is None
-    expected = torch.full((M, N), 1.0 + 2.0) * (act_scale.float() * weight_scale.float())
+    expected = torch.full((M, N), float(sum(range(1, split + 1)))) * (act_scale.float() * weight_scale.float())
     expected = expected if bias is None else expected + bias.float()
     assert torch.equal(out, expected)
 
@@ -605,7 +629,7 @@ def test_gpu_thirty_launches_give_one_output_and_leave_the_counters_zero():
     M, N, K = 16, 4096, 14336
     operand, *weight = gemm_operands(M, N, K, seed=2, device="cuda", config=DECODE_TILE)
     split = gemm.split_k_for(DECODE_TILE, N, K, operand.device)
-    assert split > 1 and not decode.sums_in_program(split, K)
+    assert split > 1 and not decode.sums_in_program(split, K, M)
     outs = []
     for _ in range(30):
         outs.append(torch.empty((M, N), dtype=torch.bfloat16, device="cuda"))

@@ -12,7 +12,8 @@ host time the graph does not). Column
 ends (``act_quantize.overlaps_kernels`` off), which shows what starting early saves. Column
 ``across``: the decode tile again, its K splits summed across programs through global memory
 (``gemm_decode_warp_specialized.sums_in_program`` off) where its programs would sum them
-themselves (2 or 4 splits of as many K tiles), which shows what summing in the program saves.
+themselves (2 or 4 splits of as many K tiles; at one row of at most 8), which shows what summing
+in the program saves.
 Before timing, the decode tile's output is checked equal, bit for bit, to its Triton twin's
 (``gemm.DECODE_TILE_IN_TRITON``) and to its own with the splits summed across programs. With
 ``--rounds R`` each cell is the median of R rounds, the columns interleaved in each, for
@@ -60,7 +61,7 @@ def without_overlap(measure):
 
 def across_programs(measure):
     """``measure()`` with the decode tile's K splits summed across programs, never in one."""
-    with mock.patch.object(gemm_decode_warp_specialized, "sums_in_program", lambda split_k, K: False):
+    with mock.patch.object(gemm_decode_warp_specialized, "sums_in_program", lambda split_k, K, M: False):
         return measure()
 
 

@@ -1126,7 +1126,7 @@ def launch_tiles(
         and gemm_decode_warp_specialized.takes(a, weight_qdata, scale_codes, out)
     )
     if decode_kernel:
-        if sum_splits and gemm_decode_warp_specialized.sums_in_program(split_k, K):
+        if sum_splits and gemm_decode_warp_specialized.sums_in_program(split_k, K, M):
             partials = None  # each program sums its splits itself
         counts = (
             tile_counts(a.device, gemm_decode_warp_specialized.counters(N))

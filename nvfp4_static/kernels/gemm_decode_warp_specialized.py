@@ -16,12 +16,12 @@ Eagerly the kernel is launched to start while the operand kernel before it still
 the first K tile's weight and scales, then waits for the operand kernel's end, then loads the
 operand, about 1 us less per linear.
 
-Where the K split is 2 or 4 (and divides the K tiles evenly) one program runs every split of
-its weight rows: its consumers take 64 rows each in ``4 / split`` row groups, each consumer one
-split's K range, and the first consumer of a row group sums its group's products in split order
-through shared memory, then applies the epilogue (both global scales, the bias). No partial
-product leaves the SM and no program waits on another's. Other splits run one split per
-program; the program that stores the last split of a column tile sums the splits' partial
+Where the K split is 2 or 4 (and divides the K tiles evenly; at one row, of at most 8 K tiles
+each) one program runs every split of its weight rows: its consumers take 64 rows each in
+``4 / split`` row groups, each consumer one split's K range, and the first consumer of a row
+group sums its group's products in split order through shared memory, then applies the epilogue
+(both global scales, the bias). No partial product leaves the SM and no program waits on
+another's. Other splits run one split per program; the program that stores the last split of a column tile sums the splits' partial
 products in split order and applies the epilogue, so one launch gives the output. In a traced
 graph the kernel writes the partial products only, one split per program, and the graph sums
 and scales them (``gemm.epilogue_as_ops``), in the kernel that reads the output. The splits,
@@ -48,6 +48,10 @@ WEIGHT_ROWS_PER_PROGRAM = CONSUMERS * gemm_warp_specialized.ROWS_PER_CONSUMER  #
 # SM's 227).
 STAGES = 3
 SPLITS_IN_ONE_PROGRAM = (2, 4)
+# At one row only splits of up to this many K tiles are summed in the program: on an H200 the
+# linear at one row took 1-7% less time so on weights of 4 and 8 K tiles per split, and 7% more
+# on 28672 x 8192 (4 splits of 28), where 16 rows still took 4% less (examples/benchmarks/RESULTS.md).
+MOST_K_TILES_SUMMED_IN_PROGRAM_AT_ONE_ROW = 8
 CONSUMER_REGISTERS = 112
 THREADS_PER_CONSUMER = 128
 
@@ -70,10 +74,14 @@ def takes(a: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torc
     )
 
 
-def sums_in_program(split_k: int, K: int) -> bool:
-    """Whether the kernel runs ``split_k`` K splits of a ``K``-wide reduction in one program per
-    row group and sums them there: 2 or 4 splits, of as many K tiles each."""
-    return split_k in SPLITS_IN_ONE_PROGRAM and ceil_div(K, BLOCK_K) % split_k == 0
+def sums_in_program(split_k: int, K: int, M: int) -> bool:
+    """Whether the kernel runs ``split_k`` K splits of a ``K``-wide reduction for ``M`` rows in
+    one program per row group and sums them there: 2 or 4 splits, of as many K tiles each, at one
+    row of at most ``MOST_K_TILES_SUMMED_IN_PROGRAM_AT_ONE_ROW``."""
+    k_tiles = ceil_div(K, BLOCK_K)
+    if split_k not in SPLITS_IN_ONE_PROGRAM or k_tiles % split_k:
+        return False
+    return M > 1 or k_tiles // split_k <= MOST_K_TILES_SUMMED_IN_PROGRAM_AT_ONE_ROW
 
 
 def counters(N: int) -> int:
@@ -87,6 +95,7 @@ if HAS_GLUON_HOPPER:
         ROWS,
         TensorDescriptor,
         _dequantize_in_mma_order,
+        _store_output_tile,
         gl,
         gluon,
         mbarrier,
@@ -188,16 +197,8 @@ if HAS_GLUON_HOPPER:
                 total = gl.zeros([ROWS, TOKENS], gl.float32, layout=ACC) + acc
                 for other in gl.static_range(1, SPLITS_HERE):
                     total += sums_smem.index(ROW_GROUP * (SPLITS_HERE - 1) + other - 1).load(ACC)
-                out_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ACC))
-                out_tokens = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, ACC))
-                total = total * (gl.load(act_scale_ptr) * gl.load(weight_scale_ptr))
-                if HAS_BIAS:
-                    total += gl.load(bias_ptr + out_rows, mask=out_rows < N, other=0.0).to(gl.float32)[:, None]
-                gl.store(
-                    out_ptr + out_tokens.to(gl.int64)[None, :] * stride_om + out_rows[:, None],
-                    total.to(out_ptr.dtype.element_ty),
-                    mask=(out_rows[:, None] < N) & (out_tokens[None, :] < M),
-                )
+                _store_output_tile(total, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, M, N,
+                                   stride_om, first_row, 0, 0, HAS_BIAS, False)
         else:
             # From here each thread holds 8 tokens of one weight row, (row, half, token) with
             # token 8 * half + t: the same elements in every split's program, so the thread
@@ -318,10 +319,11 @@ def kernel_arguments(
     N = weight_qdata.shape[0]
     if M > TOKENS:
         raise ValueError(f"nvfp4_static: the warp-specialized decode GEMM takes at most {TOKENS} rows, got {M}")
-    if partials is None and split_k > 1 and not sums_in_program(split_k, K):
+    if partials is None and split_k > 1 and not sums_in_program(split_k, K, M):
         raise ValueError(
-            f"nvfp4_static: the decode GEMM in {split_k} K splits of K = {K} needs a buffer for their partial "
-            f"products (one program sums {' or '.join(map(str, SPLITS_IN_ONE_PROGRAM))} splits of as many K tiles each)"
+            f"nvfp4_static: the decode GEMM in {split_k} K splits of K = {K} at M = {M} needs a buffer for their "
+            f"partial products (one program sums {' or '.join(map(str, SPLITS_IN_ONE_PROGRAM))} splits of as many "
+            f"K tiles each, at one row of at most {MOST_K_TILES_SUMMED_IN_PROGRAM_AT_ONE_ROW})"
         )
     splits_here = split_k if partials is None else 1
     a_layout, w_layout, s_layout = _shared_layouts()
