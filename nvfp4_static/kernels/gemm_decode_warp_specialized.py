@@ -21,13 +21,14 @@ each) one program runs every split of its weight rows: its consumers take 64 row
 ``4 / split`` row groups, each consumer one split's K range, and the first consumer of a row
 group sums its group's products in split order through shared memory, then applies the epilogue
 (both global scales, the bias). No partial product leaves the SM and no program waits on
-another's. Other splits run one split per program; the program that stores the last split of a column tile sums the splits' partial
-products in split order and applies the epilogue, so one launch gives the output. In a traced
-graph the kernel writes the partial products only, one split per program, and the graph sums
-and scales them (``gemm.epilogue_as_ops``), in the kernel that reads the output. The splits,
-their K ranges, the wgmmas and the order of the sums are ``gemm.DECODE_TILE_IN_TRITON``'s: the
-same output bit for bit. ``gemm`` runs this kernel for ``gemm.DECODE_TILE`` on sm_90 where the
-tensors suit it (``takes``), and the Triton tile elsewhere.
+another's. Other splits run one split per program; the program that stores the last split of a
+column tile sums the splits' partial products in split order and applies the epilogue, so one
+launch gives the output. In a traced graph the kernel writes the partial products only, one
+split per program, and the graph sums and scales them (``gemm.epilogue_as_ops``), in the kernel
+that reads the output. The splits, their K ranges, the wgmmas and the order of the sums are
+``gemm.DECODE_TILE_IN_TRITON``'s: the same output bit for bit. ``gemm`` runs this kernel for
+``gemm.DECODE_TILE`` on sm_90 where the tensors suit it (``takes``), and the Triton tile
+elsewhere.
 """
 
 from functools import lru_cache
