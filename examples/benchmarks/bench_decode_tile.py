@@ -13,11 +13,10 @@ ends (``act_quantize.overlaps_kernels`` off), which shows what starting early sa
 ``across``: the decode tile again, its K splits summed across programs through global memory
 (``gemm_decode_warp_specialized.sums_in_program`` off) where its programs would sum them
 themselves (2 or 4 splits of as many K tiles; at one row of at most 8), which shows what summing
-in the program saves.
-Before timing, the decode tile's output is checked equal, bit for bit, to its Triton twin's
-(``gemm.DECODE_TILE_IN_TRITON``) and to its own with the splits summed across programs. With
-``--rounds R`` each cell is the median of R rounds, the columns interleaved in each, for
-differences under a microsecond.
+in the program saves. Before timing, the decode tile's output is checked equal, bit for bit, to
+its Triton twin's (``gemm.DECODE_TILE_IN_TRITON``) and to its own with the splits summed across
+programs. With ``--rounds R`` each cell is the median of R rounds, the columns interleaved in
+each, for differences under a microsecond.
 
 Usage: python bench_decode_tile.py [--m 1 4 16] [--shapes 8192x8192 ...] [--rounds 1]
 """

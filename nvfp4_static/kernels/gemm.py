@@ -601,11 +601,10 @@ TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
 SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
 # Decode on Hopper: gemm_decode_warp_specialized's tile in place of the entries up to 16 rows,
 # for weights whose split gives each program enough K tiles (its TMA ring needs a few K tiles to
-# fill and drain, and its split sum costs about 2 us). Whole linear on an H200 from a CUDA graph,
-# M = 16, entry -> decode tile (ms, examples/benchmarks/RESULTS.md): 8192 x 8192 0.0302 ->
-# 0.0257 (8 K tiles per split), 4096 x 28672 0.0489 -> 0.0341 (16), 28672 x 8192 0.0756 ->
-# 0.0552 (28), 14336 x 4096 0.0286 -> 0.0253 (7); 5120 x 5120 0.0198 -> 0.0189 (4), slower at 2
-# (4096 x 4096 0.0169 -> 0.0175).
+# fill and drain). Whole linear on an H200 from a CUDA graph, M = 16, entry -> decode tile (ms,
+# examples/benchmarks/RESULTS.md): 8192 x 8192 0.0302 -> 0.0238 (8 K tiles per split), 4096 x
+# 28672 0.0486 -> 0.0342 (16), 28672 x 8192 0.0749 -> 0.0537 (28), 14336 x 4096 0.0289 -> 0.0255
+# (7); 5120 x 5120 0.0196 -> 0.0188 (4), slower at 2 (4096 x 4096 0.0167 -> 0.0175).
 DECODE_TILE = replace(DECODE_TILE_IN_TRITON, warp_specialized=True)
 DECODE_TILE_BUCKETS = (1, 4, 16)  # the largest M of the entries it may replace
 # Called eagerly, the decode tile's launch costs more host time than an entry's (Triton encodes

@@ -1,15 +1,15 @@
 """The NVFP4 GEMM's decode tile on Hopper (up to 16 activation rows), warp-specialized, in Gluon.
 
 At decode the GEMM streams the packed weight once and its time is the weight's read. Each
-program takes 256 weight rows over one part of K (the split fills the SMs, one program each):
-one warpgroup loads, by TMA into a ring of shared-memory stages, each 256-wide K tile's 16-row
-activation operand, packed weight and FP8 block scales; each of four other warpgroups dequantizes
-its 64 weight rows into the wgmma's register operand and multiplies (m64n16k16, ``W @ A^T``), as
-``gemm.DECODE_TILE_IN_TRITON`` does per program. With the scales in the stages no thread waits on
-a global load in the K loop, and four warpgroups dequantizing at once keep enough bytes in flight
-to stream the weight: on an H200, 8192 x 8192 at 16 rows, the K loop alone takes 0.021 ms
-against the read floor's 0.018, the whole linear (operand kernel, this GEMM and its split sum)
-0.0255 against the Triton entry's 0.0300 (``examples/benchmarks/RESULTS.md``).
+program takes 256 weight rows over one part of K (the split fills the SMs, one program each; or,
+below, its rows and parts four ways): one warpgroup loads, by TMA into a ring of shared-memory
+stages, each 256-wide K tile's 16-row activation operand, packed weight and FP8 block scales;
+each of four other warpgroups dequantizes its 64 weight rows into the wgmma's register operand
+and multiplies (m64n16k16, ``W @ A^T``), as ``gemm.DECODE_TILE_IN_TRITON`` does per program.
+With the scales in the stages no thread waits on a global load in the K loop, and four
+warpgroups dequantizing at once keep bytes in flight to stream the weight: on an H200, 8192 x
+8192 at 16 rows, the whole linear (operand kernel and this GEMM) takes 0.0238 ms against the read
+floor's 0.0182 and the Triton entry's 0.0302 (``examples/benchmarks/RESULTS.md``).
 
 Eagerly the kernel is launched to start while the operand kernel before it still runs
 (programmatic dependent launch; that kernel lets it start at once): the load warpgroup issues
