@@ -545,8 +545,8 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(M, K, summed_i
     """The decode tile's launch reaches the kernel's launcher exactly once, with the split the
     Triton tile would run: eagerly so that the kernel sums the splits into the output, in their
     programs where they hold as many K tiles each (no buffer, no counters; at one row only up to
-    8 K tiles each), else with a buffer and the stream's counters; under dispatch modes (as in tracing) through the partial-products
-    op with no counters (a CUDA graph capturing it keeps no buffer), and the splits' sum, both
+    8 K tiles each, and no buffer is allocated), else with a buffer and the stream's counters;
+    under dispatch modes (as in tracing) through the partial-products op with no counters (a CUDA graph capturing it keeps no buffer), and the splits' sum, both
     global scales and the bias come from torch ops after it. Only the eager launch overlaps the
     operand kernel (which releases it early only when launched eagerly). Stood in on the CPU: the
     launcher (which writes split s's products as s + 1, or the output as 7), availability, the
@@ -576,12 +576,21 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(M, K, summed_i
     assert split == (4 if K == 9216 else 2)
     assert decode.sums_in_program(split, K, M) == summed_in_program
     out = torch.zeros(M, N, dtype=torch.float32)
+    allocated, empty = [], torch.empty
+
+    def recording_empty(*size, **kwargs):
+        allocated.append(tuple(size[0]) if len(size) == 1 else size)
+        return empty(*size, **kwargs)
+
     with contextlib.ExitStack() as stack:
         for _ in range(modes):
             stack.enter_context(PassThrough())
+        monkeypatch.setattr(torch, "empty", recording_empty)
         launch_nvfp4_gemm(operand, qdata, scales, act_scale, weight_scale, bias, out, DECODE_TILE)
+        monkeypatch.setattr(torch, "empty", empty)
     in_program = modes == 0 and summed_in_program
     shape = None if in_program else (split, M, N)
+    assert ((split, M, N) in allocated) == (not in_program)  # no buffer where the programs sum
     assert [(shape, split_k, overlap) for shape, _, split_k, overlap in calls] == [(shape, split, modes == 0)]
     if modes == 0:
         assert calls[0][1] is (None if in_program else stream_counts)

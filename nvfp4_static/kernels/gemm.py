@@ -1061,8 +1061,16 @@ def launch_nvfp4_gemm(
     elif gluon and not eager:
         partials = torch.ops.nvfp4_static.decode_gemm_partial_products(a, weight_qdata, weight_block_scales, split_k)
     else:
-        partials = None if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
         sum_splits = split_k > 1 and (eager if sum_splits_in_gemm is None else sum_splits_in_gemm)
+        summed_in_program = (
+            sum_splits
+            and runs_the_decode_kernel(config, a, weight_qdata, weight_block_scales, out)
+            and gemm_decode_warp_specialized.sums_in_program(split_k, K, M)
+        )
+        partials = (
+            None if split_k == 1 or summed_in_program
+            else torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
+        )
         scales = (act_scale, weight_scale)
         # Eagerly the operand kernel, launched just before, lets the GEMM start early.
         launch_tiles(
@@ -1094,6 +1102,18 @@ def launch_epilogue(
     ).launch()
 
 
+def runs_the_decode_kernel(
+    config: GemmConfig, a: torch.Tensor, weight_qdata: torch.Tensor, scale_codes: torch.Tensor, out: torch.Tensor
+) -> bool:
+    """Whether ``launch_tiles`` runs ``config`` as ``gemm_decode_warp_specialized``'s kernel:
+    the decode tile, where the GPU and the tensors suit that kernel."""
+    return (
+        config == DECODE_TILE
+        and gemm_warp_specialized.available(a.device)
+        and gemm_decode_warp_specialized.takes(a, weight_qdata, scale_codes, out)
+    )
+
+
 def launch_tiles(
     a: torch.Tensor,
     weight_qdata: torch.Tensor,
@@ -1108,25 +1128,20 @@ def launch_tiles(
     split_k: int,
     overlap_operand_kernel: bool = False,
 ) -> None:
-    """Launch ``config``'s GEMM kernel in ``split_k`` K splits: without ``partials`` (one split)
+    """Launch ``config``'s GEMM kernel in ``split_k`` K splits: without ``partials`` (one split,
+    or splits the decode kernel sums in its programs, ``gemm_decode_warp_specialized.sums_in_program``)
     it writes ``out``, epilogue included; with ``partials`` (``[split_k, M, N]`` fp32) each
     split's partial products, and with ``sum_splits`` the last program of each output tile sums
     them into ``out``, counting arrivals in the stream's ``tile_counts``. The decode tile runs
-    ``gemm_decode_warp_specialized``'s kernel where the GPU and the tensors suit it, every other
-    case the Triton kernel; with ``overlap_operand_kernel`` the decode kernel is launched to
-    start streaming its weight while the operand kernel launched just before it still runs (that
-    kernel lets it start early where it was launched eagerly). ``a``, ``scale_codes`` and the scales as ``launch_nvfp4_gemm`` has
+    ``gemm_decode_warp_specialized``'s kernel where the GPU and the tensors suit it
+    (``runs_the_decode_kernel``), every other case the Triton kernel; with
+    ``overlap_operand_kernel`` the decode kernel is launched to start streaming its weight while
+    the operand kernel launched just before it still runs (that kernel lets it start early where
+    it was launched eagerly). ``a``, ``scale_codes`` and the scales as ``launch_nvfp4_gemm`` has
     prepared them."""
     M, K = a.shape[0], 2 * weight_qdata.shape[1]
     N = weight_qdata.shape[0]
-    decode_kernel = (
-        config == DECODE_TILE
-        and gemm_warp_specialized.available(a.device)
-        and gemm_decode_warp_specialized.takes(a, weight_qdata, scale_codes, out)
-    )
-    if decode_kernel:
-        if sum_splits and gemm_decode_warp_specialized.sums_in_program(split_k, K, M):
-            partials = None  # each program sums its splits itself
+    if runs_the_decode_kernel(config, a, weight_qdata, scale_codes, out):
         counts = (
             tile_counts(a.device, gemm_decode_warp_specialized.counters(N))
             if sum_splits and partials is not None
