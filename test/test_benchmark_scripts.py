@@ -10,6 +10,9 @@ import pathlib
 import sys
 
 import pytest
+from test_kernels_gemm_decode_warp_specialized import kernel_call_tensors
+
+from nvfp4_static.kernels import gemm_decode_warp_specialized as decode
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "examples" / "benchmarks"
 SCRIPTS = sorted(path.stem for path in BENCHMARKS.glob("*.py"))
@@ -61,3 +64,28 @@ def test_the_warp_specialized_benchmark_gives_tall_programs_their_whole_tile(ben
         square = bench.with_whole_tile_programs(lambda: gemm_warp_specialized.tokens_per_program(M, 128))
         assert square() == 128, M
     assert gemm_warp_specialized.tokens_per_program(150, 256) == 192  # the patch is undone
+
+
+@pytest.mark.skipif(not decode.HAS_GLUON_HOPPER, reason="this Triton has no Gluon Hopper API")
+def test_the_mma_forms_benchmark_launches_the_forms_it_names(benchmarks_on_path):
+    """Each form of ``bench_decode_mma_forms`` reaches the decode tile's launch (a renamed
+    constant or rule would only fail on a GPU), "n16 whole" differs from the kernel at one row
+    in both, and "n8 halves" is the kernel's own form at every row count."""
+    bench = importlib.import_module("bench_decode_mma_forms")
+    N, K = 256, 1024
+
+    def launched_form(M):
+        a, qdata, codes, scale, out = kernel_call_tensors(M, N, K)
+        _, _, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, None, out, None, None, 1)
+        return meta["TOKENS"], meta["MMA_CHUNKS"]
+
+    own = {M: launched_form(M) for M in (1, 8, 9, 16)}
+    assert own == {1: (8, 2), 8: (8, 2), 9: (16, 2), 16: (16, 2)}
+    for name, (tokens, parts) in bench.FORMS.items():
+        with bench.decode_tile_form(name):
+            for M in own:
+                expected_tokens = own[M][0] if tokens is None else tokens
+                assert launched_form(M) == (expected_tokens, parts), (name, M)
+    with bench.decode_tile_form("n16 whole"):
+        assert launched_form(1) == (16, 1)
+    assert {M: launched_form(M) for M in own} == own  # the patches are undone

@@ -46,6 +46,15 @@ decode = gemm_decode_warp_specialized
 CUDA = torch.device("cuda", 0)
 
 
+def kernel_call_tensors(M: int, N: int, K: int) -> tuple:
+    """CPU stand-ins for a decode-tile launch of ``M`` rows on an ``[N, K]`` weight: the fp16
+    operand, the packed weight, its scale codes, a global scale and a bf16 output."""
+    a = torch.zeros(M, K, dtype=torch.float16)
+    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
+    codes = torch.zeros(N, K // 16, dtype=torch.uint8)
+    return a, qdata, codes, torch.ones(1), torch.empty(M, N, dtype=torch.bfloat16)
+
+
 def test_only_the_kernels_own_tile_may_ask_for_it():
     for other in (
         replace(DECODE_TILE_IN_TRITON, block_m=32),
@@ -289,23 +298,21 @@ def test_operand_config_names_the_decode_tiles_operand_where_it_runs(capturing, 
     [(1, False), (4, True), (4, False), (1, None), (4, "in program"), (2, "in program")],
     ids=["one-split", "sums", "products", "products-1", "in-program-4", "in-program-2"],
 )
-def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, tmp_path):
+@pytest.mark.parametrize("M", [16, 1], ids=["16-rows", "1-row"])
+def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, M, tmp_path):
     """ptxas builds the kernel for sm_90a with a loading and four multiplying warpgroups
     (setmaxnreg to the consumers' registers), the weight as the register operand of m64n16k16
-    wgmmas, nothing spilled, its stages (and, summing splits in one program, the buffers its
-    consumers sum through) within one SM's shared memory; summing a split K across programs, the
-    counters are taken with acquire-release atomics; writing the partial products only (``sums``
+    wgmmas (m64n8k16 for one row, one shape per build), nothing spilled, its stages (and,
+    summing splits in one program, the buffers its consumers sum through) within one SM's shared
+    memory; summing a split K across programs, the counters are taken with acquire-release atomics; writing the partial products only (``sums``
     False, or None for one split) or summing in one program it takes no counters. Each form
     stores to the output or to the partial products, not both."""
     from test_gemm_hopper_code import build_for_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    M, N, K = 16, 4096, 4096
-    a = torch.zeros(M, K, dtype=torch.float16)
-    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
-    codes = torch.zeros(N, K // 16, dtype=torch.uint8)
-    scale = torch.ones(1)
-    out = torch.empty(M, N, dtype=torch.bfloat16)
+    N, K = 4096, 4096
+    tokens = 16 if M == 16 else 8
+    a, qdata, codes, scale, out = kernel_call_tensors(M, N, K)
     bias = torch.zeros(N, dtype=torch.bfloat16)
     in_program = sums == "in program"
     partials = None if (sums is False and split_k == 1) or in_program else torch.zeros(split_k, M, N)
@@ -320,7 +327,8 @@ def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, tmp_pat
     ptx, report = build.ptx, build.report
     assert build.num_warps == 20
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{decode.CONSUMER_REGISTERS};" in ptx
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16 \{[^}]*\}, \{%r", ptx)
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.f16\.f16 \{{[^}}]*\}}, \{{%r", ptx)
+    assert len(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))) == 1
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "spill" not in report or re.search(r" 0 bytes spill stores", report), report
     assert ("atom.global.gpu.acq_rel.add" in ptx) == (sums is True)
@@ -334,10 +342,10 @@ def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, tmp_pat
     wait = ptx.index("griddepcontrol.wait")
     assert ptx[ptx.rindex("mbarrier.try_wait", 0, wait) : wait].count("cp.async.bulk.tensor") == 2 * decode.CONSUMERS
     assert tma_loads_after_the_wait(ptx) == splits_here
-    stage_bytes = splits_here * decode.TOKENS * decode.BLOCK_K * 2 + decode.WEIGHT_ROWS_PER_PROGRAM * (
+    stage_bytes = splits_here * tokens * decode.BLOCK_K * 2 + decode.WEIGHT_ROWS_PER_PROGRAM * (
         decode.BLOCK_K // 2 + decode.BLOCK_K // 16
     )
-    summing_bytes = (decode.CONSUMERS - decode.CONSUMERS // splits_here) * 64 * decode.TOKENS * 4
+    summing_bytes = (decode.CONSUMERS - decode.CONSUMERS // splits_here) * 64 * tokens * 4
     assert decode.STAGES * stage_bytes + summing_bytes <= build.shared_bytes <= H100_SHARED_BYTES_PER_BLOCK
 
 
@@ -356,10 +364,7 @@ def tma_loads_after_the_wait(ptx: str) -> int:
 @pytest.mark.parametrize("M", [17, 32, 256])
 def test_kernel_arguments_refuse_more_than_16_rows(M):
     N, K = 64, 256
-    a = torch.zeros(M, K, dtype=torch.float16)
-    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
-    scale = torch.ones(1)
-    out = torch.empty(M, N, dtype=torch.bfloat16)
+    a, qdata, _, scale, out = kernel_call_tensors(M, N, K)
     with pytest.raises(ValueError, match=rf"at most 16 rows, got {M}"):
         decode.kernel_arguments(a, qdata, qdata, scale, scale, None, out, out, scale, 1)
 
@@ -373,13 +378,28 @@ def test_kernel_arguments_refuse_splits_without_a_buffer_for_their_products(spli
     program, and at one row only splits of up to 8 K tiles (2304 = 9 K tiles, 2560 = 10, 4608 =
     18, 9216 = 36)."""
     N = 64
-    a = torch.zeros(M, K, dtype=torch.float16)
-    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
-    scale = torch.ones(1)
-    out = torch.empty(M, N, dtype=torch.bfloat16)
+    a, qdata, _, scale, out = kernel_call_tensors(M, N, K)
     assert not decode.sums_in_program(split_k, K, M)
     with pytest.raises(ValueError, match=rf"in {split_k} K splits of K = {K} at M = {M} needs a buffer for their"):
         decode.kernel_arguments(a, qdata, qdata, scale, scale, None, out, None, None, split_k)
+
+
+def test_up_to_8_rows_take_an_8_column_mma():
+    assert [decode.tokens_for(M) for M in range(1, 17)] == [8] * 8 + [16] * 8
+
+
+@needs_gluon_hopper
+@pytest.mark.parametrize("M,tokens", [(1, 8), (5, 8), (8, 8), (9, 16), (16, 16)], ids=str)
+@pytest.mark.parametrize("split_k", [1, 4], ids=str)
+def test_kernel_arguments_size_the_operand_tile_and_the_mma_for_the_rows(M, tokens, split_k):
+    """The operand's TMA tile has as many rows as the wgmma has columns: 8 for up to 8 rows, 16
+    above (the rows past M read as zeros)."""
+    N, K = 512, 2048
+    a, qdata, codes, scale, out = kernel_call_tensors(M, N, K)
+    _, args, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, None, out, None, None, split_k)
+    assert meta["TOKENS"] == tokens
+    assert list(args[0].block_shape) == [tokens, decode.BLOCK_K]
+    assert list(args[0].shape) == [M, K]
 
 
 def test_one_row_sums_in_the_program_only_splits_of_up_to_8_k_tiles():
@@ -402,11 +422,7 @@ def test_splits_summed_in_program_take_one_program_per_row_group(split_k, K, pro
     weight rows runs all of them (its consumers in 4 / split row groups), on a grid of one split;
     with a buffer, one program per split."""
     M, N = 4, 1024
-    a = torch.zeros(M, K, dtype=torch.float16)
-    qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
-    codes = torch.zeros(N, K // 16, dtype=torch.uint8)
-    scale = torch.ones(1)
-    out = torch.empty(M, N, dtype=torch.bfloat16)
+    a, qdata, codes, scale, out = kernel_call_tensors(M, N, K)
     assert decode.sums_in_program(split_k, K, M)
     grid, _, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, None, out, None, None, split_k)
     assert grid == (programs, 1, 1) and meta["SPLITS_HERE"] == split_k
@@ -608,13 +624,17 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(M, K, summed_i
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize(
     "M,N,K",
-    [(16, 8192, 8192), (1, 14336, 4096), (3, 4096, 14336), (16, 320, 1024), (7, 96, 512), (16, 28672, 4096)],
+    [
+        (16, 8192, 8192), (1, 14336, 4096), (3, 4096, 14336), (16, 320, 1024), (7, 96, 512), (16, 28672, 4096),
+        (8, 8192, 8192), (9, 4096, 14336),
+    ],
     ids=str,
 )
 def test_gpu_decode_tile_equals_the_triton_tile_bit_for_bit(dtype, with_bias, M, N, K, monkeypatch):
-    """Splits of 1 to 8, one row and a few, weights of fewer rows than one program's (so some
-    consumers' rows lie outside the weight) and with a partial last program: the same output as
-    the Triton kernel of the same tile, bit for bit, within the fp64 reference's bound."""
+    """Splits of 1 to 8, one row and a few (the 8-column MMA up to 8 rows, the 16-column one from
+    9), weights of fewer rows than one program's (so some consumers' rows lie outside the
+    weight) and with a partial last program: the same output as the Triton kernel of the same
+    tile, bit for bit, within the fp64 reference's bound."""
     operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=DECODE_TILE)
     weight[-1] = weight[-1] if with_bias else None
     launches = counting_launches(monkeypatch, DECODE_TILE)

@@ -90,16 +90,23 @@ def same_as_the_triton_twin(x, weight, act_scale) -> bool:
     return torch.equal(ours, output(DECODE_TILE_IN_TRITON)) and torch.equal(ours, across)
 
 
+def hopper_device(script: str) -> torch.device:
+    """The CUDA device (named on stdout), or an exit naming ``script`` where there is no Hopper
+    GPU or Gluon's Hopper API."""
+    device = torch.device("cuda")
+    if not (torch.cuda.is_available() and gemm.gemm_warp_specialized.available(device)):
+        raise SystemExit(f"{script} needs a Hopper GPU and Gluon's Hopper API")
+    print(f"device: {torch.cuda.get_device_name()}")
+    return device
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--shapes", nargs="+", default=SHAPES.split(), help="K x N weight shapes")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds per cell (median)")
     args = parser.parse_args()
-    device = torch.device("cuda")
-    if not (torch.cuda.is_available() and gemm.gemm_warp_specialized.available(device)):
-        raise SystemExit("bench_decode_tile.py needs a Hopper GPU and Gluon's Hopper API")
-    print(f"device: {torch.cuda.get_device_name()}")
+    device = hopper_device("bench_decode_tile.py")
     print(f"{'K':>6} {'N':>6} {'M':>3} | {'split':>5} {'K tiles':>7} | {'read':>7} {'entry':>7} {'decode':>7} "
           f"{'no overlap':>10} {'across':>7} | {'entry/decode':>12} {'eager/graph':>13}")
     everywhere, nowhere = 1, 1 << 30

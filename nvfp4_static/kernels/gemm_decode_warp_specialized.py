@@ -3,13 +3,15 @@
 At decode the GEMM streams the packed weight once and its time is the weight's read. Each
 program takes 256 weight rows over one part of K (the split fills the SMs, one program each; or,
 below, its rows and parts four ways): one warpgroup loads, by TMA into a ring of shared-memory
-stages, each 256-wide K tile's 16-row activation operand, packed weight and FP8 block scales;
-each of four other warpgroups dequantizes its 64 weight rows into the wgmma's register operand
-and multiplies (m64n16k16, ``W @ A^T``), as ``gemm.DECODE_TILE_IN_TRITON`` does per program.
+stages, each 256-wide K tile's activation operand (8 rows up to 8 activation rows, else 16),
+packed weight and FP8 block scales; each of four other warpgroups dequantizes its 64 weight rows
+into the wgmma's register operand and multiplies (m64n8k16 or m64n16k16, ``W @ A^T``), as
+``gemm.DECODE_TILE_IN_TRITON`` does per program. It takes each K tile in two halves, issuing the
+first half's wgmmas before dequantizing the second, so that dequantization runs beside the MMAs.
 With the scales in the stages no thread waits on a global load in the K loop, and four
 warpgroups dequantizing at once keep bytes in flight to stream the weight: on an H200, 8192 x
-8192 at 16 rows, the whole linear (operand kernel and this GEMM) takes 0.0238 ms against the read
-floor's 0.0182 and the Triton entry's 0.0302 (``examples/benchmarks/RESULTS.md``).
+8192 at one row, the whole linear (operand kernel and this GEMM) takes 0.0228 ms against the
+read floor's 0.0179 (``examples/benchmarks/RESULTS.md``).
 
 Eagerly the kernel is launched to start while the operand kernel before it still runs
 (programmatic dependent launch; that kernel lets it start at once): the load warpgroup issues
@@ -25,10 +27,10 @@ another's. Other splits run one split per program; the program that stores the l
 column tile sums the splits' partial products in split order and applies the epilogue, so one
 launch gives the output. In a traced graph the kernel writes the partial products only, one
 split per program, and the graph sums and scales them (``gemm.epilogue_as_ops``), in the kernel
-that reads the output. The splits, their K ranges, the wgmmas and the order of the sums are
-``gemm.DECODE_TILE_IN_TRITON``'s: the same output bit for bit. ``gemm`` runs this kernel for
-``gemm.DECODE_TILE`` on sm_90 where the tensors suit it (``takes``), and the Triton tile
-elsewhere.
+that reads the output. The splits, their K ranges, the order of the K steps' MMAs and that of
+the sums are ``gemm.DECODE_TILE_IN_TRITON``'s: the same output bit for bit. ``gemm`` runs this
+kernel for ``gemm.DECODE_TILE`` on sm_90 where the tensors suit it (``takes``), and the Triton
+tile elsewhere.
 """
 
 from functools import lru_cache
@@ -40,7 +42,11 @@ from nvfp4_static.kernels import gemm_warp_specialized
 from nvfp4_static.kernels.gemm_warp_specialized import HAS_GLUON_HOPPER
 from nvfp4_static.kernels.launch import KernelCall, ceil_div
 
-TOKENS = 16  # activation rows: the wgmma's N
+TOKENS = 16  # the most activation rows: the wgmma's N
+# The wgmma's N for up to this many rows: half the MMA work and half the operand's shared
+# memory; on an H200 the linear at 1-4 rows took 0-6% less time so on five 8B-sized weights
+# (examples/benchmarks/RESULTS.md).
+FEWER_TOKENS = 8
 BLOCK_K = 256
 CONSUMERS = 4  # multiplying warpgroups per program, 64 weight rows each
 WEIGHT_ROWS_PER_PROGRAM = CONSUMERS * gemm_warp_specialized.ROWS_PER_CONSUMER  # one split per program
@@ -54,6 +60,11 @@ SPLITS_IN_ONE_PROGRAM = (2, 4)
 # on 28672 x 8192 (4 splits of 28), where 16 rows still took 4% less (examples/benchmarks/RESULTS.md).
 MOST_K_TILES_SUMMED_IN_PROGRAM_AT_ONE_ROW = 8
 CONSUMER_REGISTERS = 112
+# Parts of a K tile each consumer dequantizes and multiplies in turn, the MMAs of one running
+# while the next is dequantized (the MMAs' order, hence the output, unchanged); with the 8-column
+# MMA the two forms together took 2-7% off the linear at 1-4 rows; alone, at 16 rows, between 2%
+# off and 1% more.
+MMA_CHUNKS = 2
 THREADS_PER_CONSUMER = 128
 
 
@@ -73,6 +84,11 @@ def takes(a: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torc
         and a.shape[1] % BLOCK_K == 0
         and out.stride(1) == 1
     )
+
+
+def tokens_for(M: int) -> int:
+    """The wgmma's N (the operand tile's rows) for ``M`` activation rows."""
+    return FEWER_TOKENS if M <= FEWER_TOKENS else TOKENS
 
 
 def sums_in_program(split_k: int, K: int, M: int) -> bool:
@@ -157,19 +173,23 @@ if HAS_GLUON_HOPPER:
                             bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om, column, off_n, k_tiles,
                             split, split_k, PART: gl.constexpr, TOKENS: gl.constexpr, BK: gl.constexpr,
                             NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, SPLITS_HERE: gl.constexpr,
-                            WRITE_PARTIALS: gl.constexpr, SUM_SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr):
+                            WRITE_PARTIALS: gl.constexpr, SUM_SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            MMA_CHUNKS: gl.constexpr):
         """One consumer warpgroup: the 64 weight rows of its row group (``PART // SPLITS_HERE``)
-        over the K tiles of its split; then its part of the output from this split alone, or its
-        partial products (with ``SUM_SPLITS``, where this program stores the column tile's last
-        split, the output from all of them). With the program's splits summed in it
+        over the K tiles of its split, each in ``MMA_CHUNKS`` parts (a part's wgmmas are issued
+        before the next part is dequantized, and waited for at the tile's end); then its part of
+        the output from this split alone, or its partial products (with ``SUM_SPLITS``, where
+        this program stores the column tile's last split, the output from all of them). With the
+        program's splits summed in it
         (``SPLITS_HERE`` > 1) the row group's first consumer waits for the others' products in
         shared memory and stores the output."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TOKENS, 16]
         )
         OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-        PACKED: gl.constexpr = packed_layout(BK)
-        BY_BLOCK: gl.constexpr = packed_by_block_layout(BK)
+        CK: gl.constexpr = BK // MMA_CHUNKS
+        PACKED: gl.constexpr = packed_layout(CK)
+        BY_BLOCK: gl.constexpr = packed_by_block_layout(CK)
         SCALES: gl.constexpr = gl.SliceLayout(2, BY_BLOCK)
         ROW_GROUP: gl.constexpr = PART // SPLITS_HERE
         SPLIT_HERE: gl.constexpr = PART % SPLITS_HERE
@@ -177,11 +197,12 @@ if HAS_GLUON_HOPPER:
         for i in range(k_tiles):
             stage = i % NUM_STAGES
             mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
-            packed = w_smem.index(stage * CONSUMERS + PART).load(PACKED)
-            codes = s_smem.index(stage * CONSUMERS + PART).load(SCALES)
-            w = _dequantize_in_mma_order(packed, codes, BK, BY_BLOCK, OPERAND)
-            operand = a_smem.index(stage * SPLITS_HERE + SPLIT_HERE).permute((1, 0))
-            acc = warpgroup_mma(w, operand, acc, is_async=True)
+            for c in gl.static_range(MMA_CHUNKS):
+                packed = w_smem.index(stage * CONSUMERS + PART).slice(c * CK // 2, CK // 2, dim=1).load(PACKED)
+                codes = s_smem.index(stage * CONSUMERS + PART).slice(c * CK // 16, CK // 16, dim=1).load(SCALES)
+                w = _dequantize_in_mma_order(packed, codes, CK, BY_BLOCK, OPERAND)
+                operand = a_smem.index(stage * SPLITS_HERE + SPLIT_HERE).slice(c * CK, CK, dim=1).permute((1, 0))
+                acc = warpgroup_mma(w, operand, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(stage), count=1)
 
@@ -201,12 +222,12 @@ if HAS_GLUON_HOPPER:
                 _store_output_tile(total, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, M, N,
                                    stride_om, first_row, 0, 0, HAS_BIAS, False)
         else:
-            # From here each thread holds 8 tokens of one weight row, (row, half, token) with
-            # token 8 * half + t: the same elements in every split's program, so the thread
-            # storing a split's partial products and the one summing them in the last split's
-            # program are ordered by one counter of their own (release, then acquire), with no
-            # barrier.
-            BY_ROW: gl.constexpr = gl.BlockedLayout([1, 1, 8], [16, 2, 1], [4, 1, 1], [2, 1, 0])
+            # From here each thread holds half the tokens of one weight row, (row, half, token)
+            # with token TOKENS / 2 * half + t: the same elements in every split's program, so
+            # the thread storing a split's partial products and the one summing them in the last
+            # split's program are ordered by one counter of their own (release, then acquire),
+            # with no barrier.
+            BY_ROW: gl.constexpr = gl.BlockedLayout([1, 1, TOKENS // 2], [16, 2, 1], [4, 1, 1], [2, 1, 0])
             ROW_HALVES: gl.constexpr = gl.SliceLayout(2, BY_ROW)
             total = gl.convert_layout(gl.reshape(acc, [ROWS, 2, TOKENS // 2]), BY_ROW)
             row_in_tile = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ROW_HALVES))[:, None]
@@ -247,7 +268,8 @@ if HAS_GLUON_HOPPER:
                             counts_ptr, M, N, K, stride_om, split_k,
                             TOKENS: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
                             CONSUMERS: gl.constexpr, SPLITS_HERE: gl.constexpr, WRITE_PARTIALS: gl.constexpr,
-                            SUM_SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr, REGISTERS: gl.constexpr):
+                            SUM_SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr, REGISTERS: gl.constexpr,
+                            MMA_CHUNKS: gl.constexpr):
         ROW_GROUPS: gl.constexpr = CONSUMERS // SPLITS_HERE
         column = gl.program_id(0)
         split = gl.program_id(1) * SPLITS_HERE  # the program's first
@@ -277,19 +299,19 @@ if HAS_GLUON_HOPPER:
                 (_multiply_partition, (a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr,
                                        weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om,
                                        column, off_n, k_tiles, split, split_k, 0, TOKENS, BK, NUM_STAGES,
-                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
+                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS, MMA_CHUNKS)),
                 (_multiply_partition, (a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr,
                                        weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om,
                                        column, off_n, k_tiles, split, split_k, 1, TOKENS, BK, NUM_STAGES,
-                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
+                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS, MMA_CHUNKS)),
                 (_multiply_partition, (a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr,
                                        weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om,
                                        column, off_n, k_tiles, split, split_k, 2, TOKENS, BK, NUM_STAGES,
-                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
+                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS, MMA_CHUNKS)),
                 (_multiply_partition, (a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr,
                                        weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om,
                                        column, off_n, k_tiles, split, split_k, 3, TOKENS, BK, NUM_STAGES,
-                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS)),
+                                       CONSUMERS, SPLITS_HERE, WRITE_PARTIALS, SUM_SPLITS, HAS_BIAS, MMA_CHUNKS)),
             ],
             [4, 4, 4, 4],
             [REGISTERS, REGISTERS, REGISTERS, REGISTERS],
@@ -327,9 +349,10 @@ def kernel_arguments(
             f"K tiles each, at one row of at most {MOST_K_TILES_SUMMED_IN_PROGRAM_AT_ONE_ROW})"
         )
     splits_here = split_k if partials is None else 1
-    a_layout, w_layout, s_layout = _shared_layouts()
+    tokens = tokens_for(M)
+    a_layout, w_layout, s_layout = _shared_layouts(tokens)
     rows = gemm_warp_specialized.ROWS_PER_CONSUMER
-    a_desc = TensorDescriptor(a, [M, K], [K, 1], [TOKENS, BLOCK_K], a_layout)
+    a_desc = TensorDescriptor(a, [M, K], [K, 1], [tokens, BLOCK_K], a_layout)
     w_desc = TensorDescriptor(weight_qdata, [N, K // 2], [K // 2, 1], [rows, BLOCK_K // 2], w_layout)
     s_desc = TensorDescriptor(scale_codes, [N, K // 16], [K // 16, 1], [rows, BLOCK_K // 16], s_layout)
     grid = (ceil_div(N * splits_here, WEIGHT_ROWS_PER_PROGRAM), split_k // splits_here, 1)
@@ -337,20 +360,21 @@ def kernel_arguments(
     args = (a_desc, w_desc, s_desc, act_scale, weight_scale, unused if bias is None else bias, out,
             unused if partials is None else partials, unused if counts is None else counts, M, N, K, out.stride(0),
             split_k)
-    meta = dict(TOKENS=TOKENS, BK=BLOCK_K, NUM_STAGES=STAGES, CONSUMERS=CONSUMERS, SPLITS_HERE=splits_here,
+    meta = dict(TOKENS=tokens, BK=BLOCK_K, NUM_STAGES=STAGES, CONSUMERS=CONSUMERS, SPLITS_HERE=splits_here,
                 WRITE_PARTIALS=partials is not None,
                 SUM_SPLITS=partials is not None and counts is not None, HAS_BIAS=bias is not None,
-                REGISTERS=CONSUMER_REGISTERS, num_warps=4, launch_pdl=overlap)
+                REGISTERS=CONSUMER_REGISTERS, MMA_CHUNKS=MMA_CHUNKS, num_warps=4, launch_pdl=overlap)
     return grid, args, meta
 
 
 @lru_cache(maxsize=None)
-def _shared_layouts():
-    """The TMA tiles' shared-memory layouts: the operand's, the packed weight's, the scales'.
-    Constants, built once: building them is most of a launch's argument preparation."""
+def _shared_layouts(tokens: int):
+    """The TMA tiles' shared-memory layouts for an operand tile of ``tokens`` rows: the
+    operand's, the packed weight's, the scales'. Built once each: building them is most of a
+    launch's argument preparation."""
     rows = gemm_warp_specialized.ROWS_PER_CONSUMER
     return (
-        gl.NVMMASharedLayout.get_default_for([TOKENS, BLOCK_K], gl.float16),
+        gl.NVMMASharedLayout.get_default_for([tokens, BLOCK_K], gl.float16),
         gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K // 2], gl.uint8),
         gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K // 16], gl.uint8),
     )
