@@ -50,9 +50,9 @@ FEWER_TOKENS = 8
 BLOCK_K = 256
 CONSUMERS = 4  # multiplying warpgroups per program, 64 weight rows each
 WEIGHT_ROWS_PER_PROGRAM = CONSUMERS * gemm_warp_specialized.ROWS_PER_CONSUMER  # one split per program
-# Each stage holds 32 KiB of packed weight, 4 of block scales and 8 of operand per K range in it
-# (44 KiB with one split per program, 68 with 4 in it: with its 12 KiB for the sums, 218 of an
-# SM's 227).
+# Each stage holds 32 KiB of packed weight, 4 of block scales and 8 of operand (4 in 8 rows) per
+# K range in it (44 KiB with one split per program, 68 with 4 in it: with its 12 KiB for the
+# sums, 218 of an SM's 227).
 STAGES = 3
 SPLITS_IN_ONE_PROGRAM = (2, 4)
 # At one row only splits of up to this many K tiles are summed in the program: on an H200 the
