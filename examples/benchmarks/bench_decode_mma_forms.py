@@ -14,7 +14,7 @@ For each weight shape (K x N) and M, GPU times from CUDA graphs (ms) of the whol
 ``read`` is the floor kernel's time (it only reads the packed weight and its scales). Before
 timing, each form's output is checked equal, bit for bit, to the decode tile's Triton twin's.
 Each cell is the median of ``--rounds`` rounds, the forms interleaved in each. The last columns:
-the fastest form over ``n16 whole``, and both over the read floor.
+the kernel's own form (``KERNEL_FORM``) over ``n16 whole``, and both over the read floor.
 
 Usage: python bench_decode_mma_forms.py [--m 1 4 16] [--shapes 8192x8192 ...] [--rounds 3]
 """
@@ -39,6 +39,7 @@ FORMS = {
     "n8 halves": (None, 2),
     "n8 quarters": (None, 4),
 }
+KERNEL_FORM = "n8 halves"
 
 
 @contextlib.contextmanager
@@ -61,7 +62,7 @@ def main():
     device = hopper_device("bench_decode_mma_forms.py")
     names = list(FORMS)
     print(f"{'K':>6} {'N':>6} {'M':>3} {'read':>7} | " + " ".join(f"{name:>11}" for name in names)
-          + f" | {'best/n16 whole':>14} | {'n16 whole/read':>14} {'best/read':>9}")
+          + f" | {'kernel/n16 whole':>16} | {'n16 whole/read':>14} {'kernel/read':>11}")
     for shape in args.shapes:
         K, N = (int(size) for size in shape.split("x"))
         weight = make_weight(K, N)
@@ -79,9 +80,9 @@ def main():
                     with decode_tile_form(name):
                         times[name].append(linear_ms(x, weight, act_scale, 1))
             median = {name: statistics.median(column) for name, column in times.items()}
-            best, before = min(median.values()), median[names[0]]
+            kernel, before = median[KERNEL_FORM], median[names[0]]
             print(f"{K:>6} {N:>6} {M:>3} {read:>7.4f} | " + " ".join(f"{median[name]:>11.4f}" for name in names)
-                  + f" | {best / before:>14.3f} | {before / read:>14.2f} {best / read:>9.2f}")
+                  + f" | {kernel / before:>16.3f} | {before / read:>14.2f} {kernel / read:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -180,9 +180,8 @@ if HAS_GLUON_HOPPER:
         before the next part is dequantized, and waited for at the tile's end); then its part of
         the output from this split alone, or its partial products (with ``SUM_SPLITS``, where
         this program stores the column tile's last split, the output from all of them). With the
-        program's splits summed in it
-        (``SPLITS_HERE`` > 1) the row group's first consumer waits for the others' products in
-        shared memory and stores the output."""
+        program's splits summed in it (``SPLITS_HERE`` > 1) the row group's first consumer waits
+        for the others' products in shared memory and stores the output."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TOKENS, 16]
         )
