@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 import pytest
-from test_kernels_gemm_decode_warp_specialized import kernel_call_tensors
+from test_kernels_gemm_decode_warp_specialized import CUDA, kernel_call_tensors, stand_in_hopper
 
 from nvfp4_static.kernels import gemm_decode_warp_specialized as decode
 
@@ -89,3 +89,33 @@ def test_the_mma_forms_benchmark_launches_the_forms_it_names(benchmarks_on_path)
     with bench.decode_tile_form("n16 whole"):
         assert launched_form(1) == (16, 1)
     assert {M: launched_form(M) for M in own} == own  # the patches are undone
+
+
+def test_the_one_row_benchmark_runs_the_forms_it_names(benchmarks_on_path, monkeypatch):
+    """``bench_decode_one_row``'s forms give the route at one row the tiles they name (a renamed
+    constant would only fail on a GPU): the entry, the decode tile on the operand kernel's
+    operand, the decode tile quantizing its row, and that with the splits summed across
+    programs where the table's rule sums them in one (8192 x 8192: 4 splits of 8 K tiles); the
+    patches undone after."""
+    from nvfp4_static.kernels import gemm
+
+    stand_in_hopper(monkeypatch)
+    bench = importlib.import_module("bench_decode_one_row")
+    split, K = gemm.split_k_for(gemm.DECODE_TILE, 8192, 8192, CUDA), 8192
+    expected = {
+        "entry": (gemm.gemm_config(1), True),
+        "after operand": (gemm.DECODE_TILE, True),
+        "quantizing": (gemm.DECODE_TILE_AT_ONE_ROW, True),
+        "quantizing across": (gemm.DECODE_TILE_AT_ONE_ROW, False),
+    }
+    assert set(bench.FORMS) == set(expected)
+    for name, (min_k_tiles, context) in bench.FORMS.items():
+        rule = dict(DECODE_TILE_MIN_K_TILES=min_k_tiles, DECODE_TILE_MIN_K_TILES_IN_GRAPHS=min_k_tiles)
+        with context(), monkeypatch.context() as patched:
+            for constant, value in rule.items():
+                patched.setattr(gemm, constant, value)
+            tile, in_program = expected[name]
+            assert gemm.table_config(1, None, 8192, 8192, CUDA) == tile, name
+            assert decode.sums_in_program(split, K, 1) == in_program, name
+    assert gemm.table_config(1, None, 8192, 8192, CUDA) == gemm.gemm_config(1)  # 8 K tiles per split: the entry
+    assert gemm.decode_tile_for_one_row(split, K) == gemm.DECODE_TILE

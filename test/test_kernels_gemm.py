@@ -18,6 +18,7 @@ from triton_interpreter import run_interpreted
 from nvfp4_static.kernels import gemm
 from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
+    DECODE_TILE_AT_ONE_ROW,
     GEMM_CONFIGS,
     PREFILL_TALL_TILE_BUCKET,
     SPLIT_SQUARE_TILES,
@@ -56,6 +57,7 @@ STAND_IN_TILE_NAMES = {
     TALL_TILE: "tall-tile",
     SQUARE_TILE: "square-tile",
     DECODE_TILE: "decode-tile",
+    DECODE_TILE_AT_ONE_ROW: "decode-tile-at-one-row",
     **{tile: "split-square-tile" for tile in SPLIT_SQUARE_TILES.values()},
     **{tile: "split-tall-tile" for tile in SPLIT_TALL_TILES.values()},
 }

@@ -26,6 +26,7 @@ from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_s
 from nvfp4_static.kernels.act_quantize import launch_activation_quantize
 from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
+    DECODE_TILE_AT_ONE_ROW,
     DECODE_TILE_IN_TRITON,
     CublasAfterDequantize,
     activation_operand_dtype,
@@ -55,6 +56,11 @@ def kernel_call_tensors(M: int, N: int, K: int) -> tuple:
     return a, qdata, codes, torch.ones(1), torch.empty(M, N, dtype=torch.bfloat16)
 
 
+def decode_tile_for(M: int, one_row=DECODE_TILE_AT_ONE_ROW):
+    """The decode tile the table runs for ``M`` rows: at one row ``one_row``."""
+    return one_row if M == 1 else DECODE_TILE
+
+
 def test_only_the_kernels_own_tile_may_ask_for_it():
     for other in (
         replace(DECODE_TILE_IN_TRITON, block_m=32),
@@ -64,12 +70,16 @@ def test_only_the_kernels_own_tile_may_ask_for_it():
         replace(DECODE_TILE_IN_TRITON, programs_per_sm=2),
         replace(DECODE_TILE_IN_TRITON, mma_order=False),
         replace(DECODE_TILE_IN_TRITON, weight_as_mma_a=False),
-        replace(DECODE_TILE_IN_TRITON, activation_rows=1),
+        replace(DECODE_TILE_IN_TRITON, activation_rows=2),
+        replace(DECODE_TILE_IN_TRITON, activation_rows=16),
+        replace(DECODE_TILE_IN_TRITON, activation_rows=1, block_n=128),
         replace(DECODE_TILE_IN_TRITON, fill_programs_per_sm=8),
     ):
         with pytest.raises(ValueError, match="warp_specialized runs gemm_warp_specialized's kernel"):
             replace(other, warp_specialized=True)
     assert replace(DECODE_TILE_IN_TRITON, warp_specialized=True) == DECODE_TILE
+    # The kernel also quantizes one activation row itself.
+    assert replace(DECODE_TILE_IN_TRITON, activation_rows=1, warp_specialized=True) == DECODE_TILE_AT_ONE_ROW
     # Each program of the kernel holds four of the Triton tile's: its split is theirs at four per SM.
     assert (DECODE_TILE.block_m, DECODE_TILE.block_k) == (decode.TOKENS, decode.BLOCK_K)
     assert DECODE_TILE.programs_per_sm * DECODE_TILE.block_n == decode.WEIGHT_ROWS_PER_PROGRAM
@@ -118,6 +128,69 @@ def test_takes_only_what_tma_can_read():
         assert not decode.takes(*refused)
 
 
+@pytest.mark.parametrize(
+    "split,K,quantizes",
+    [(1, 8192, True), (8, 4096, True), (3, 8192, True), (4, 28672, True), (4, 8192, False), (2, 4096, False),
+     (2, 4608, True)],
+    ids=str,
+)
+def test_at_one_row_the_decode_tile_quantizes_where_each_program_runs_one_split(split, K, quantizes):
+    """Where a program sums 2 or 4 splits of at most 8 K tiles at one row (``sums_in_program``; 2
+    of 9 it does not) its load warpgroup would quantize that many K tiles per stage: the decode
+    tile then takes the operand kernel's operand; else it quantizes its row itself."""
+    expected = DECODE_TILE_AT_ONE_ROW if quantizes else DECODE_TILE
+    assert gemm.decode_tile_for_one_row(split, K) == expected
+    assert decode.sums_in_program(split, K, 1) != quantizes
+
+
+def test_takes_one_contiguous_row_of_a_bf16_or_fp16_activation_to_quantize():
+    """Quantizing, the kernel reads the activation's one row with plain loads: bf16 or fp16 (fp32
+    keeps the operand kernel's route, not shown equal on a GPU), contiguous along K; never more
+    rows, and never the fp16 operand's form in its place."""
+    N, K = 64, 512
+    _, qdata, scales, _, out = kernel_call_tensors(1, N, K)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.zeros(1, K, dtype=dtype)
+        assert decode.takes(x, qdata, scales, out, quantizes=True)
+        assert decode.takes(torch.zeros(1, K + 8, dtype=dtype)[:, 8:], qdata, scales, out, quantizes=True)
+    refused = [
+        torch.zeros(1, K, dtype=torch.float32),
+        torch.zeros(2, K, dtype=torch.bfloat16),
+        torch.zeros(16, K, dtype=torch.bfloat16),
+        torch.zeros(1, 2 * K, dtype=torch.bfloat16)[:, ::2],
+        torch.zeros(1, K, dtype=torch.int32),
+    ]
+    for x in refused:
+        assert not decode.takes(x, qdata, scales, out[: x.shape[0]], quantizes=True), (x.dtype, x.shape, x.stride())
+    assert not decode.takes(torch.zeros(1, K, dtype=torch.bfloat16), qdata, scales, out)
+
+
+@needs_gluon_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernel_arguments_hand_the_quantizing_kernel_the_activation_itself(dtype):
+    """The activation's row goes to the kernel as it is (no descriptor: the load warpgroup reads
+    it with plain loads), the 8-row operand tile in the same shared layout as TMA's."""
+    N, K = 64, 512
+    _, qdata, codes, scale, out = kernel_call_tensors(1, N, K)
+    x = torch.zeros(1, K, dtype=dtype)
+    _, args, meta = decode.kernel_arguments(x, qdata, codes, scale, scale, None, out, None, None, 1, False, True)
+    assert args[0] is x and meta["QUANTIZES"] and meta["TOKENS"] == decode.FEWER_TOKENS
+    operand = torch.zeros(1, K, dtype=torch.float16)
+    _, operand_args, operand_meta = decode.kernel_arguments(operand, qdata, codes, scale, scale, None, out, None, None, 1)
+    assert not operand_meta["QUANTIZES"] and operand_args[0].base is operand
+    assert meta["OPERAND_LAYOUT"] == operand_meta["OPERAND_LAYOUT"] == operand_args[0].layout
+
+
+@needs_gluon_hopper
+@pytest.mark.parametrize("M", [2, 4, 16])
+def test_kernel_arguments_refuse_to_quantize_more_than_one_row(M):
+    N, K = 64, 512
+    _, qdata, codes, scale, out = kernel_call_tensors(M, N, K)
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"or one row of the activation that it quantizes itself; got {M} rows to quantize"):
+        decode.kernel_arguments(x, qdata, codes, scale, scale, None, out, None, None, 1, False, True)
+
+
 def test_counters_one_per_multiplying_thread_of_each_column_tile():
     assert decode.counters(256) == 4 * 128
     assert decode.counters(257) == 2 * 4 * 128
@@ -135,7 +208,8 @@ def stand_in_hopper(monkeypatch, capturing: bool = False) -> None:
 def test_eagerly_the_decode_tile_serves_up_to_16_rows_where_each_split_has_16_k_tiles(monkeypatch):
     """At 132 SMs (four 64-row programs each), weights as (N, K): (28672, 8192) runs K unsplit
     (32 K tiles of 256 each), (8192, 28672) in 4 splits (28), (28672, 4096) unsplit (16): the
-    decode tile at 1-16 rows eagerly. Not (28672, 3840) (15 K tiles), (8192, 8192) (4 splits of
+    decode tile at 1-16 rows eagerly (at one row quantizing its row itself: each program runs one
+    split). Not (28672, 3840) (15 K tiles), (8192, 8192) (4 splits of
     8), (14336, 4096) (2 of 8), (4096, 14336) (8 of 7), (4096, 4096) (8 of 2), not where K is no
     whole number of K tiles, not from 17 rows, not off Hopper, not on the interpreter's CPU
     tensors."""
@@ -147,7 +221,7 @@ def test_eagerly_the_decode_tile_serves_up_to_16_rows_where_each_split_has_16_k_
     assert gemm.split_k_for(DECODE_TILE, 4096, 14336, CUDA) == 8
     for N, K in ((28672, 8192), (8192, 28672), (28672, 4096)):
         for M in (1, 2, 4, 5, 16):
-            assert table_config(M, None, N, K, CUDA) == DECODE_TILE, (N, K, M)
+            assert table_config(M, None, N, K, CUDA) == decode_tile_for(M), (N, K, M)
         assert table_config(17, None, N, K, CUDA) == gemm_config(17)
     for N, K in ((28672, 3840), (8192, 8192), (14336, 4096), (4096, 14336), (4096, 4096)):
         for M in (1, 4, 16):
@@ -204,7 +278,9 @@ def test_in_a_graph_the_decode_tile_serves_from_6_k_tiles_at_one_row_on_most_sms
     (12288, 4096) in 2 of 8 (96); not (4096, 4096) (8 of 2) nor (5120, 5120) (5 of 4). At one row
     its programs must also fill 80% of the SMs (132 here, one program each), which leaves
     (12288, 4096) on the entry, unless each split has the eager rule's 16 K tiles: (22016, 4096)
-    unsplit (86 programs). Off Hopper neither takes it."""
+    unsplit (86 programs). At one row the decode tile quantizes its row itself where each program
+    runs one split ((4096, 14336), (22016, 4096)), and takes the operand kernel's operand where a
+    program sums its 2 or 4 splits ((8192, 8192), (14336, 4096)). Off Hopper neither takes it."""
     stand_in_hopper(monkeypatch, capturing=graph == "captured")
 
     def tiles(M, N, K):
@@ -213,14 +289,14 @@ def test_in_a_graph_the_decode_tile_serves_from_6_k_tiles_at_one_row_on_most_sms
         return operand if in_graph else table_config(M, None, N, K, CUDA)
 
     assert gemm.split_k_for(DECODE_TILE, 12288, 4096, CUDA) == 2
-    for N, K in ((8192, 8192), (14336, 4096), (4096, 14336)):
+    for N, K, one_row in ((8192, 8192, DECODE_TILE), (14336, 4096, DECODE_TILE), (4096, 14336, DECODE_TILE_AT_ONE_ROW)):
         for M in (1, 4, 16):
-            assert tiles(M, N, K) == DECODE_TILE, (N, K, M)
+            assert tiles(M, N, K) == decode_tile_for(M, one_row), (N, K, M)
     for M in (4, 16):
         assert tiles(M, 12288, 4096) == DECODE_TILE
     assert tiles(1, 12288, 4096) == gemm_config(1)
     assert gemm.split_k_for(DECODE_TILE, 22016, 4096, CUDA) == 1
-    assert tiles(1, 22016, 4096) == DECODE_TILE
+    assert tiles(1, 22016, 4096) == DECODE_TILE_AT_ONE_ROW
     for N, K in ((4096, 4096), (5120, 5120)):
         for M in (1, 4, 16):
             assert tiles(M, N, K) == gemm_config(M), (N, K, M)
@@ -260,7 +336,7 @@ def test_where_a_traced_route_keeps_the_entry_the_ops_it_traces_keep_it_too(monk
             with PassThrough():
                 traced_route = operand_config(bucket, N, K, CUDA, in_graph=True)
                 traced_op = table_config(max_m, bucket, N, K, CUDA)
-            if traced_route != DECODE_TILE:
+            if not gemm.is_decode_tile(traced_route):
                 assert traced_op == traced_route, (N, K, max_m)
 
 
@@ -270,10 +346,13 @@ def test_where_a_traced_route_keeps_the_entry_the_ops_it_traces_keep_it_too(monk
 @pytest.mark.parametrize("capturing", [False, True], ids=["eager", "captured"])
 def test_operand_config_names_the_decode_tiles_operand_where_it_runs(capturing, max_m, K, N, monkeypatch):
     """The route prepares the operand from ``operand_config``: where the table runs the decode
-    tile, the operand is the decode tile's (quantized by the operand kernel, fp16, MMA order),
-    even where the entry it replaces takes another (the M = 1 entry takes the raw activation, the
-    M <= 4 entry's operand is not in the MMA order); eager calls captured into a CUDA graph alike,
-    on the graphs' rule (8192 x 8192 too, at one row as well)."""
+    tile, the operand is the decode tile's (quantized by the operand kernel, fp16, MMA order; at
+    one row of 28672 x 8192, one split per program, the raw activation, which it quantizes
+    itself, as the M = 1 entry does), even where the entry it replaces takes another (the M = 1
+    entry takes the raw activation where the decode tile on 8192 x 8192 sums its 4 splits in the
+    program after the operand kernel; the M <= 4 entry's operand is not in the MMA order); eager
+    calls captured into a CUDA graph alike, on the graphs' rule (8192 x 8192 too, at one row as
+    well)."""
     stand_in_hopper(monkeypatch, capturing)
     bucket = gemm_bucket(max_m)
     for device in (CUDA, torch.device("cpu")):
@@ -286,8 +365,10 @@ def test_operand_config_names_the_decode_tiles_operand_where_it_runs(capturing, 
                 tile, torch.bfloat16, scale, None
             )
     runs_it = K == 8192 and (N == 28672 or capturing)
-    assert (operand_config(bucket, N, K, CUDA) == DECODE_TILE) == runs_it
-    assert quantizes_activation_in_gemm(operand_config(bucket, N, K, CUDA)) == (max_m == 1 and not runs_it)
+    one_row = DECODE_TILE_AT_ONE_ROW if N == 28672 else DECODE_TILE
+    assert (operand_config(bucket, N, K, CUDA) == decode_tile_for(max_m, one_row)) == runs_it
+    quantizes = max_m == 1 and (not runs_it or one_row == DECODE_TILE_AT_ONE_ROW)
+    assert quantizes_activation_in_gemm(operand_config(bucket, N, K, CUDA)) == quantizes
     assert operand_in_mma_order(operand_config(gemm_bucket(4), 28672, 8192, CUDA))
     assert not operand_in_mma_order(operand_config(gemm_bucket(4), 28672, 8192, torch.device("cpu")))
 
@@ -298,27 +379,34 @@ def test_operand_config_names_the_decode_tiles_operand_where_it_runs(capturing, 
     [(1, False), (4, True), (4, False), (1, None), (4, "in program"), (2, "in program")],
     ids=["one-split", "sums", "products", "products-1", "in-program-4", "in-program-2"],
 )
-@pytest.mark.parametrize("M", [16, 1], ids=["16-rows", "1-row"])
-def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, M, tmp_path):
+@pytest.mark.parametrize("M,quantizes", [(16, False), (1, False), (1, True)], ids=["16-rows", "1-row", "1-row-quantizing"])
+def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, M, quantizes, tmp_path):
     """ptxas builds the kernel for sm_90a with a loading and four multiplying warpgroups
-    (setmaxnreg to the consumers' registers), the weight as the register operand of m64n16k16
+    (setmaxnreg to the consumers' registers, fewer where the load warpgroup quantizes), the weight as the register operand of m64n16k16
     wgmmas (m64n8k16 for one row, one shape per build), nothing spilled, its stages (and,
     summing splits in one program, the buffers its consumers sum through) within one SM's shared
     memory; summing a split K across programs, the counters are taken with acquire-release atomics; writing the partial products only (``sums``
     False, or None for one split) or summing in one program it takes no counters. Each form
-    stores to the output or to the partial products, not both."""
+    stores to the output or to the partial products, not both. Quantizing its one row, the load
+    warpgroup loads no operand by TMA: it quantizes the row (correctly rounded divisions, as
+    ``act_quantize``) and fences its shared-memory stores before the wgmmas read them; summing
+    across programs Triton 3.6's ptxas then spills one 4-byte value of the kernel's prologue
+    (stored before the warpgroups part, loaded once by a multiplying one before its K loop)."""
     from test_gemm_hopper_code import build_for_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
     N, K = 4096, 4096
     tokens = 16 if M == 16 else 8
     a, qdata, codes, scale, out = kernel_call_tensors(M, N, K)
+    a = a.to(torch.bfloat16) if quantizes else a
     bias = torch.zeros(N, dtype=torch.bfloat16)
     in_program = sums == "in program"
     partials = None if (sums is False and split_k == 1) or in_program else torch.zeros(split_k, M, N)
     counts = torch.zeros(decode.counters(N), dtype=torch.int32) if sums is True else None
-    _, args, meta = decode.kernel_arguments(a, qdata, codes, scale, scale, bias, out, partials, counts, split_k, True)
-    assert meta["launch_pdl"]
+    _, args, meta = decode.kernel_arguments(
+        a, qdata, codes, scale, scale, bias, out, partials, counts, split_k, not quantizes, quantizes
+    )
+    assert meta["launch_pdl"] != quantizes
     assert meta["SPLITS_HERE"] == (split_k if in_program else 1)
     kernel = decode._decode_gemm_kernel
     values = dict(zip(kernel.arg_names, args), **{k: v for k, v in meta.items() if k in kernel.arg_names})
@@ -326,11 +414,13 @@ def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, M, tmp_
     build = build_for_sm90(kernel, values, options, tmp_path, GluonASTSource)
     ptx, report = build.ptx, build.report
     assert build.num_warps == 20
-    assert f"setmaxnreg.inc.sync.aligned.u32 \t{decode.CONSUMER_REGISTERS};" in ptx
+    registers = decode.QUANTIZING_CONSUMER_REGISTERS if quantizes else decode.CONSUMER_REGISTERS
+    assert meta["REGISTERS"] == registers and f"setmaxnreg.inc.sync.aligned.u32 \t{registers};" in ptx
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.f16\.f16 \{{[^}}]*\}}, \{{%r", ptx)
     assert len(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))) == 1
     assert "ld.local" not in ptx and "st.local" not in ptx
-    assert "spill" not in report or re.search(r" 0 bytes spill stores", report), report
+    spilled = re.search(r" (\d+) bytes spill stores", report)
+    assert spilled is None or int(spilled.group(1)) in ((0, 4) if quantizes and sums is True else (0,)), report
     assert ("atom.global.gpu.acq_rel.add" in ptx) == (sums is True)
     # The output is bf16 (16-bit stores), the partial products fp32.
     assert bool(re.search(r"st\.global(\.[a-z0-9]+)*\.b16", ptx)) == (partials is None or sums is True)
@@ -338,10 +428,15 @@ def test_sm90a_build_keeps_five_warpgroups_without_spills(split_k, sums, M, tmp_
     # Launched to overlap the operand kernel: the loading warpgroup waits for that kernel after
     # the first stage's weight and scale loads (one of each per consumer), before the operand's
     # (one per split the program runs), which follow the wait or sit in the block it jumps to.
+    # Quantizing, it reads the activation after the wait, before any stage's loads.
     splits_here = meta["SPLITS_HERE"]
     wait = ptx.index("griddepcontrol.wait")
-    assert ptx[ptx.rindex("mbarrier.try_wait", 0, wait) : wait].count("cp.async.bulk.tensor") == 2 * decode.CONSUMERS
-    assert tma_loads_after_the_wait(ptx) == splits_here
+    if quantizes:
+        assert "cp.async.bulk.tensor" not in ptx[:wait] and "ld.global" not in ptx[:wait]
+    else:
+        assert ptx[ptx.rindex("mbarrier.try_wait", 0, wait) : wait].count("cp.async.bulk.tensor") == 2 * decode.CONSUMERS
+        assert tma_loads_after_the_wait(ptx) == splits_here
+    assert ("div.rn.f32" in ptx) == ("fence.proxy.async" in ptx) == quantizes
     stage_bytes = splits_here * tokens * decode.BLOCK_K * 2 + decode.WEIGHT_ROWS_PER_PROGRAM * (
         decode.BLOCK_K // 2 + decode.BLOCK_K // 16
     )
@@ -365,7 +460,7 @@ def tma_loads_after_the_wait(ptx: str) -> int:
 def test_kernel_arguments_refuse_more_than_16_rows(M):
     N, K = 64, 256
     a, qdata, _, scale, out = kernel_call_tensors(M, N, K)
-    with pytest.raises(ValueError, match=rf"at most 16 rows, got {M}"):
+    with pytest.raises(ValueError, match=rf"at most 16 rows of its operand, .* got {M} rows$"):
         decode.kernel_arguments(a, qdata, qdata, scale, scale, None, out, out, scale, 1)
 
 
@@ -458,7 +553,7 @@ class DecodeLaunchesStoodIn:
     def __init__(self, monkeypatch):
         self.calls = []
         monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
-        monkeypatch.setattr(decode, "takes", lambda a, qdata, scales, out: True)
+        monkeypatch.setattr(decode, "takes", lambda a, qdata, scales, out, quantizes=False: True)
         monkeypatch.setattr(decode, "launch_decode_gemm", self.gemm)
         monkeypatch.setattr(ops, "launch_activation_quantize", self.quantize)
         monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
@@ -467,8 +562,9 @@ class DecodeLaunchesStoodIn:
         self.calls.append(("quantize", x, per_tensor_scale, operand, mma_order))
         operand.fill_(1.0)
 
-    def gemm(self, a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap):
-        self.calls.append(("gemm", a.clone(), counts, split_k, overlap))
+    def gemm(self, a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap,
+             quantizes=False):
+        self.calls.append(("gemm", a.clone(), counts, split_k, overlap, quantizes, act_scale))
         for split in range(split_k):
             partials[split].fill_(split + 1.0)
 
@@ -484,12 +580,13 @@ def test_the_linear_op_quantizes_then_starts_the_decode_tile_overlapping_that_ke
     qdata = torch.zeros(N, K // 2, dtype=torch.uint8)
     codes = torch.zeros(N, K // 16, dtype=torch.uint8)
     partials = torch.ops.nvfp4_static.decode_linear_partial_products(x, scale, qdata, codes, 4)
-    (kind, x_given, scale_given, operand, mma_order), (gemm_kind, gemm_operand, counts, split_k, overlap) = launches.calls
+    (kind, x_given, scale_given, operand, mma_order), gemm_call = launches.calls
+    gemm_kind, gemm_operand, counts, split_k, overlap, quantizes, _ = gemm_call
     assert (kind, gemm_kind) == ("quantize", "gemm")
     assert x_given is x and scale_given is scale and mma_order
     assert operand.dtype == torch.float16 and operand.shape == (M, K)
     assert torch.equal(gemm_operand, torch.ones(M, K, dtype=torch.float16))
-    assert (counts, split_k, overlap) == (None, 4, True)
+    assert (counts, split_k, overlap, quantizes) == (None, 4, True, False)
     assert torch.equal(partials, torch.arange(1.0, 5.0)[:, None, None].expand(4, M, N))
 
 
@@ -569,7 +666,9 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(M, K, summed_i
     op's device check and the stream's counters are patched."""
     calls = []
 
-    def launcher(a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap):
+    def launcher(a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap,
+                 quantizes=False):
+        assert not quantizes
         calls.append((None if partials is None else tuple(partials.shape), counts, split_k, overlap))
         if partials is not None and counts is None:
             for split in range(split_k):
@@ -579,7 +678,7 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(M, K, summed_i
 
     stream_counts = torch.zeros(decode.counters(64), dtype=torch.int32)
     monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
-    monkeypatch.setattr(decode, "takes", lambda a, qdata, scales, out: True)
+    monkeypatch.setattr(decode, "takes", lambda a, qdata, scales, out, quantizes=False: True)
     monkeypatch.setattr(decode, "launch_decode_gemm", launcher)
     monkeypatch.setattr(gemm, "tile_counts", lambda device, tiles: stream_counts)
     monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
@@ -615,6 +714,51 @@ def test_launch_reaches_the_kernel_once_eagerly_or_through_the_op(M, K, summed_i
     assert calls[0][1] is None
     expected = torch.full((M, N), float(sum(range(1, split + 1)))) * (act_scale.float() * weight_scale.float())
     expected = expected if bias is None else expected + bias.float()
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_one_row_reaches_the_kernel_once_quantizing_it_with_no_operand_kernel(traced, monkeypatch):
+    """At one row the decode tile takes the activation itself: eagerly one launch of the kernel,
+    handed the row and the activation's scale, quantizing and summing its 4 splits in the
+    program, not launched to overlap a kernel before it (none writes its operand); under a
+    dispatch mode (as in tracing) one launch through the linear op, quantizing, writing the
+    splits' products, which torch ops sum, scale and bias. No operand kernel either way. Stood in
+    on the CPU: the launcher writes split s's products as s + 1, or the output as 7."""
+    calls = []
+
+    def launcher(a, qdata, codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap,
+                 quantizes=False):
+        calls.append((a, act_scale, partials is None, counts, split_k, overlap, quantizes))
+        if partials is None:
+            out.fill_(7.0)
+        else:
+            for split in range(split_k):
+                partials[split].fill_(split + 1.0)
+
+    def no_operand_kernel(*args, **kwargs):
+        raise AssertionError("the operand kernel ran")
+
+    monkeypatch.setattr(gemm_warp_specialized, "available", lambda device: True)
+    monkeypatch.setattr(decode, "takes", lambda a, qdata, scales, out, quantizes=False: True)
+    monkeypatch.setattr(decode, "launch_decode_gemm", launcher)
+    monkeypatch.setattr(ops, "launch_activation_quantize", no_operand_kernel)
+    monkeypatch.setattr(ops, "_require_cuda", lambda a, name: None)
+    M, N, K = 1, 64, 2048
+    x, qdata, scales, act_scale, weight_scale, bias = raw_gemm_operands(M, N, K, seed=1)
+    x = x.to(torch.bfloat16)
+    split = gemm.split_k_for(DECODE_TILE, N, K, x.device)
+    assert split == 4 and decode.sums_in_program(split, K, M)
+    out = torch.zeros(M, N, dtype=torch.float32)
+    with PassThrough() if traced else contextlib.nullcontext():
+        launch_nvfp4_gemm(x, qdata, scales, act_scale, weight_scale, bias, out, DECODE_TILE_AT_ONE_ROW, True)
+    ((a, scale_given, no_partials, counts, split_k, overlap, quantizes),) = calls
+    assert torch.equal(a, x) and torch.equal(scale_given, act_scale.float().reshape(1))
+    assert (counts, split_k, overlap, quantizes, no_partials) == (None, split, False, True, not traced)
+    if not traced:
+        assert torch.equal(out, torch.full_like(out, 7.0))
+        return
+    expected = torch.full((M, N), 1.0 + 2.0 + 3.0 + 4.0) * (act_scale.float() * weight_scale.float()) + bias.float()
     assert torch.equal(out, expected)
 
 
@@ -722,7 +866,7 @@ def test_traced_route_hands_the_decode_tile_the_activation_itself(with_bias, mon
     split = gemm.split_k_for(config_for_width(DECODE_TILE, K), N, K, x.device)
     assert split == 2
     assert [call[0] for call in launches.calls] == ["quantize", "gemm"]
-    assert launches.calls[0][1].shape == (6, K) and launches.calls[1][3:] == (split, True)
+    assert launches.calls[0][1].shape == (6, K) and launches.calls[1][3:6] == (split, True, False)
     expected = torch.full((6, N), 1.0 + 2.0) * (act_scale * weight_scale)
     expected = expected if bias is None else expected + bias.float()
     assert out.dtype == torch.bfloat16 and out.shape == (2, 3, N)
@@ -732,9 +876,10 @@ def test_traced_route_hands_the_decode_tile_the_activation_itself(with_bias, mon
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 def test_the_route_at_one_row_takes_the_decode_tile_only_in_a_traced_graph(traced, monkeypatch):
     """The one-row bucket of an 8192 x 8192 weight (4 splits of 8 K tiles): traced (a dispatch
-    mode standing in), the quantize kernel and the decode tile as one op, then the splits' sum
-    and scales as torch ops; eagerly the entry that quantizes its row itself. Stood in on the
-    CPU as above (operand 1, split s's products s + 1; 132 SMs)."""
+    mode standing in), the decode tile quantizing the row itself, one kernel with no operand
+    kernel before it, handed the activation and its scale, then the splits' sum and scales as
+    torch ops; eagerly the entry that quantizes its row itself. Stood in on the CPU as above
+    (split s's products s + 1; 132 SMs)."""
     from nvfp4_static.backends import triton_route
 
     launches = DecodeLaunchesStoodIn(monkeypatch)
@@ -754,8 +899,9 @@ def test_the_route_at_one_row_takes_the_decode_tile_only_in_a_traced_graph(trace
         assert launches.calls == [] and len(entry_calls) == 1
         return
     assert entry_calls == []
-    assert [call[0] for call in launches.calls] == ["quantize", "gemm"]
-    assert launches.calls[1][3:] == (4, True)
+    ((kind, a, counts, split_k, overlap, quantizes, scale_given),) = launches.calls
+    assert kind == "gemm" and torch.equal(a, x) and (counts, split_k, overlap, quantizes) == (None, 4, False, True)
+    assert torch.equal(scale_given, act_scale.reshape(1))
     expected = torch.full((1, N), 1.0 + 2.0 + 3.0 + 4.0) * (act_scale * weight_scale)
     assert torch.equal(out, expected.to(torch.bfloat16))
 
@@ -763,8 +909,9 @@ def test_the_route_at_one_row_takes_the_decode_tile_only_in_a_traced_graph(trace
 @requires_cuda
 @requires_hopper
 def test_gpu_compiled_linear_at_one_row_runs_the_decode_tile_eager_the_entry(monkeypatch):
-    """One row on 8192 x 8192: the compiled linear launches the decode tile (through its op), the
-    eager one does not (the entry); both within the fp64 reference's bound."""
+    """One row on 8192 x 8192: the compiled linear launches the decode tile (through its op,
+    quantizing the row itself), the eager one does not (the entry); both within the fp64
+    reference's bound."""
     from nvfp4_static.backends.triton_route import static_nvfp4_linear
 
     M, N, K = 1, 8192, 8192
@@ -790,11 +937,14 @@ def test_gpu_compiled_linear_at_one_row_runs_the_decode_tile_eager_the_entry(mon
 @requires_cuda
 @requires_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("M,N,K", [(16, 8192, 8192), (3, 4096, 14336), (1, 320, 1024)], ids=str)
+@pytest.mark.parametrize(
+    "M,N,K", [(16, 8192, 8192), (3, 4096, 14336), (1, 320, 1024), (1, 8192, 8192), (1, 4096, 14336)], ids=str
+)
 def test_gpu_linear_op_equals_the_operand_then_the_products_op_bit_for_bit(dtype, M, N, K):
-    """The traced pair as one op, the decode tile started while the quantize kernel runs: the
-    same products as the operand op followed by the products op (launched one after the other),
-    in 30 calls."""
+    """The traced pair as one op, the decode tile started while the quantize kernel runs (at one
+    row the decode tile quantizing the row itself, bf16 in the Gluon kernel, fp32 in its Triton
+    twin): the same products as the operand op followed by the products op (launched one after
+    the other), in 30 calls."""
     x = torch.randn(M, K, device="cuda", generator=torch.Generator("cuda").manual_seed(M)).to(dtype)
     act_scale = (x.abs().amax().float() / 2688).reshape(1)
     _, qdata, scales, *_ = gemm_operands(M, N, K, seed=M, device="cuda", config=DECODE_TILE)
@@ -805,3 +955,40 @@ def test_gpu_linear_op_equals_the_operand_then_the_products_op_bit_for_bit(dtype
     for _ in range(30):
         together = torch.ops.nvfp4_static.decode_linear_partial_products(x, act_scale, qdata, codes, split)
         assert torch.equal(together, apart)
+
+
+@requires_cuda
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(
+    "N,K", [(8192, 8192), (14336, 4096), (4096, 14336), (8192, 28672), (28672, 4096), (320, 1024), (96, 512)], ids=str
+)
+def test_gpu_decode_tile_quantizing_its_row_equals_it_after_the_operand_kernel_bit_for_bit(
+    dtype, with_bias, N, K, monkeypatch
+):
+    """One row quantized by the decode tile's load warpgroup gives, bit for bit, the decode
+    tile's output on the operand kernel's operand and its Triton twin's quantizing the row: K
+    splits summed in the program (8192 x 8192: 4, 14336 x 4096: 2), across programs (4096 x
+    14336: 8; 8192 x 28672: 4 of 28 K tiles), none (28672 x 4096), weights of fewer rows than a
+    program's; within the fp64 reference's bound. The Gluon kernel is launched once, quantizing."""
+    x, qdata, scales, act_scale, weight_scale, bias = raw_gemm_operands(1, N, K, seed=K, device="cuda")
+    x = x.to(dtype)
+    weight = (qdata, scales, act_scale, weight_scale, bias if with_bias else None)
+    quantizing = []
+    launch = decode.launch_decode_gemm
+    monkeypatch.setattr(decode, "launch_decode_gemm", lambda *args: quantizing.append(args[-1]) or launch(*args))
+
+    def output(a, config, raw_activation):
+        out = torch.full((1, N), float("nan"), dtype=dtype, device="cuda")
+        launch_nvfp4_gemm(a, *weight, out, config, raw_activation=raw_activation)
+        return out
+
+    ours = output(x, DECODE_TILE_AT_ONE_ROW, True)
+    assert quantizing == [True]
+    operand = ops.gemm_activation_operand(x, act_scale, torch.float16, True)
+    assert torch.equal(ours, output(operand, DECODE_TILE, False))
+    assert torch.equal(ours, output(x, replace(DECODE_TILE_IN_TRITON, activation_rows=1), True))
+    assert quantizing == [True, False]
+    plain = ops.gemm_activation_operand(x, act_scale)
+    assert relative_error(ours, reference_gemm(plain, *weight)) <= gpu_tolerance(K, dtype)

@@ -19,15 +19,18 @@ the kernel's own form (``KERNEL_FORM``) over ``n16 whole``, and both over the re
 Usage: python bench_decode_mma_forms.py [--m 1 4 16] [--shapes 8192x8192 ...] [--rounds 3]
 """
 
-import argparse
 import contextlib
 import statistics
 from unittest import mock
 
 import torch
-from bench_decode_tile import hopper_device, linear_ms, same_as_the_triton_twin
-from bench_linear import bare_read_ms, graph_ms
-from tune_gemm import make_weight
+from bench_decode_tile import (
+    hopper_device,
+    linear_ms,
+    same_as_the_triton_twin,
+    shapes_and_rounds_parser,
+    weights_with_read_floor,
+)
 
 from nvfp4_static.kernels import gemm_decode_warp_specialized
 
@@ -54,19 +57,15 @@ def decode_tile_form(name: str):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shapes = "8192x8192 4096x14336 14336x4096 4096x4096 8192x28672".split()
+    parser = shapes_and_rounds_parser(__doc__.splitlines()[0], shapes)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--shapes", nargs="+", default="8192x8192 4096x14336 14336x4096 4096x4096 8192x28672".split())
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median)")
     args = parser.parse_args()
     device = hopper_device("bench_decode_mma_forms.py")
     names = list(FORMS)
     print(f"{'K':>6} {'N':>6} {'M':>3} {'read':>7} | " + " ".join(f"{name:>11}" for name in names)
           + f" | {'kernel/n16 whole':>16} | {'n16 whole/read':>14} {'kernel/read':>11}")
-    for shape in args.shapes:
-        K, N = (int(size) for size in shape.split("x"))
-        weight = make_weight(K, N)
-        read = bare_read_ms(graph_ms, weight.qdata, weight.block_scales)
+    for K, N, weight, read in weights_with_read_floor(args.shapes):
         for M in args.m:
             x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
             act_scale = x.abs().max().float() / 2688

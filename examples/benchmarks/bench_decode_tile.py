@@ -90,6 +90,24 @@ def same_as_the_triton_twin(x, weight, act_scale) -> bool:
     return torch.equal(ours, output(DECODE_TILE_IN_TRITON)) and torch.equal(ours, across)
 
 
+def weights_with_read_floor(shapes: list[str]):
+    """``(K, N, weight, read)`` for each ``"KxN"`` of ``shapes``: a random weight
+    (``tune_gemm.make_weight``) and the floor kernel's time reading it (ms)."""
+    for shape in shapes:
+        K, N = (int(size) for size in shape.split("x"))
+        weight = make_weight(K, N)
+        yield K, N, weight, bare_read_ms(graph_ms, weight.qdata, weight.block_scales)
+
+
+def shapes_and_rounds_parser(description: str, shapes: list[str]) -> argparse.ArgumentParser:
+    """The decode benchmarks' arguments: ``--shapes`` (K x N, by default ``shapes``) and
+    ``--rounds`` (interleaved rounds per cell, whose median it prints)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--shapes", nargs="+", default=shapes, help="K x N weight shapes")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median)")
+    return parser
+
+
 def hopper_device(script: str) -> torch.device:
     """The CUDA device (named on stdout), or an exit naming ``script`` where there is no Hopper
     GPU or Gluon's Hopper API."""
@@ -110,10 +128,7 @@ def main():
     print(f"{'K':>6} {'N':>6} {'M':>3} | {'split':>5} {'K tiles':>7} | {'read':>7} {'entry':>7} {'decode':>7} "
           f"{'no overlap':>10} {'across':>7} | {'entry/decode':>12} {'eager/graph':>13}")
     everywhere, nowhere = 1, 1 << 30
-    for shape in args.shapes:
-        K, N = (int(size) for size in shape.split("x"))
-        weight = make_weight(K, N)
-        read = bare_read_ms(graph_ms, weight.qdata, weight.block_scales)
+    for K, N, weight, read in weights_with_read_floor(args.shapes):
         split = gemm.split_k_for(DECODE_TILE, N, K, device)
         k_tiles = -(-K // DECODE_TILE.block_k) / split
         for M in args.m:

@@ -7,9 +7,11 @@ its epilogue (the op ``nvfp4_gemm``, kernel in ``kernels.gemm``;
 at large M cuBLAS does the product, with the epilogue fused where ``output_scale`` is known:
 eagerly, never in a traced graph).
 At the smallest decode sizes the GEMM quantizes the activation itself: one launch (at one row
-always; at 2-16 rows on eager calls, whose time is their host's, ``gemm.quantizes_eagerly``). Traced, where
-the table runs the Hopper decode tile, the two steps are one op (``decode_linear_partial_products``)
-that launches the GEMM to overlap the quantize kernel, as the eager route does.
+always, the Hopper decode tile too where each of its programs runs one K split; at 2-16 rows on
+eager calls, whose time is their host's, ``gemm.quantizes_eagerly``). Traced, where the table runs
+the Hopper decode tile, the two steps are one op (``decode_linear_partial_products``) that
+launches the GEMM to overlap the quantize kernel, as the eager route does, or at one row the
+decode tile quantizing the row itself.
 Numerically this is ``backends.cpu`` up to the order of fp32 sums.
 Non-CUDA tensors take the ``cpu`` route.
 
@@ -33,6 +35,7 @@ from nvfp4_static.kernels.gemm import (
     config_for_width,
     epilogue_as_ops,
     gemm_bucket,
+    is_decode_tile,
     operand_config,
     operand_in_mma_order,
     quantizes_activation_in_gemm,
@@ -87,12 +90,14 @@ def _linear_in_bucket(
     x = x.reshape(-1, x.shape[-1])
     traced = not runs_eagerly(x)
     config = operand_config(bucket, weight_qdata.shape[-2], 2 * weight_qdata.shape[-1], x.device, traced)
-    if quantizes_activation_in_gemm(config) or (not traced and quantizes_eagerly(x.shape[0], x.dtype, config, x.device)):
+    if is_decode_tile(config) and traced and gemm_warp_specialized.available(x.device):
+        out = _decode_tile_linear_traced(x, weights, bias)
+    elif quantizes_activation_in_gemm(config) or (
+        not traced and quantizes_eagerly(x.shape[0], x.dtype, config, x.device)
+    ):
         out = quantizing_nvfp4_gemm(
             x, weight_qdata, weight_block_scales, act_per_tensor_scale, weight_per_tensor_scale, bias, bucket
         )
-    elif config == DECODE_TILE and traced and gemm_warp_specialized.available(x.device):
-        out = _decode_tile_linear_traced(x, weights, bias)
     else:
         operand = gemm_activation_operand(
             x,
@@ -119,7 +124,8 @@ def _decode_tile_linear_traced(
 ) -> torch.Tensor:
     """Traced, the decode tile's linear of ``x [M, K]``: the activation's quantize kernel and the
     decode tile as one op (``decode_linear_partial_products``, which starts the GEMM while the
-    quantize kernel runs, as the eager route does), then the K splits' sum, both global scales
+    quantize kernel runs, as the eager route does; at one row the decode tile quantizes the row
+    itself, one split per program), then the K splits' sum, both global scales
     and the bias as the torch ops ``nvfp4_gemm`` traces for this tile (``epilogue_as_ops``: the
     same output), which Inductor fuses into the kernel reading the output."""
     weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale = weights

@@ -157,6 +157,15 @@ def quantize_to_operand_halves(x, per_tensor_scale, ROWS: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def in_mma_order(even, odd, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile's even-K and odd-K elements (``[ROWS, BLOCK_K / 2]`` each) as one ``[ROWS,
+    BLOCK_K]`` tile in the MMA order (``gemm.dequantize_weight_tile_in_mma_order``'s)."""
+    shape: tl.constexpr = (ROWS, BLOCK_K // 32, 4, 2, 2)  # (t, c, i)
+    tile = tl.join(tl.reshape(even, shape), tl.reshape(odd, shape))
+    return tl.reshape(tl.permute(tile, (0, 1, 3, 5, 2, 4)), (ROWS, BLOCK_K))
+
+
+@triton.jit
 def _activation_quantize_kernel(
     x_ptr,
     per_tensor_scale_ptr,

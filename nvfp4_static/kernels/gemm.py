@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_static.kernels import gemm_decode_warp_specialized, gemm_warp_specialized
-from nvfp4_static.kernels.act_quantize import MMA_GROUP, quantize_to_operand_halves
+from nvfp4_static.kernels.act_quantize import MMA_GROUP, in_mma_order, quantize_to_operand_halves
 from nvfp4_static.kernels.e2m1_ptx import E2M1_BYTES_TO_FP16_PTX
 from nvfp4_static.kernels.launch import KernelCall, ceil_div, next_power_of_2, runs_eagerly, splits_hold_k_tiles, traced
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
@@ -121,15 +121,6 @@ def dequantize_weight_tile_in_mma_order(
     thread that holds those 4 bytes: its 32-bit load feeds the PTX as it is, with no byte moves."""
     even, odd = dequantize_weight_tile(packed, scale_codes, BLOCK_N, BLOCK_K, PTX)
     return in_mma_order(even, odd, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def in_mma_order(even, odd, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A tile's even-K and odd-K elements (``[ROWS, BLOCK_K / 2]`` each) as one ``[ROWS,
-    BLOCK_K]`` tile in the MMA order (``dequantize_weight_tile_in_mma_order``)."""
-    shape: tl.constexpr = (ROWS, BLOCK_K // 32, 4, 2, 2)  # (t, c, i)
-    tile = tl.join(tl.reshape(even, shape), tl.reshape(odd, shape))
-    return tl.reshape(tl.permute(tile, (0, 1, 3, 5, 2, 4)), (ROWS, BLOCK_K))
 
 
 @triton.jit
@@ -441,7 +432,8 @@ class GemmConfig:
             raise ValueError(
                 f"nvfp4_static: GemmConfig.warp_specialized runs gemm_warp_specialized's kernel (or, at 16 rows, "
                 f"gemm_decode_warp_specialized's), whose tiles are {WARP_SPECIALIZED_TILES_IN_TRITON}, the wide "
-                f"ones also with a K split for one program per SM; got {replace(self, warp_specialized=False)}"
+                f"ones also with a K split for one program per SM, the decode one also quantizing one activation "
+                f"row; got {replace(self, warp_specialized=False)}"
             )
         if self.mma_order and self.block_k % MMA_GROUP:
             raise ValueError(
@@ -451,9 +443,10 @@ class GemmConfig:
 
     def _warp_specialized_tile(self) -> bool:
         """Whether a warp-specialized kernel computes these tiles: one of
-        ``WARP_SPECIALIZED_TILES_IN_TRITON``, or a wide one with its K split for one program per SM."""
+        ``WARP_SPECIALIZED_TILES_IN_TRITON``, the decode one also quantizing one activation row,
+        or a wide one with its K split for one program per SM."""
         plain = replace(self, warp_specialized=False)
-        if plain in WARP_SPECIALIZED_TILES_IN_TRITON:
+        if plain in WARP_SPECIALIZED_TILES_IN_TRITON or plain == replace(DECODE_TILE_IN_TRITON, activation_rows=1):
             return True
         if self.programs_per_sm != 1 or self.fill_programs_per_sm:
             return False
@@ -606,6 +599,10 @@ SQUARE_TILE = replace(SQUARE_TILE_IN_TRITON, warp_specialized=True)
 # 28672 0.0486 -> 0.0342 (16), 28672 x 8192 0.0749 -> 0.0537 (28), 14336 x 4096 0.0289 -> 0.0255
 # (7); 5120 x 5120 0.0196 -> 0.0188 (4), slower at 2 (4096 x 4096 0.0167 -> 0.0175).
 DECODE_TILE = replace(DECODE_TILE_IN_TRITON, warp_specialized=True)
+# At one row the decode tile may quantize its row itself, as the one-row entry it replaces does:
+# its load warpgroup writes each stage's operand tile, so no operand kernel runs before it
+# (``decode_tile_for_one_row``).
+DECODE_TILE_AT_ONE_ROW = replace(DECODE_TILE, activation_rows=1)
 DECODE_TILE_BUCKETS = (1, 4, 16)  # the largest M of the entries it may replace
 # Called eagerly, the decode tile's launch costs more host time than an entry's (Triton encodes
 # its three TMA descriptors at each launch) and an eager decode step is bound by its host, so
@@ -685,12 +682,13 @@ def table_config(
 
 def triton_entries() -> list[tuple[int, GemmConfig]]:
     """``(largest M, tiles)`` of every Triton tile the table runs: its Triton entries, then
-    ``DECODE_TILE`` at its largest bucket, ``TALL_TILE``, ``SQUARE_TILE`` and their split forms
-    at each bucket they may serve."""
+    ``DECODE_TILE_AT_ONE_ROW`` at one row and ``DECODE_TILE`` at its largest bucket, ``TALL_TILE``,
+    ``SQUARE_TILE`` and their split forms at each bucket they may serve."""
     entries = [(max_m, config) for max_m, config in GEMM_CONFIGS if isinstance(config, GemmConfig)]
     tall = [(max_m, tile) for max_m, split in SPLIT_TALL_TILES.items() for tile in (TALL_TILE, split)]
     square = [(max_m, tile) for max_m in WIDE_TILE_BUCKETS for tile in (SQUARE_TILE, SPLIT_SQUARE_TILES[max_m])]
-    return entries + [(max(DECODE_TILE_BUCKETS), DECODE_TILE)] + tall + square
+    decode = [(1, DECODE_TILE_AT_ONE_ROW), (max(DECODE_TILE_BUCKETS), DECODE_TILE)]
+    return entries + decode + tall + square
 
 
 def wide_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Optional[GemmConfig]:
@@ -729,8 +727,9 @@ def wide_tile(max_m: Optional[int], N: int, K: int, device: torch.device) -> Opt
 def decode_tile(
     max_m: Optional[int], N: int, K: int, device: torch.device, in_graph: bool = False
 ) -> Optional[GemmConfig]:
-    """``DECODE_TILE`` where it replaces the table entry serving up to ``max_m`` rows (one of
-    ``DECODE_TILE_BUCKETS``) for an ``[N, K]`` weight: where it runs warp-specialized (in Triton
+    """``DECODE_TILE`` (at one row ``decode_tile_for_one_row``'s form) where it replaces the
+    table entry serving up to ``max_m`` rows (one of ``DECODE_TILE_BUCKETS``) for an ``[N, K]``
+    weight: where it runs warp-specialized (in Triton
     the entries are faster), on whole K tiles (the kernel's TMA reads the block scales' rows, K /
     16 bytes, 16-byte aligned), and where the K split leaves each program
     ``DECODE_TILE_MIN_K_TILES`` of them or more; in a graph (``in_graph``, for a traced one, or
@@ -740,16 +739,35 @@ def decode_tile(
     if max_m not in DECODE_TILE_BUCKETS or K % DECODE_TILE.block_k or not gemm_warp_specialized.available(device):
         return None
     split = split_k_for(DECODE_TILE, N, K, device)
+    tile = decode_tile_for_one_row(split, K) if max_m == 1 else DECODE_TILE
     k_tiles = ceil_div(ceil_div(K, DECODE_TILE.block_k), split)
     if k_tiles >= DECODE_TILE_MIN_K_TILES:
-        return DECODE_TILE
+        return tile
     if k_tiles < DECODE_TILE_MIN_K_TILES_IN_GRAPHS or not (in_graph or captured_into_a_graph(device)):
         return None
     if max_m == 1:
         programs = ceil_div(N, gemm_decode_warp_specialized.WEIGHT_ROWS_PER_PROGRAM) * split
         if programs < DECODE_TILE_SM_FILL_AT_ONE_ROW_IN_GRAPHS * _multiprocessor_count(device):
             return None
-    return DECODE_TILE
+    return tile
+
+
+def decode_tile_for_one_row(split: int, K: int) -> GemmConfig:
+    """The decode tile for one row in ``split`` K splits of a ``K``-wide reduction: quantizing
+    its row itself (``DECODE_TILE_AT_ONE_ROW``) where each program runs one split, else, where
+    a program runs and sums 2 or 4 (``gemm_decode_warp_specialized.sums_in_program``), after the
+    operand kernel: there the load warpgroup would quantize that many K tiles per stage. Whole
+    linear from a CUDA graph on an H200, after the operand kernel -> quantizing, ms
+    (bench_decode_one_row.py): one split per program 14336 x 4096 (K x N) 0.0224 -> 0.0217,
+    28672 x 8192 0.0529 -> 0.0521, 8192 x 28672 0.0539 -> 0.0538, 4096 x 4096 0.0145 -> 0.0133;
+    splits summed in the program 8192 x 8192 0.0226 -> 0.0256 (0.0230 with the splits summed
+    across programs), 4096 x 14336 0.0212 -> 0.0224, 4096 x 12288 0.0202 -> 0.0216."""
+    return DECODE_TILE if gemm_decode_warp_specialized.sums_in_program(split, K, 1) else DECODE_TILE_AT_ONE_ROW
+
+
+def is_decode_tile(config: Union[GemmConfig, CublasAfterDequantize]) -> bool:
+    """Whether ``config`` is the decode tile, taking its operand or quantizing its one row."""
+    return config in (DECODE_TILE, DECODE_TILE_AT_ONE_ROW)
 
 
 def captured_into_a_graph(device: torch.device) -> bool:
@@ -1039,7 +1057,7 @@ def launch_nvfp4_gemm(
             f"nvfp4_static: split_k = {split_k} for K = {K} with {config}: the GEMM splits K = {K} "
             f"({ceil_div(K, config.block_k)} K tiles) into parts that each hold some of them, got split_k = {split_k}"
         )
-    if gluon and config != DECODE_TILE:
+    if gluon and not is_decode_tile(config):
         if not eager:
             product = torch.ops.nvfp4_static.warp_specialized_nvfp4_gemm(
                 a, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, out.dtype, config.block_m, split_k
@@ -1058,6 +1076,10 @@ def launch_nvfp4_gemm(
         weight = torch.empty((N, K), dtype=torch.float16, device=a.device)
         launch_weight_dequantize(weight_qdata, weight_block_scales, weight, config)
         partials = torch.mm(a, weight.t(), out_dtype=torch.float32)
+    elif gluon and not eager and raw_activation:
+        partials = torch.ops.nvfp4_static.decode_linear_partial_products(
+            a, act_scale, weight_qdata, weight_block_scales, split_k
+        )
     elif gluon and not eager:
         partials = torch.ops.nvfp4_static.decode_gemm_partial_products(a, weight_qdata, weight_block_scales, split_k)
     else:
@@ -1073,8 +1095,9 @@ def launch_nvfp4_gemm(
         )
         scales = (act_scale, weight_scale)
         # Eagerly the operand kernel, launched just before, lets the GEMM start early.
+        overlap = eager and not raw_activation
         launch_tiles(
-            a, weight_qdata, weight_block_scales, *scales, bias, out, partials, sum_splits, config, split_k, eager
+            a, weight_qdata, weight_block_scales, *scales, bias, out, partials, sum_splits, config, split_k, overlap
         )
         if split_k == 1 or sum_splits:
             return
@@ -1108,9 +1131,9 @@ def runs_the_decode_kernel(
     """Whether ``launch_tiles`` runs ``config`` as ``gemm_decode_warp_specialized``'s kernel:
     the decode tile, where the GPU and the tensors suit that kernel."""
     return (
-        config == DECODE_TILE
+        is_decode_tile(config)
         and gemm_warp_specialized.available(a.device)
-        and gemm_decode_warp_specialized.takes(a, weight_qdata, scale_codes, out)
+        and gemm_decode_warp_specialized.takes(a, weight_qdata, scale_codes, out, config.activation_rows > 0)
     )
 
 
@@ -1149,7 +1172,7 @@ def launch_tiles(
         )
         gemm_decode_warp_specialized.launch_decode_gemm(
             a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k,
-            overlap_operand_kernel,
+            overlap_operand_kernel, config.activation_rows > 0,
         )
         return
     tiles = ceil_div(M, config.rows_per_tile) * ceil_div(N, config.block_n)

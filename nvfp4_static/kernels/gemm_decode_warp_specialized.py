@@ -18,6 +18,13 @@ Eagerly the kernel is launched to start while the operand kernel before it still
 the first K tile's weight and scales, then waits for the operand kernel's end, then loads the
 operand, about 1 us less per linear.
 
+At one row the kernel can quantize the activation itself (``QUANTIZES``, ``gemm.DECODE_TILE_AT_ONE_ROW``):
+the load warpgroup reads each K tile of the row with plain loads (the next tile's while it
+quantizes this one), quantizes it with ``act_quantize``'s arithmetic into the stage's operand
+tile and arrives on the stage's barrier once its stores are fenced, so no operand kernel runs
+first. The consumers then keep 104 registers, which leaves that warpgroup 64 (Triton gives it
+what the kernel's 96 per thread leave over).
+
 Where the K split is 2 or 4 (and divides the K tiles evenly; at one row, of at most 8 K tiles
 each) one program runs every split of its weight rows: its consumers take 64 rows each in
 ``4 / split`` row groups, each consumer one split's K range, and the first consumer of a row
@@ -60,25 +67,39 @@ SPLITS_IN_ONE_PROGRAM = (2, 4)
 # on 28672 x 8192 (4 splits of 28), where 16 rows still took 4% less (examples/benchmarks/RESULTS.md).
 MOST_K_TILES_SUMMED_IN_PROGRAM_AT_ONE_ROW = 8
 CONSUMER_REGISTERS = 112
+# Quantizing, the load warpgroup needs more than the 32 registers per thread the consumers' 112
+# leave it (Triton sizes it from the kernel's 96): at 104 it gets 64.
+QUANTIZING_CONSUMER_REGISTERS = 104
 # Parts of a K tile each consumer dequantizes and multiplies in turn, the MMAs of one running
 # while the next is dequantized (the MMAs' order, hence the output, unchanged); with the 8-column
 # MMA the two forms together took 2-7% off the linear at 1-4 rows; alone, at 16 rows, between 2%
 # off and 1% more.
 MMA_CHUNKS = 2
 THREADS_PER_CONSUMER = 128
+# The activations the kernel quantizes itself (one row, ``QUANTIZES``): fp32 ones take the operand
+# kernel, this form's output not having been shown equal to it on a GPU for them.
+QUANTIZED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def takes(a: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether this call's tensors suit the kernel: at most 16 rows, and TMA reads the operand,
-    the packed weight and the block scales from 16-byte aligned rows (the scales' rows are K / 16
+def takes(
+    a: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    out: torch.Tensor,
+    quantizes: bool = False,
+) -> bool:
+    """Whether this call's tensors suit the kernel: at most 16 rows of the fp16 operand, or
+    (``quantizes``) one contiguous row of the activation itself; TMA reads the operand, the
+    packed weight and the block scales from 16-byte aligned rows (the scales' rows are K / 16
     bytes: K a multiple of 256)."""
+    if quantizes:
+        operand_suits = a.shape[0] == 1 and a.dtype in QUANTIZED_DTYPES and a.stride(1) == 1
+    else:
+        operand_suits = a.shape[0] <= TOKENS and a.dtype == torch.float16 and a.is_contiguous() and a.data_ptr() % 16 == 0
     return (
-        a.shape[0] <= TOKENS
-        and a.dtype == torch.float16
-        and a.is_contiguous()
+        operand_suits
         and weight_qdata.is_contiguous()
         and weight_block_scales.is_contiguous()
-        and a.data_ptr() % 16 == 0
         and weight_qdata.data_ptr() % 16 == 0
         and weight_block_scales.data_ptr() % 16 == 0
         and a.shape[1] % BLOCK_K == 0
@@ -108,6 +129,9 @@ def counters(N: int) -> int:
 
 
 if HAS_GLUON_HOPPER:
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+
+    from nvfp4_static.kernels.act_quantize import in_mma_order, quantize_to_operand_halves
     from nvfp4_static.kernels.gemm_warp_specialized import (
         ROWS,
         TensorDescriptor,
@@ -118,6 +142,7 @@ if HAS_GLUON_HOPPER:
         mbarrier,
         packed_by_block_layout,
         packed_layout,
+        partition_barrier,
         tma_load,
         warpgroup_mma,
         warpgroup_mma_wait,
@@ -138,35 +163,99 @@ if HAS_GLUON_HOPPER:
         (a no-op unless this kernel was launched to overlap it)."""
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
+    @gluon.constexpr_function
+    def row_tiles_layout(splits):
+        """The activation row's K tiles of ``splits`` splits, ``[splits, BLOCK_K]``: each thread
+        holds two columns of every split, so a split's tile is taken out without moving data."""
+        return gl.BlockedLayout([splits, 2], [1, 32], [1, 4], [1, 0])
+
     @gluon.jit
-    def _load_partition(a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, off_n, k_first, per_split,
-                        k_tiles, BK: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                        SPLITS_HERE: gl.constexpr):
+    def _row_tiles(x_ptr, k_first, per_split, i, BK: gl.constexpr, SPLITS_HERE: gl.constexpr):
+        """K tile ``i`` of each split the program runs, of the activation's one row."""
+        TILES: gl.constexpr = row_tiles_layout(SPLITS_HERE)
+        splits = gl.arange(0, SPLITS_HERE, layout=gl.SliceLayout(1, TILES))[:, None]
+        columns = gl.arange(0, BK, layout=gl.SliceLayout(0, TILES))[None, :]
+        return gl.load(x_ptr + (k_first + splits * per_split + i) * BK + columns)
+
+    @gluon.jit
+    def _quantize_into_stage(tiles, act_scale_ptr, a_smem, stage, TOKENS: gl.constexpr, BK: gl.constexpr,
+                             SPLITS_HERE: gl.constexpr):
+        """Quantize each split's K tile of the activation's row (``tiles``, from ``_row_tiles``)
+        into the stage's operand tile of that split (``[TOKENS, BK]``, fp16): its row 0 in the
+        MMA order, as the operand kernel writes it (``act_quantize``'s arithmetic, so the same
+        values bit for bit), zeros below. One split at a time, to keep few values live."""
+        TILES: gl.constexpr = row_tiles_layout(SPLITS_HERE)
+        ROW: gl.constexpr = row_tiles_layout(1)
+        act_scale = gl.load(act_scale_ptr)
+        # Bit patterns, so that taking one split's tile out by a sum of zeros keeps a -0.0.
+        bits = tiles.to(gl.float32).to(gl.int32, bitcast=True)
+        splits = gl.arange(0, SPLITS_HERE, layout=gl.SliceLayout(1, TILES))[:, None]
+        tokens = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, ROW))[:, None]
+        for split in gl.static_range(SPLITS_HERE):
+            x = gl.sum(gl.where(splits == split, bits, 0), axis=0).to(gl.float32, bitcast=True)
+            x = gl.convert_layout(x, gl.SliceLayout(0, ROW))[None, :]
+            even, odd = quantize_to_operand_halves(x, act_scale, 1, BK)
+            row = gl.convert_layout(in_mma_order(even, odd, 1, BK), ROW)
+            a_smem.index(stage * SPLITS_HERE + split).store(gl.where(tokens == 0, row, 0.0).to(gl.float16))
+
+    @gluon.jit
+    def _load_weight_tiles(w_desc, s_desc, w_smem, s_smem, bar, stage, i, off_n, k_first, per_split,
+                           BK: gl.constexpr, CONSUMERS: gl.constexpr, SPLITS_HERE: gl.constexpr):
+        """K tile ``i``'s packed weight rows and block scales of every consumer into ``stage``
+        (consumer ``c`` takes row group ``c // SPLITS_HERE`` over split ``c % SPLITS_HERE``)."""
+        for c in gl.static_range(CONSUMERS):
+            k = (k_first + (c % SPLITS_HERE) * per_split + i) * BK
+            rows = off_n + (c // SPLITS_HERE) * ROWS
+            tma_load(w_desc, [rows, k // 2], bar, w_smem.index(stage * CONSUMERS + c))
+            tma_load(s_desc, [rows, k // 16], bar, s_smem.index(stage * CONSUMERS + c))
+
+    @gluon.jit
+    def _load_partition(a_source, w_desc, s_desc, act_scale_ptr, a_smem, w_smem, s_smem, ready, empty, off_n,
+                        k_first, per_split, k_tiles, TOKENS: gl.constexpr, BK: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, SPLITS_HERE: gl.constexpr,
+                        QUANTIZES: gl.constexpr):
         """Fill stage ``i % NUM_STAGES`` with K tile ``i`` of each split the program runs once every
-        consumer handed it back: each consumer's packed weight rows and block scales (consumer
-        ``c`` takes row group ``c // SPLITS_HERE`` over split ``c % SPLITS_HERE``), then each
-        split's operand tile. The weight does not depend on the kernel before this one (the
-        operand kernel, which may let this one start while it runs), so the first tile's weight
-        loads go out before waiting for that kernel, and its operand loads after."""
-        tile_bytes: gl.constexpr = SPLITS_HERE * a_desc.block_type.nbytes + CONSUMERS * (
-            w_desc.block_type.nbytes + s_desc.block_type.nbytes
-        )
-        for i in range(k_tiles):
-            stage = i % NUM_STAGES
-            # A fresh barrier counts as having completed the phase before its first.
-            mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
-            bar = ready.index(stage)
-            mbarrier.expect(bar, tile_bytes)
-            for c in gl.static_range(CONSUMERS):
-                k = (k_first + (c % SPLITS_HERE) * per_split + i) * BK
-                rows = off_n + (c // SPLITS_HERE) * ROWS
-                tma_load(w_desc, [rows, k // 2], bar, w_smem.index(stage * CONSUMERS + c))
-                tma_load(s_desc, [rows, k // 16], bar, s_smem.index(stage * CONSUMERS + c))
-            if i == 0:
-                _wait_for_previous_kernel()
-            for split in gl.static_range(SPLITS_HERE):
-                k = (k_first + split * per_split + i) * BK
-                tma_load(a_desc, [0, k], bar, a_smem.index(stage * SPLITS_HERE + split))
+        consumer handed it back: each consumer's packed weight rows and block scales, then each
+        split's operand tile. The operand is loaded by TMA (``a_source`` its descriptor), or with
+        ``QUANTIZES`` quantized here from the activation's one row (``a_source`` its pointer; the
+        next K tile's row loaded while this one is quantized), the stage then ready once the
+        loads have landed and this partition has arrived. The weight does not depend on the
+        kernel before this one (the operand kernel, which may let this one start while it runs),
+        so the first tile's weight loads go out before waiting for that kernel, and its operand
+        after."""
+        weight_bytes: gl.constexpr = CONSUMERS * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        if QUANTIZES:
+            _wait_for_previous_kernel()
+            tiles = _row_tiles(a_source, k_first, per_split, 0, BK, SPLITS_HERE)
+            for i in range(k_tiles):
+                stage = i % NUM_STAGES
+                # A fresh barrier counts as having completed the phase before its first.
+                mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                mbarrier.expect(bar, weight_bytes)
+                _load_weight_tiles(w_desc, s_desc, w_smem, s_smem, bar, stage, i, off_n, k_first, per_split, BK,
+                                   CONSUMERS, SPLITS_HERE)
+                this_tile = tiles
+                tiles = _row_tiles(a_source, k_first, per_split, gl.minimum(i + 1, k_tiles - 1), BK, SPLITS_HERE)
+                _quantize_into_stage(this_tile, act_scale_ptr, a_smem, stage, TOKENS, BK, SPLITS_HERE)
+                # Every thread's operand stores are seen by the wgmmas (the async proxy) before
+                # the partition's one arrival.
+                fence_async_shared()
+                partition_barrier()
+                mbarrier.arrive(bar, count=1)
+        else:
+            for i in range(k_tiles):
+                stage = i % NUM_STAGES
+                mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                mbarrier.expect(bar, weight_bytes + SPLITS_HERE * TOKENS * BK * 2)
+                _load_weight_tiles(w_desc, s_desc, w_smem, s_smem, bar, stage, i, off_n, k_first, per_split, BK,
+                                   CONSUMERS, SPLITS_HERE)
+                if i == 0:
+                    _wait_for_previous_kernel()
+                for split in gl.static_range(SPLITS_HERE):
+                    tma_load(a_source, [0, (k_first + split * per_split + i) * BK], bar,
+                             a_smem.index(stage * SPLITS_HERE + split))
 
     @gluon.jit
     def _multiply_partition(a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr, weight_scale_ptr,
@@ -263,12 +352,12 @@ if HAS_GLUON_HOPPER:
                          mask=mask)
 
     @gluon.jit
-    def _decode_gemm_kernel(a_desc, w_desc, s_desc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr, partials_ptr,
-                            counts_ptr, M, N, K, stride_om, split_k,
+    def _decode_gemm_kernel(a_source, w_desc, s_desc, act_scale_ptr, weight_scale_ptr, bias_ptr, out_ptr,
+                            partials_ptr, counts_ptr, M, N, K, stride_om, split_k,
                             TOKENS: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
                             CONSUMERS: gl.constexpr, SPLITS_HERE: gl.constexpr, WRITE_PARTIALS: gl.constexpr,
                             SUM_SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr, REGISTERS: gl.constexpr,
-                            MMA_CHUNKS: gl.constexpr):
+                            MMA_CHUNKS: gl.constexpr, QUANTIZES: gl.constexpr, OPERAND_LAYOUT: gl.constexpr):
         ROW_GROUPS: gl.constexpr = CONSUMERS // SPLITS_HERE
         column = gl.program_id(0)
         split = gl.program_id(1) * SPLITS_HERE  # the program's first
@@ -277,7 +366,7 @@ if HAS_GLUON_HOPPER:
         per_split = gl.cdiv(tiles_k, split_k)
         k_first = split * per_split
         k_tiles = gl.minimum(per_split, tiles_k - k_first)  # every split's, where a program runs several
-        a_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES * SPLITS_HERE, TOKENS, BK], a_desc.layout)
+        a_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES * SPLITS_HERE, TOKENS, BK], OPERAND_LAYOUT)
         w_smem = gl.allocate_shared_memory(gl.uint8, [CONSUMERS * NUM_STAGES, ROWS, BK // 2], w_desc.layout)
         s_smem = gl.allocate_shared_memory(gl.uint8, [CONSUMERS * NUM_STAGES, ROWS, BK // 16], s_desc.layout)
         SUMS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -286,15 +375,17 @@ if HAS_GLUON_HOPPER:
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         summed = gl.allocate_shared_memory(gl.int64, [ROW_GROUPS, 1], mbarrier.MBarrierLayout())
         for stage in gl.static_range(NUM_STAGES):
-            mbarrier.init(ready.index(stage), count=1)
+            # Quantizing, the load partition arrives once more, with the operand stored.
+            mbarrier.init(ready.index(stage), count=2 if QUANTIZES else 1)
             mbarrier.init(empty.index(stage), count=CONSUMERS)
         if SPLITS_HERE > 1:
             for group in gl.static_range(ROW_GROUPS):
                 mbarrier.init(summed.index(group), count=SPLITS_HERE - 1)
         gl.warp_specialize(
             [
-                (_load_partition, (a_desc, w_desc, s_desc, a_smem, w_smem, s_smem, ready, empty, off_n, k_first,
-                                   per_split, k_tiles, BK, NUM_STAGES, CONSUMERS, SPLITS_HERE)),
+                (_load_partition, (a_source, w_desc, s_desc, act_scale_ptr, a_smem, w_smem, s_smem, ready, empty,
+                                   off_n, k_first, per_split, k_tiles, TOKENS, BK, NUM_STAGES, CONSUMERS,
+                                   SPLITS_HERE, QUANTIZES)),
                 (_multiply_partition, (a_smem, w_smem, s_smem, sums_smem, ready, empty, summed, act_scale_ptr,
                                        weight_scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, stride_om,
                                        column, off_n, k_tiles, split, split_k, 0, TOKENS, BK, NUM_STAGES,
@@ -329,18 +420,24 @@ def kernel_arguments(
     counts: Optional[torch.Tensor],
     split_k: int,
     overlap: bool = False,
+    quantizes: bool = False,
 ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, meta)`` of the kernel's launch in ``split_k`` K splits (the TMA
-    descriptors built for these tensors). Without ``partials`` the kernel writes ``out``: from
-    one split, or from splits it sums in their programs (``sums_in_program``); with ``partials``
-    (``[split_k, M, N]`` fp32) it writes each split's partial products there, and with ``counts``
-    too (``counters(N)`` int32, zero) the last split's program sums them into ``out``. With
-    ``overlap`` the kernel is launched to start while the operand kernel before it runs
-    (programmatic dependent launch), its weight loads overlapping that kernel."""
+    descriptors built for these tensors). ``a`` is the fp16 operand, or with ``quantizes`` the
+    activation's one row, which the kernel quantizes itself. Without ``partials`` the kernel
+    writes ``out``: from one split, or from splits it sums in their programs
+    (``sums_in_program``); with ``partials`` (``[split_k, M, N]`` fp32) it writes each split's
+    partial products there, and with ``counts`` too (``counters(N)`` int32, zero) the last
+    split's program sums them into ``out``. With ``overlap`` the kernel is launched to start
+    while the operand kernel before it runs (programmatic dependent launch), its weight loads
+    overlapping that kernel."""
     M, K = a.shape
     N = weight_qdata.shape[0]
-    if M > TOKENS:
-        raise ValueError(f"nvfp4_static: the warp-specialized decode GEMM takes at most {TOKENS} rows, got {M}")
+    if M > (1 if quantizes else TOKENS):
+        raise ValueError(
+            f"nvfp4_static: the warp-specialized decode GEMM takes at most {TOKENS} rows of its operand, or one "
+            f"row of the activation that it quantizes itself; got {M} rows{' to quantize' if quantizes else ''}"
+        )
     if partials is None and split_k > 1 and not sums_in_program(split_k, K, M):
         raise ValueError(
             f"nvfp4_static: the decode GEMM in {split_k} K splits of K = {K} at M = {M} needs a buffer for their "
@@ -351,18 +448,19 @@ def kernel_arguments(
     tokens = tokens_for(M)
     a_layout, w_layout, s_layout = _shared_layouts(tokens)
     rows = gemm_warp_specialized.ROWS_PER_CONSUMER
-    a_desc = TensorDescriptor(a, [M, K], [K, 1], [tokens, BLOCK_K], a_layout)
+    a_source = a if quantizes else TensorDescriptor(a, [M, K], [K, 1], [tokens, BLOCK_K], a_layout)
     w_desc = TensorDescriptor(weight_qdata, [N, K // 2], [K // 2, 1], [rows, BLOCK_K // 2], w_layout)
     s_desc = TensorDescriptor(scale_codes, [N, K // 16], [K // 16, 1], [rows, BLOCK_K // 16], s_layout)
     grid = (ceil_div(N * splits_here, WEIGHT_ROWS_PER_PROGRAM), split_k // splits_here, 1)
     unused = act_scale
-    args = (a_desc, w_desc, s_desc, act_scale, weight_scale, unused if bias is None else bias, out,
+    args = (a_source, w_desc, s_desc, act_scale, weight_scale, unused if bias is None else bias, out,
             unused if partials is None else partials, unused if counts is None else counts, M, N, K, out.stride(0),
             split_k)
     meta = dict(TOKENS=tokens, BK=BLOCK_K, NUM_STAGES=STAGES, CONSUMERS=CONSUMERS, SPLITS_HERE=splits_here,
                 WRITE_PARTIALS=partials is not None,
                 SUM_SPLITS=partials is not None and counts is not None, HAS_BIAS=bias is not None,
-                REGISTERS=CONSUMER_REGISTERS, MMA_CHUNKS=MMA_CHUNKS, num_warps=4, launch_pdl=overlap)
+                REGISTERS=QUANTIZING_CONSUMER_REGISTERS if quantizes else CONSUMER_REGISTERS, MMA_CHUNKS=MMA_CHUNKS, QUANTIZES=quantizes, OPERAND_LAYOUT=a_layout,
+                num_warps=4, launch_pdl=overlap)
     return grid, args, meta
 
 
@@ -391,14 +489,16 @@ def launch_decode_gemm(
     counts: Optional[torch.Tensor],
     split_k: int,
     overlap: bool,
+    quantizes: bool = False,
 ) -> None:
     """``out [M, N] = (a @ dequant(W)^T) * act_scale * weight_scale + bias``, or the partial
-    products of its ``split_k`` K splits only: ``a`` the fp16 operand in the MMA order,
-    ``scale_codes`` the block scales as bytes, both global scales fp32 ``[1]``; ``partials``,
-    ``counts`` and ``overlap`` as ``kernel_arguments`` takes them. The caller has checked
-    ``gemm_warp_specialized.available`` and ``takes``."""
+    products of its ``split_k`` K splits only: ``a`` the fp16 operand in the MMA order (or with
+    ``quantizes`` the activation's one row), ``scale_codes`` the block scales as bytes, both
+    global scales fp32 ``[1]``; ``partials``, ``counts`` and ``overlap`` as ``kernel_arguments``
+    takes them. The caller has checked ``gemm_warp_specialized.available`` and ``takes``."""
     grid, args, meta = kernel_arguments(
-        a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap
+        a, weight_qdata, scale_codes, act_scale, weight_scale, bias, out, partials, counts, split_k, overlap,
+        quantizes,
     )
     workspace = () if counts is None else (counts,)
     gemm_warp_specialized.launch_prepared(KernelCall(_decode_gemm_kernel, grid, args, meta, workspace), a.device)

@@ -95,6 +95,8 @@ if HAS_GLUON_HOPPER:
 
     # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load.
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # The barrier of a partition's threads: thread_barrier in Triton 3.6, barrier later.
+    partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     ROWS = gl.constexpr(ROWS_PER_CONSUMER)
     PTX = gl.constexpr(E2M1_BYTES_TO_FP16_PTX)
 

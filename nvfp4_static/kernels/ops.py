@@ -82,6 +82,7 @@ if HAS_TRITON:
     from nvfp4_static.kernels.block_hessian import launch_block_hessian
     from nvfp4_static.kernels.gemm import (
         DECODE_TILE,
+        DECODE_TILE_AT_ONE_ROW,
         WIDE_TILES,
         check_operands,
         config_for_width,
@@ -109,7 +110,7 @@ else:
     check_operands = cublas_with_fused_epilogue = fuses_epilogue_into_cublas = launch_nvfp4_gemm
     table_config = taking_operand = config_for_width = launch_tiles = launch_nvfp4_gemm
     quantizes_activation_in_gemm = eager_quantizing_tiles = launch_nvfp4_gemm
-    DECODE_TILE = None
+    DECODE_TILE = DECODE_TILE_AT_ONE_ROW = None
     WIDE_TILES = {}
     launch_grouped_nvfp4_gemm = _without_triton("the grouped NVFP4 GEMM of experts on a CUDA tensor")
 
@@ -506,17 +507,19 @@ def _decode_partial_products(
     scale_codes: torch.Tensor,
     split_k: int,
     write_operand: Optional[Callable[[], None]] = None,
+    act_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The decode ops' products of the operand ``a``, the arguments checked first (errors name
     ``op``). ``write_operand``, if given, launches the kernel that writes ``a``; the decode tile
-    then starts while that kernel runs."""
+    then starts while that kernel runs. With ``act_scale``, ``a`` is the activation's one row,
+    which the decode tile quantizes under it (``gemm.DECODE_TILE_AT_ONE_ROW``)."""
     require_triton("the NVFP4 GEMM on a CUDA tensor")
     if weight_qdata.dtype != torch.uint8 or scale_codes.dtype != torch.uint8:
         raise ValueError(
             f"nvfp4_static: {op} takes the packed weight and its block scales' codes as "
             f"uint8, got {weight_qdata.dtype} and {scale_codes.dtype}"
         )
-    check_operands(a, weight_qdata, scale_codes, torch.float16)
+    check_operands(a, weight_qdata, scale_codes, torch.float16 if act_scale is None else None)
     M, N, K = a.shape[0], weight_qdata.shape[0], a.shape[1]
     k_tiles = -(-K // DECODE_TILE.block_k)
     if M > DECODE_TILE.block_m or not 1 <= split_k <= k_tiles:
@@ -527,13 +530,16 @@ def _decode_partial_products(
     if write_operand is not None:
         write_operand()
     partials = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
-    # Only the partial products are written: the scales, bias and output are never read, and
-    # the partials buffer stands in for them.
+    # Only the partial products are written: the weight's scale, bias and output are never read,
+    # and the partials buffer stands in for them (and for the activation's scale, but where the
+    # kernel quantizes).
     unused = partials
-    config = config_for_width(DECODE_TILE, K)
+    config = config_for_width(DECODE_TILE if act_scale is None else DECODE_TILE_AT_ONE_ROW, K)
     overlap = write_operand is not None
     launch_tiles(
-        a, weight_qdata, scale_codes, unused, unused, None, partials[0], partials, False, config, split_k, overlap
+        a if a.stride(1) == 1 else a.contiguous(), weight_qdata, scale_codes,
+        unused if act_scale is None else act_scale.to(torch.float32).reshape(1), unused, None, partials[0], partials,
+        False, config, split_k, overlap,
     )
     return partials
 
@@ -556,14 +562,18 @@ def decode_linear_partial_products(
     ``gemm_activation_operand(x, scale, torch.float16, mma_order=True)``), then the decode tile
     started while that kernel runs, as an eager linear launches the pair. A traced graph takes
     the two as one op, so that no other kernel runs between them: the operand kernel lets the
-    kernel after it start early, and only the decode tile waits for it before reading."""
+    kernel after it start early, and only the decode tile waits for it before reading. One row
+    the decode tile quantizes itself (``gemm.DECODE_TILE_AT_ONE_ROW``): one kernel, the same
+    products."""
     _require_cuda(x, "decode_linear_partial_products")
+    op = "decode_linear_partial_products"
+    if x.dim() == 2 and x.shape[0] == 1:
+        return _decode_partial_products(op, x, weight_qdata, scale_codes, split_k, act_scale=act_per_tensor_scale)
     operand = torch.empty(x.shape, dtype=torch.float16, device=x.device)
 
     def write_operand():
         launch_activation_quantize(x, act_per_tensor_scale, None, None, operand, mma_order=True)
 
-    op = "decode_linear_partial_products"
     return _decode_partial_products(op, operand, weight_qdata, scale_codes, split_k, write_operand)
 
 
