@@ -35,7 +35,9 @@ on the GPU, take the operand kernel first.
 On Hopper the tall and square tiles (``TALL_TILE``, ``SQUARE_TILE``) run as
 ``gemm_warp_specialized``'s Gluon kernel, and the decode tile (``DECODE_TILE``, 1-16 rows) as
 ``gemm_decode_warp_specialized``'s: the same products, with the loads and each multiplying
-warpgroup's dequantization overlapped.
+warpgroup's dequantization overlapped. At one row the decode tile also quantizes the row
+itself where each of its programs runs one K split (``DECODE_TILE_AT_ONE_ROW``,
+``decode_tile_for_one_row``).
 
 This file holds the kernels, their launchers and the tile table; the ops that call them
 (``nvfp4_gemm``, ``quantizing_nvfp4_gemm``) are registered in ``kernels.ops``.
