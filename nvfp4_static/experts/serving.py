@@ -74,7 +74,9 @@ def saved_module_names(model: torch.nn.Module, unquantized: list[str]) -> list[s
     module's per-expert linears, sorted, as ``as_saved`` names the modules."""
     experts = _converted_experts(model)
     routers = [f"{name.rpartition('.')[0]}.{module.layout.router}".lstrip(".") for name, module in experts.items()]
-    float_experts = [linear for name, module in _float_experts(model).items() for linear in _expert_linear_names(name, module)]
+    float_experts = [
+        linear for name, module in _float_experts(model).items() for linear in _expert_linear_names(name, module)
+    ]
     names = unquantized + routers + float_experts
     if not experts and not float_experts:
         return sorted(names)

@@ -549,8 +549,10 @@ PREFILL_TALL_TILE_BUCKET = 2048
 GEMM_CONFIGS = (
     (1, GemmConfig(16, 128, 256, 4, 3, programs_per_sm=2, activation_rows=1, fill_programs_per_sm=3)),
     (4, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=2, fill_programs_per_sm=3)),
-    (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=2, weight_as_mma_a=True, mma_order=True, fill_programs_per_sm=3)),
-    (32, GemmConfig(32, 64, 256, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True, fill_programs_per_sm=3)),
+    (16, GemmConfig(16, 64, 256, 4, 4, programs_per_sm=2, weight_as_mma_a=True, mma_order=True,
+                    fill_programs_per_sm=3)),
+    (32, GemmConfig(32, 64, 256, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True,
+                    fill_programs_per_sm=3)),
     (64, GemmConfig(64, 64, 128, 4, 4, programs_per_sm=2, weight_as_mma_a=True, mma_order=True)),
     (128, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True)),
     (256, GemmConfig(128, 64, 128, 4, 3, programs_per_sm=2, weight_as_mma_a=True, mma_order=True,
@@ -969,7 +971,10 @@ def launch_weight_dequantize(
         _dequantize_weight_kernel,
         (ceil_div(N, config.block_n), ceil_div(K, config.block_k)),
         (weight_qdata, weight_block_scales, out, N, K),
-        dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, PTX=use_ptx_dequant(out.device), num_warps=config.num_warps),
+        dict(
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, PTX=use_ptx_dequant(out.device),
+            num_warps=config.num_warps,
+        ),
     ).launch()
 
 

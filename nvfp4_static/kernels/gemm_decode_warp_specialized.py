@@ -95,7 +95,9 @@ def takes(
     if quantizes:
         operand_suits = a.shape[0] == 1 and a.dtype in QUANTIZED_DTYPES and a.stride(1) == 1
     else:
-        operand_suits = a.shape[0] <= TOKENS and a.dtype == torch.float16 and a.is_contiguous() and a.data_ptr() % 16 == 0
+        operand_suits = (
+            a.shape[0] <= TOKENS and a.dtype == torch.float16 and a.is_contiguous() and a.data_ptr() % 16 == 0
+        )
     return (
         operand_suits
         and weight_qdata.is_contiguous()
@@ -459,7 +461,8 @@ def kernel_arguments(
     meta = dict(TOKENS=tokens, BK=BLOCK_K, NUM_STAGES=STAGES, CONSUMERS=CONSUMERS, SPLITS_HERE=splits_here,
                 WRITE_PARTIALS=partials is not None,
                 SUM_SPLITS=partials is not None and counts is not None, HAS_BIAS=bias is not None,
-                REGISTERS=QUANTIZING_CONSUMER_REGISTERS if quantizes else CONSUMER_REGISTERS, MMA_CHUNKS=MMA_CHUNKS, QUANTIZES=quantizes, OPERAND_LAYOUT=a_layout,
+                REGISTERS=QUANTIZING_CONSUMER_REGISTERS if quantizes else CONSUMER_REGISTERS, MMA_CHUNKS=MMA_CHUNKS,
+                QUANTIZES=quantizes, OPERAND_LAYOUT=a_layout,
                 num_warps=4, launch_pdl=overlap)
     return grid, args, meta
 

@@ -222,7 +222,9 @@ if HAS_GLUON_HOPPER:
         for k_tile in range(k_tiles):
             stage = k_tile % NUM_STAGES
             next_blocks = (k_tile + 1) * (BK // 16) + blocks[None, :]  # past the split's last: loaded, unused
-            next_codes = gl.load(scale_ptrs + (k_tile + 1) * (BK // 16), mask=in_rows & (next_blocks < K // 16), other=0)
+            next_codes = gl.load(
+                scale_ptrs + (k_tile + 1) * (BK // 16), mask=in_rows & (next_blocks < K // 16), other=0
+            )
             mbarrier.wait(ready.index(stage), (k_tile // NUM_STAGES) & 1)
             packed = w_smem.index(2 * stage + HALF).load(PACKED)
             w = _dequantize_in_mma_order(packed, codes, BK, BY_BLOCK, OPERAND)

@@ -42,7 +42,9 @@ from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 
 @triton.jit
-def _expert_of(index, expert_offsets_ptr, ROWS_PER_TILE: tl.constexpr, NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr):
+def _expert_of(
+    index, expert_offsets_ptr, ROWS_PER_TILE: tl.constexpr, NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr
+):
     """The expert owning row tile ``index`` (tiles of ``ROWS_PER_TILE`` rows, each expert's rows
     starting a new one), ``NUM_EXPERTS`` past the last; with that expert's first tile and its
     rows' range ``[start, end)``."""
@@ -95,7 +97,9 @@ def _routed_rows_quantize_kernel(
 
 
 @triton.jit
-def _load_packed_tile(qdata_ptr, scales_ptr, rows, valid_rows, k_tile, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _load_packed_tile(
+    qdata_ptr, scales_ptr, rows, valid_rows, k_tile, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
+):
     """Rows ``rows`` of a packed ``[*, K]`` NVFP4 operand, K tile ``k_tile``: codes
     ``[rows, BLOCK_K / 2]`` and FP8 scale bytes ``[rows, BLOCK_K / 16]``, zeros where masked."""
     offs_kb = k_tile * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
