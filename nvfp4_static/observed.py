@@ -76,6 +76,7 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
         return observed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
         if x.numel() == 0:  # no tokens: nothing to observe
             return F.linear(x, self.weight, self.bias)
         with torch.no_grad():
@@ -88,6 +89,17 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
                 self.hessian_accumulator.collect(observed)
             self.act_calibrator.collect(observed)
         return F.linear(x, self.weight, self.bias)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Refuse, before the observers see it, a batch the float linear would refuse: its
+        statistics would stay in them after the error."""
+        features_fit = x.dim() >= 1 and x.shape[-1] == self.in_features
+        dtype_fits = x.dtype == self.weight.dtype or torch.is_autocast_enabled(x.device.type)
+        if not (features_fit and dtype_fits):
+            raise ValueError(
+                f"nvfp4_static: layer '{self.layer_name}' takes inputs of {self.in_features} features in "
+                f"{self.weight.dtype}; got shape {list(x.shape)} in {x.dtype} (the batch was not observed)"
+            )
 
     def _settle_observers(self) -> None:
         """Report a batch refused after the fact (on CUDA, see ``MergeableObserver``) once every

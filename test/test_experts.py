@@ -246,6 +246,30 @@ def test_each_expert_observes_only_the_tokens_routed_to_it():
     assert torch.equal(calibrated.pooled_gate_up_calibrator.compute_amax(), all_hidden.abs().amax())
 
 
+@pytest.mark.parametrize(
+    "bad_hidden",
+    [lambda h: torch.cat([h, h], dim=-1), lambda h: h[:, :32], lambda h: h.to(torch.bfloat16)],
+    ids=["wider", "narrower", "bf16"],
+)
+def test_a_batch_the_experts_would_refuse_leaves_every_statistic_as_it_was(bad_hidden):
+    holder = calibrated_experts([routed_batch(20, 0)], act_calibration="max", weight_scale="hessian_mse")
+    experts = holder.experts
+    before = copy.deepcopy(
+        (experts.pooled_gate_up_calibrator.state_dict(), experts.pooled_down_calibrator.state_dict(),
+         list(experts.tokens_per_expert), [linear.hessian_accumulator.hessian for linear in experts.gate_up_proj])
+    )
+    hidden, index, weights = routed_batch(20, 1)
+    bad = bad_hidden(hidden * 50)
+    with pytest.raises(ValueError, match=rf"gate_up_proj.0' takes inputs of {HIDDEN} features.*not observed"):
+        experts(bad, index, weights)
+    after = (experts.pooled_gate_up_calibrator.state_dict(), experts.pooled_down_calibrator.state_dict(),
+             list(experts.tokens_per_expert), [linear.hessian_accumulator.hessian for linear in experts.gate_up_proj])
+    for state_before, state_after in zip(before[:2], after[:2], strict=True):
+        assert all(torch.equal(state_before[key], state_after[key]) for key in state_before)
+    assert before[2] == after[2]
+    assert all(torch.equal(b, a) for b, a in zip(before[3], after[3], strict=True))
+
+
 # --- convert -----------------------------------------------------------------------------------
 
 

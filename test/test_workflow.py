@@ -352,6 +352,45 @@ def test_activations_whose_squares_overflow_are_refused_by_both_observers_of_the
     assert torch.equal(model.up.hessian_accumulator.hessian, hessian_before)
 
 
+@pytest.mark.parametrize("weight_scale", ["hessian_mse", "mse"])
+@pytest.mark.parametrize(
+    "bad_input",
+    [
+        lambda x: torch.cat([x, x], dim=-1),  # twice the features
+        lambda x: x[..., :16],  # a quarter of them
+        lambda x: x.to(torch.bfloat16),
+        lambda x: x.to(torch.float16),
+        lambda x: x[0, 0, 0],  # 0-D
+    ],
+    ids=["wider", "narrower", "bf16", "fp16", "0-d"],
+)
+def test_a_batch_the_linear_would_refuse_is_refused_before_its_statistics_are_taken(weight_scale, bad_input):
+    model = make(MLP)
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", weight_scale=weight_scale), filter_fn=is_quantizable)
+    good, other = calibration_batches(2)
+    model(good)
+    before = {key: value.clone() for key, value in model.up.act_calibrator.state_dict().items()}
+    hessian = model.up.hessian_accumulator
+    hessian_before = None if hessian is None else hessian.hessian.clone()
+    bad = bad_input(other * 50)
+    with pytest.raises(ValueError, match=rf"'up' takes inputs of {DIM} features in torch.float32; got shape "
+                                         rf"\[{', '.join(map(str, bad.shape))}\] in {bad.dtype}.*not observed"):
+        model(bad)
+    after = model.up.act_calibrator.state_dict()
+    assert all(torch.equal(before[key], after[key]) for key in before)
+    assert hessian is None or torch.equal(hessian.hessian, hessian_before)
+
+
+def test_a_prepared_layer_observes_a_lower_precision_batch_under_autocast():
+    """Autocast casts the float linear's operands, so its inputs may differ from the weight's dtype."""
+    model = make(MLP)
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
+    x = calibration_batches(1)[0].to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    assert int(model.up.act_calibrator.state_dict()["counts"].sum()) == x.numel() // 16
+
+
 class Odd(torch.nn.Module):
     def __init__(self):
         super().__init__()

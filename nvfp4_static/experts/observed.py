@@ -61,6 +61,7 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        self.gate_up_proj[0].check_input(hidden_states)  # before the pooled calibrator sees it
         routing = route(top_k_index, self.num_experts)
         x = hidden_states[routing.token_of_row()]
         bounds = routing.expert_offsets.tolist()
