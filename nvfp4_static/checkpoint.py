@@ -6,12 +6,13 @@ instead of asking the user to repeat the ``filter_fn`` and the config they conve
 """
 
 import os
+from collections.abc import Mapping
 from typing import Optional, Union
 
 import torch
 
 from nvfp4_static.experts import NVFP4StaticExperts, experts_layout
-from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear, check_checkpoint_scales
+from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear, saved_recipe
 from nvfp4_static.tensor import NVFP4StaticTensor
 
 __all__ = ["load_quantized", "replace_submodule"]
@@ -30,8 +31,9 @@ def load_quantized(
 
     Each ``nn.Linear`` the checkpoint records as converted becomes an ``NVFP4StaticLinear`` with
     the recorded recipe (a registered experts module, ``NVFP4StaticExperts``), then the whole
-    ``state_dict`` is loaded strictly. If anything is refused (a missing layer, a shape
-    mismatch), ``model`` is left as it was.
+    ``state_dict`` is loaded strictly. Everything is checked before anything is copied; if
+    anything is refused (a missing layer, a shape mismatch, another recipe than a converted
+    layer's, damaged scales), ``model`` is left as it was.
 
     Args:
         model: the float model (e.g. ``AutoModelForCausalLM.from_config(config)``).
@@ -44,10 +46,14 @@ def load_quantized(
     """
     if isinstance(checkpoint, (str, os.PathLike)):
         checkpoint = torch.load(checkpoint, weights_only=True, map_location=_device_of(model))
+    if not isinstance(checkpoint, Mapping):
+        raise TypeError(
+            f"nvfp4_static: load_quantized takes a state dict or the path of a file holding one; "
+            f"got a {type(checkpoint).__name__}"
+        )
     swapped = []
     try:
         for name, recipe in _converted_layers(checkpoint).items():
-            check_checkpoint_scales(checkpoint.get(f"{name}.weight"), name)
             module = _submodule(model, name)
             if isinstance(module, (NVFP4StaticLinear, NVFP4StaticExperts)):
                 continue
@@ -63,6 +69,9 @@ def load_quantized(
             replace_submodule(model, name, converted)
             swapped.append((name, module))
         _check_loadable(model, checkpoint)
+        for name, module in model.named_modules():
+            if isinstance(module, (NVFP4StaticLinear, NVFP4StaticExperts)):
+                module.check_loadable(checkpoint, f"{name}." if name else "")
         model.load_state_dict(checkpoint)
     except BaseException:
         for name, original in reversed(swapped):
@@ -71,15 +80,15 @@ def load_quantized(
     return model
 
 
-def _converted_layers(state_dict: dict) -> dict:
+def _converted_layers(state_dict: Mapping) -> dict:
     """``{layer name: recipe}`` for every layer whose extra state says it is ours."""
     layers = {}
     for key, value in state_dict.items():
         if key.rpartition(".")[2] != _EXTRA_STATE:
             continue
         if isinstance(value, dict) and value.get("format") == CHECKPOINT_FORMAT:
-            recipe = {k: v for k, v in value.items() if k not in ("format", "version")}
-            layers[key[: -len(_EXTRA_STATE)].rstrip(".")] = recipe
+            name = key[: -len(_EXTRA_STATE)].rstrip(".")
+            layers[name] = saved_recipe(value, name)
     return layers
 
 
@@ -92,6 +101,10 @@ def _check_loadable(model: torch.nn.Module, checkpoint: dict) -> None:
     problems += [f"unexpected key {key!r}" for key in checkpoint if key not in expected]
     for key, value in checkpoint.items():
         ours = expected.get(key)
+        if key in expected and torch.is_tensor(value) != torch.is_tensor(ours):
+            problems.append(
+                f"{key!r} is a {type(value).__name__} in the checkpoint and a {type(ours).__name__} in the model"
+            )
         if not (torch.is_tensor(value) and torch.is_tensor(ours)):
             continue
         if isinstance(value, NVFP4StaticTensor) != isinstance(ours, NVFP4StaticTensor):

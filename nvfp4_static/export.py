@@ -150,6 +150,15 @@ def _converted_layers(model: torch.nn.Module) -> dict:
             f"converted (first: '{observed[0]}'); run quantize_(model, "
             f"NVFP4StaticActivationConfig(step='convert'), filter_fn=...) first"
         )
+    empty = [
+        n for n, m in model.named_modules() if isinstance(m, (NVFP4StaticLinear, NVFP4StaticExperts)) and not m.loaded
+    ]
+    if empty:
+        raise ValueError(
+            f"nvfp4_static: cannot export: {len(empty)} layer(s) are empty placeholders of "
+            f"step='prepare_for_loading' (first: '{empty[0]}'), whose weights are zeros; load a "
+            f"checkpoint into the model first"
+        )
     converted = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4StaticLinear)}
     converted.update(converted_expert_linears(model))
     if not converted:

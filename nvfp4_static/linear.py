@@ -11,18 +11,68 @@ from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale
 from nvfp4_static.tensor import NVFP4StaticTensor
 
-__all__ = ["NVFP4StaticLinear", "check_checkpoint_scales", "check_checkpoint_scale_values"]
+__all__ = [
+    "NVFP4StaticLinear",
+    "check_block_scale_codes",
+    "check_checkpoint_scales",
+    "check_checkpoint_scale_values",
+    "saved_recipe",
+]
 
 CHECKPOINT_FORMAT = "nvfp4_static"
 CHECKPOINT_VERSION = 1
+# Set in the extra state of a layer saved before a checkpoint was loaded into it.
+EMPTY_PLACEHOLDER = "empty_placeholder"
+
+
+def saved_recipe(state, layer_name: str) -> dict:
+    """The recipe a converted layer's saved extra state records, refusing a state that is not
+    one of ours or that an empty ``prepare_for_loading`` placeholder saved (all-zero weights)."""
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"nvfp4_static: checkpoint for layer '{layer_name}' holds extra state {state!r}, not "
+            f"a converted layer's record (format {CHECKPOINT_FORMAT!r})"
+        )
+    if not isinstance(state.get("version"), int) or state["version"] > CHECKPOINT_VERSION:
+        raise ValueError(
+            f"nvfp4_static: checkpoint for layer '{layer_name}' is of format version "
+            f"{state.get('version')!r}; this nvfp4_static reads versions up to {CHECKPOINT_VERSION} "
+            f"(upgrade nvfp4_static to load it)"
+        )
+    if state.get(EMPTY_PLACEHOLDER):
+        raise ValueError(
+            f"nvfp4_static: checkpoint for layer '{layer_name}' was saved from an empty "
+            f"placeholder (step='prepare_for_loading' with no checkpoint loaded into it): its "
+            f"weights are zeros; save the model after loading or converting it"
+        )
+    return {k: v for k, v in state.items() if k not in ("format", "version")}
 
 
 def check_checkpoint_scales(weight: torch.Tensor, layer_name: str) -> None:
-    """Refuse global scales convert never produces (NaN, Inf, an activation scale <= 0 or too
-    small for NVFP4): loaded, they would give garbage outputs without an error."""
+    """Refuse scales convert never produces (global scales NaN, Inf, an activation scale <= 0
+    or too small for NVFP4; block scales NaN or negative): loaded, they would give garbage
+    outputs without an error."""
     if not isinstance(weight, NVFP4StaticTensor) or weight.act_per_tensor_scale.is_meta:
         return
     check_checkpoint_scale_values(weight.act_per_tensor_scale, weight.per_tensor_scale, layer_name)
+    check_block_scale_codes(weight.scale, layer_name)
+
+
+def check_block_scale_codes(scale: torch.Tensor, layer_name: str) -> None:
+    """Refuse FP8 E4M3 block scales that are NaN (code 0x7F or 0xFF) or negative (the sign bit
+    of a nonzero code): NaN outputs, or outputs of the wrong sign, otherwise."""
+    if scale.is_meta:
+        return
+    codes = scale.view(torch.uint8)
+    bad = ((codes & 0x7F) == 0x7F) | (codes > 0x80)
+    if bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"nvfp4_static: checkpoint for layer '{layer_name}' has {int(bad.sum())} FP8 block "
+            f"scale(s) that are NaN or negative (the first at index {first}: "
+            f"{float(scale[tuple(first)])}); convert only produces finite block scales >= 0 (the "
+            f"checkpoint is damaged or was edited)"
+        )
 
 
 def check_checkpoint_scale_values(act_scale: torch.Tensor, weight_scale: torch.Tensor, layer_name: str) -> None:
@@ -119,7 +169,11 @@ class NVFP4StaticLinear(torch.nn.Linear):
             torch.ones((), dtype=torch.float32, device=device),
             backend_override=backend_override,
         )
-        placeholder = cls(weight, linear.bias, recipe, layer_name)
+        # A copy of the bias: a refused load that puts ``linear`` back leaves it untouched.
+        bias = linear.bias
+        if bias is not None:
+            bias = torch.nn.Parameter(bias.detach().clone(), bias.requires_grad)
+        placeholder = cls(weight, bias, recipe, layer_name)
         placeholder.loaded = False
         return placeholder
 
@@ -201,20 +255,34 @@ class NVFP4StaticLinear(torch.nn.Linear):
         return float(self.weight.act_per_tensor_scale) * 448 * 6
 
     def get_extra_state(self) -> dict:
-        return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **self.recipe}
+        state = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **self.recipe}
+        return state if self.loaded else {**state, EMPTY_PLACEHOLDER: True}
+
+    def check_loadable(self, state_dict: dict, prefix: str) -> None:
+        """Raise for what loading this layer's entries of ``state_dict`` would refuse, or load
+        without an error and compute garbage with: another recipe, damaged scales. Loading checks
+        this before copying anything into the layer."""
+        name = self.layer_name or prefix[:-1]
+        if prefix + "_extra_state" in state_dict:
+            self.check_saved_state(state_dict[prefix + "_extra_state"])
+        check_checkpoint_scales(state_dict.get(prefix + "weight"), name)
+
+    def check_saved_state(self, state) -> None:
+        """Refuse a saved extra state of another recipe than this layer's."""
+        saved = saved_recipe(state, self.layer_name)
+        if saved != self.recipe:
+            raise ValueError(
+                f"nvfp4_static: checkpoint for layer '{self.layer_name}' was made with recipe "
+                f"{saved}, but the model was prepared with {self.recipe}; prepare the model with "
+                f"the config the checkpoint was converted with"
+            )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        check_checkpoint_scales(state_dict.get(prefix + "weight"), self.layer_name or prefix[:-1])
+        self.check_loadable(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def set_extra_state(self, state: dict) -> None:
-        saved = {k: v for k, v in state.items() if k not in ("format", "version")}
-        if state.get("format") != CHECKPOINT_FORMAT or saved != self.recipe:
-            raise ValueError(
-                f"nvfp4_static: checkpoint for layer '{self.layer_name}' was made with recipe "
-                f"{saved} (format {state.get('format')!r}), but the model was prepared with "
-                f"{self.recipe}; prepare the model with the config the checkpoint was converted with"
-            )
+        self.check_saved_state(state)
         self.loaded = True
 
     def extra_repr(self) -> str:

@@ -23,7 +23,7 @@ import re
 from typing import Optional, Union
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from nvfp4_static.checkpoint import replace_submodule
@@ -41,7 +41,7 @@ from nvfp4_static.export import (
     MODELOPT_QUANT_CONFIG_FILE,
     PER_TENSOR_SCALES_METADATA,
 )
-from nvfp4_static.linear import NVFP4StaticLinear
+from nvfp4_static.linear import NVFP4StaticLinear, check_block_scale_codes
 from nvfp4_static.numerics import BLOCK_SIZE, E2M1_MAX, E4M3_MAX
 from nvfp4_static.tensor import NVFP4StaticTensor, host_scale_product
 
@@ -145,12 +145,23 @@ def import_checkpoint(
 def _read_json(path: pathlib.Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"nvfp4_static: no {path.name} in {path.parent}")
-    return json.loads(path.read_text())
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"nvfp4_static: {path} is not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"nvfp4_static: {path} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def _quantization_config(folder: pathlib.Path, config: dict) -> tuple:
     """``(format, block)``: the checkpoint's quantization settings and which format they are."""
     block = config.get("quantization_config")
+    if block is not None and not isinstance(block, dict):
+        raise ValueError(
+            f"nvfp4_static: {folder / CONFIG_FILE}: quantization_config is a {type(block).__name__}, "
+            f"not an object"
+        )
     method = (block or {}).get("quant_method")
     if method == "compressed-tensors":
         return "compressed-tensors", block
@@ -170,16 +181,22 @@ def _read_tensors(folder: pathlib.Path) -> tuple:
     ``export_checkpoint`` recorded in the safetensors headers (``{}`` for other writers)."""
     index = folder / INDEX_FILE
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"nvfp4_static: {index} has no weight_map object (tensor name -> file)")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"nvfp4_static: no safetensors weights in {folder}")
     tensors, exact_scales = {}, {}
     for file in files:
-        tensors.update(load_file(folder / file))
-        with safe_open(folder / file, framework="pt") as handle:
-            recorded = (handle.metadata() or {}).get(PER_TENSOR_SCALES_METADATA)
+        try:
+            tensors.update(load_file(folder / file))
+            with safe_open(folder / file, framework="pt") as handle:
+                recorded = (handle.metadata() or {}).get(PER_TENSOR_SCALES_METADATA)
+        except SafetensorError as error:
+            raise ValueError(f"nvfp4_static: {folder / file} is not a readable safetensors file: {error}") from error
         exact_scales.update(json.loads(recorded) if recorded else {})
     return tensors, exact_scales
 
@@ -386,6 +403,7 @@ def _layer_from_checkpoint(
     scale = tensor(
         fields["block_scales"], torch.float8_e4m3fn, (out_features, in_features // BLOCK_SIZE)
     )
+    check_block_scale_codes(scale, name)
     weight_scale, input_scale = (
         _per_tensor_scale(
             name,
@@ -448,6 +466,8 @@ def _bias(name: str, module: torch.nn.Linear, checkpoint: dict) -> Optional[torc
     if module.bias is None:
         return None
     value = checkpoint[key]
+    if not value.is_floating_point():
+        raise ValueError(f"nvfp4_static: layer '{name}': bias is {value.dtype}; expected a floating-point tensor")
     if tuple(value.shape) != tuple(module.bias.shape):
         raise ValueError(
             f"nvfp4_static: layer '{name}': bias has shape {list(value.shape)}, the model's "

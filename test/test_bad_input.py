@@ -15,6 +15,7 @@ from nvfp4_static import (
     NVFP4StaticActivationConfig,
     NVFP4StaticLinear,
     NVFP4StaticObservedLinear,
+    export_checkpoint,
     is_quantizable,
     load_quantized,
 )
@@ -242,6 +243,113 @@ def test_a_checkpoint_with_an_impossible_weight_scale_is_refused(bad):
     state["up.weight"].per_tensor_scale.fill_(bad)
     with pytest.raises(ValueError, match="'up' has weight scale"):
         load_quantized(make(MLP, seed=1), state)
+
+
+def converted_tensors(model):
+    """Every converted weight's four tensors and every float tensor, cloned, by name."""
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if isinstance(value, torch.Tensor) and hasattr(value, "qdata"):
+            for field in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale"):
+                tensors[f"{name}.{field}"] = getattr(value, field).view(torch.uint8).clone() if field == "scale" \
+                    else getattr(value, field).clone()
+        elif isinstance(value, torch.Tensor):
+            tensors[name] = value.clone()
+    return tensors
+
+
+def assert_same_tensors(before, after):
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[key], after[key]) for key in before), [
+        key for key in before if not torch.equal(before[key], after[key])
+    ]
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF, 0xB8, 0x81], ids=["nan", "negative-nan", "minus-one", "negative-tiny"])
+def test_a_checkpoint_with_an_impossible_block_scale_is_refused_before_anything_is_copied(code):
+    state = quantized(make(MLP)).state_dict()
+    state["down.weight"].scale.view(torch.uint8)[5, 1] = code
+    target = make(MLP, seed=1)
+    before = converted_tensors(target)
+    with pytest.raises(ValueError, match=r"'down' has 1 FP8 block scale\(s\) that are NaN or negative \(the first at index \[5, 1\]"):
+        load_quantized(target, state)
+    assert type(target.up) is torch.nn.Linear and type(target.down) is torch.nn.Linear
+    assert_same_tensors(before, converted_tensors(target))
+    placeholder = make(MLP, seed=1)
+    quantize_(placeholder, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)
+    empty_down = converted_tensors(placeholder.down)
+    with pytest.raises(ValueError, match="'down' has 1 FP8 block scale"):
+        placeholder.load_state_dict(state)
+    assert not placeholder.down.loaded
+    assert_same_tensors(empty_down, converted_tensors(placeholder.down))
+
+
+@pytest.mark.parametrize("into", ["converted", "converted_load_state_dict", "placeholder"])
+def test_a_checkpoint_of_another_recipe_is_refused_before_anything_is_copied(into):
+    state = quantized(make(MLP, seed=3), weight_scale="max").state_dict()
+    if into == "placeholder":
+        target = make(MLP, seed=1)
+        quantize_(target, NVFP4StaticActivationConfig(step="prepare_for_loading", weight_scale="mse"),
+                  filter_fn=is_quantizable)
+    else:
+        target = quantized(make(MLP, seed=1), weight_scale="mse")
+    before = converted_tensors(target)
+    with pytest.raises(ValueError, match=r"'up' was made with recipe \{'act_calibration': 'b_min', 'weight_scale': 'max'\}"):
+        if into == "converted":
+            load_quantized(target, state)
+        else:
+            target.load_state_dict(state)
+    assert_same_tensors(before, converted_tensors(target))
+    assert target.up.loaded == (into != "placeholder")
+
+
+@pytest.mark.parametrize("value", [None, [0.0] * DIM, "bias", 1.5], ids=["none", "list", "string", "float"])
+def test_a_checkpoint_entry_that_is_not_a_tensor_is_refused_and_the_float_model_keeps_its_values(value):
+    state = quantized(make(MLP)).state_dict()
+    state["down.bias"] = value
+    target = make(MLP, seed=1)
+    before = converted_tensors(target)
+    with pytest.raises(RuntimeError, match=rf"'down.bias' is a {type(value).__name__} in the checkpoint and a Tensor"):
+        load_quantized(target, state)
+    assert type(target.up) is torch.nn.Linear and type(target.down) is torch.nn.Linear
+    assert_same_tensors(before, converted_tensors(target))
+
+
+@pytest.mark.parametrize("checkpoint", [[1, 2, 3], torch.zeros(3), None], ids=["list", "tensor", "none"])
+def test_load_quantized_refuses_what_is_not_a_state_dict(checkpoint):
+    with pytest.raises(TypeError, match=rf"takes a state dict or the path of a file holding one; got a {type(checkpoint).__name__}"):
+        load_quantized(make(MLP), checkpoint)
+
+
+@pytest.mark.parametrize("version", [2, "1", None], ids=["newer", "string", "missing"])
+def test_a_checkpoint_of_an_unknown_format_version_is_refused(version):
+    state = quantized(make(MLP)).state_dict()
+    state["up._extra_state"] = {**state["up._extra_state"], "version": version}
+    if version is None:
+        del state["up._extra_state"]["version"]
+    target = make(MLP, seed=1)
+    with pytest.raises(ValueError, match=rf"'up' is of format version {version!r}; this nvfp4_static reads versions up to 1"):
+        load_quantized(target, state)
+    assert type(target.up) is torch.nn.Linear
+
+
+def test_an_empty_placeholder_is_neither_saved_as_a_checkpoint_nor_exported(tmp_path):
+    placeholder = make(MLP)
+    quantize_(placeholder, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)
+    for format in ("compressed-tensors", "modelopt"):
+        with pytest.raises(ValueError, match=r"cannot export: 2 layer\(s\) are empty placeholders.*first: 'up'"):
+            export_checkpoint(placeholder, tmp_path / format, format)
+        assert not (tmp_path / format).exists()
+    target = make(MLP, seed=1)
+    with pytest.raises(ValueError, match="'up' was saved from an empty placeholder"):
+        load_quantized(target, placeholder.state_dict())
+    assert type(target.up) is torch.nn.Linear
+    source = quantized(make(MLP, seed=2))
+    placeholder.load_state_dict(source.state_dict())
+    loaded = load_quantized(make(MLP, seed=1), placeholder.state_dict())  # once loaded, it saves as usual
+    x = calibration_batches(1, seed=4)[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(x), source(x))
 
 
 def test_a_placeholder_refuses_to_run_until_loaded():

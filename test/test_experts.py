@@ -575,6 +575,29 @@ def test_a_checkpoint_with_a_bad_expert_scale_is_refused_naming_the_expert(conve
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
 
 
+@pytest.mark.parametrize("code", [0x7F, 0xFF, 0xB8], ids=["nan", "negative-nan", "minus-one"])
+@pytest.mark.parametrize("into", ["load_quantized", "placeholder"])
+def test_a_checkpoint_with_a_bad_expert_block_scale_is_refused_naming_the_expert(converted_model, code, into):
+    state = dict(converted_model.state_dict())
+    key = "model.layers.1.mlp.experts.gate_up_proj.scale"
+    state[key] = state[key].clone()
+    state[key].view(torch.uint8)[5, 7, 2] = code
+    fresh = tiny_model("qwen3_moe", seed=1)
+    if into == "placeholder":
+        quantize_(fresh, NVFP4StaticActivationConfig(step="prepare_for_loading", weight_scale="max"),
+                  filter_fn=is_quantizable)
+    experts = fresh.model.layers[1].mlp.experts
+    before = {k: v.clone() for k, v in experts.state_dict().items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.experts.gate_up_proj.5' has 1 FP8 block scale\(s\) that "
+                                         r"are NaN or negative \(the first at index \[7, 2\]"):
+        load_quantized(fresh, state) if into == "load_quantized" else fresh.load_state_dict(state)
+    assert fresh.model.layers[1].mlp.experts is experts
+    after = experts.state_dict()
+    assert all(torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+                           after[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else after[k])
+               for k, v in before.items())
+
+
 def test_a_checkpoint_of_another_recipe_is_refused(converted_model):
     fresh = tiny_model("qwen3_moe", seed=1)
     quantize_(fresh, NVFP4StaticActivationConfig(step="prepare_for_loading", weight_scale="mse"), filter_fn=is_quantizable)

@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import relative_error
+from conftest import make, quantized, relative_error
+from models import MLP
 from tiny_llama import convert_llama, converted_llama, logits, prepared_and_calibrated, tiny_llama
 from nvfp4_static import NVFP4StaticLinear, export_checkpoint, import_checkpoint, tie_fused_layers
 from nvfp4_static.numerics import (
@@ -425,6 +426,81 @@ def test_a_missing_tensor_is_refused_naming_the_layer_and_field(llama_fp32, tmp_
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"layer 'model.layers.1.mlp.down_proj': the checkpoint has no '{field}'"):
         import_checkpoint(tmp_path / "export")
+
+
+def rewrite_json(path, edit):
+    path.write_text(edit(path.read_text()))
+
+
+def damage_shard(folder, edit):
+    shard = next(folder.glob("model-*.safetensors"))
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def set_block_scale_code(tensors, code):
+    key = next(k for k in sorted(tensors) if k.endswith("down_proj.weight_scale"))
+    tensors[key].view(torch.uint8)[3, 2] = code
+
+
+DAMAGED_FOLDERS = {
+    "config-not-json": (lambda f: rewrite_json(f / "config.json", lambda t: "{not json"), r"config.json is not valid JSON"),
+    "config-a-list": (lambda f: rewrite_json(f / "config.json", lambda t: "[]"), r"config.json holds a JSON list"),
+    "quantization-config-a-string": (
+        lambda f: edit_whole_config(f, lambda c: c.update(quantization_config="nvfp4")),
+        r"config.json: quantization_config is a str, not an object",
+    ),
+    "index-without-weight-map": (
+        lambda f: rewrite_json(f / "model.safetensors.index.json", lambda t: '{"metadata": {}}'),
+        r"model.safetensors.index.json has no weight_map object",
+    ),
+    "shard-not-safetensors": (
+        lambda f: next(f.glob("model-*.safetensors")).write_bytes(b"\x00garbage"),
+        r"model-.*safetensors is not a readable safetensors file",
+    ),
+    "nan-block-scale": (
+        lambda f: damage_shard(f, lambda t: set_block_scale_code(t, 0x7F)),
+        r"'model.layers.0.mlp.down_proj' has 1 FP8 block scale\(s\) that are NaN or negative \(the first at index \[3, 2\]: nan",
+    ),
+    "negative-block-scale": (
+        lambda f: damage_shard(f, lambda t: set_block_scale_code(t, 0xB8)),
+        r"'model.layers.0.mlp.down_proj' has 1 FP8 block scale\(s\) that are NaN or negative \(the first at index \[3, 2\]: -1.0",
+    ),
+}
+
+
+def edit_whole_config(folder, edit):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("damage", DAMAGED_FOLDERS, ids=list(DAMAGED_FOLDERS))
+def test_a_damaged_folder_is_refused_naming_the_file_or_layer_and_changes_nothing(llama_fp32, tmp_path, format, damage):
+    export_checkpoint(llama_fp32, tmp_path / "export", format)
+    edit, error = DAMAGED_FOLDERS[damage]
+    edit(tmp_path / "export")
+    target = tiny_llama()
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=error):
+        import_checkpoint(tmp_path / "export", target)
+    assert all(type(m) is not NVFP4StaticLinear for m in target.modules())
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool], ids=["int64", "int8", "bool"])
+def test_a_bias_that_is_not_floating_point_is_refused(tmp_path, format, dtype):
+    export_checkpoint(quantized(make(MLP)), tmp_path / "export", format)
+    damage_shard(tmp_path / "export", lambda t: t.update({"down.bias": t["down.bias"].to(dtype)}))
+    target = make(MLP, seed=1)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=rf"layer 'down': bias is {dtype}; expected a floating-point tensor"):
+        import_checkpoint(tmp_path / "export", target)
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
 
 
 def test_a_weight_only_modelopt_checkpoint_is_refused(llama_fp32, tmp_path):

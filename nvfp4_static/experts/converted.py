@@ -13,7 +13,12 @@ from nvfp4_static.kernels.ops import (
     grouped_static_nvfp4_linear_reference,
     require_triton,
 )
-from nvfp4_static.linear import NVFP4StaticLinear, _InferenceOnly, check_checkpoint_scale_values
+from nvfp4_static.linear import (
+    NVFP4StaticLinear,
+    _InferenceOnly,
+    check_block_scale_codes,
+    check_checkpoint_scale_values,
+)
 from nvfp4_static.numerics import BLOCK_SIZE
 from nvfp4_static.tensor import NVFP4StaticTensor, host_scale_product
 
@@ -148,13 +153,17 @@ class NVFP4StaticGroupedLinear(torch.nn.Module):
         counters["max_abs"].scatter_reduce_(0, expert_of_row, magnitude.amax(dim=-1).float(), "amax")
 
     def check_scales(self, state_dict: dict, prefix: str, layer_name: str) -> None:
-        """Refuse a checkpoint's global scales that convert never produces, naming the expert."""
+        """Refuse a checkpoint's scales that convert never produces, naming the expert."""
         act_scales = state_dict.get(prefix + "act_per_tensor_scale")
         weight_scales = state_dict.get(prefix + "per_tensor_scale")
-        if not isinstance(act_scales, torch.Tensor) or not isinstance(weight_scales, torch.Tensor):
-            return  # missing: load_state_dict names it
-        for expert, (act_scale, weight_scale) in enumerate(zip(act_scales.cpu(), weight_scales.cpu())):
-            check_checkpoint_scale_values(act_scale, weight_scale, f"{layer_name}.{expert}")
+        block_scales = state_dict.get(prefix + "scale")
+        if isinstance(act_scales, torch.Tensor) and isinstance(weight_scales, torch.Tensor):
+            for expert, (act_scale, weight_scale) in enumerate(zip(act_scales.cpu(), weight_scales.cpu())):
+                check_checkpoint_scale_values(act_scale, weight_scale, f"{layer_name}.{expert}")
+        if isinstance(block_scales, torch.Tensor) and block_scales.dtype == torch.float8_e4m3fn:
+            for expert, scales in enumerate(block_scales):
+                check_block_scale_codes(scales, f"{layer_name}.{expert}")
+        # Missing or of another dtype: load_state_dict names it.
 
     def expert_weight(self, expert: int, rows: slice, orig_dtype: torch.dtype) -> NVFP4StaticTensor:
         """Rows ``rows`` of expert ``expert``'s weight, as the weight of an ``NVFP4StaticLinear``:
@@ -343,14 +352,21 @@ class NVFP4StaticExperts(torch.nn.Module):
         out = combine(expert_rows, routing, top_k_weights, hidden_states.dtype)
         return _InferenceOnly.apply(out) if out.requires_grad else out
 
-    # The checkpoint record and its check on load are a converted linear's.
+    # The checkpoint record and its checks on load are a converted linear's.
     get_extra_state = NVFP4StaticLinear.get_extra_state
     set_extra_state = NVFP4StaticLinear.set_extra_state
+    check_saved_state = NVFP4StaticLinear.check_saved_state
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def check_loadable(self, state_dict: dict, prefix: str) -> None:
+        """``NVFP4StaticLinear.check_loadable`` for the experts' recipe and every expert's scales."""
         name = self.layer_name or prefix[:-1]
+        if prefix + "_extra_state" in state_dict:
+            self.check_saved_state(state_dict[prefix + "_extra_state"])
         self.gate_up_proj.check_scales(state_dict, prefix + "gate_up_proj.", f"{name}.gate_up_proj")
         self.down_proj.check_scales(state_dict, prefix + "down_proj.", f"{name}.down_proj")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self.check_loadable(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
