@@ -5,6 +5,7 @@ The handlers that carry the steps out are in ``nvfp4_static.workflow``.
 
 import dataclasses
 import math
+import numbers
 from typing import Optional, Union
 
 import torchao.core.config
@@ -91,6 +92,12 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
     expert_min_tokens: int = 16
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in (float, "float") and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise TypeError(f"NVFP4StaticActivationConfig: {field.name}={value!r} must be a number")
+            if field.type in (bool, "bool") and not isinstance(value, bool):
+                raise TypeError(f"NVFP4StaticActivationConfig: {field.name}={value!r} must be True or False")
         if isinstance(self.step, QuantizationStep):
             self.step = self.step.value
         _check_choice("step", self.step, STEPS)

@@ -191,12 +191,48 @@ def test_activations_beyond_the_histogram_range_get_a_usable_amax_and_a_warning(
         (dict(act_calibration="percentile", percentile=0.0), "percentile"),
         (dict(act_calibration="mse", mse_start_multiplier=2.0, mse_stop_multiplier=1.0), "start_multiplier"),
         (dict(act_calibration="mse", mse_step_size=0.0), "step_size"),
+        (dict(num_bins=159), r"159 bins over 2\^-40..2\^40 are 0.503 octaves wide.*at least 160 bins"),
+        (dict(act_calibration="percentile", num_bins=2), r"2 bins over .* are 40 octaves wide"),
+        (dict(log2_max=2000.0), r"512 bins over 2\^-40..2\^2000 are 3.98 octaves wide"),
+        (dict(num_bins=10**9), "num_bins must be an integer from 2 to 65536, got 1000000000"),
+        (dict(num_bins="abc"), "num_bins must be an integer from 2 to 65536, got 'abc'"),
+        (dict(num_bins=float("nan")), "num_bins must be an integer from 2 to 65536, got nan"),
+        (dict(margin=float("inf")), "margin must be a finite value > 0, got inf"),
+        (dict(margin=float("nan")), "margin must be a finite value > 0, got nan"),
+        (dict(act_calibration="mse", mse_stop_multiplier=float("inf")), "all finite; got start=0.25, stop=inf"),
+        (dict(act_calibration="mse", mse_step_size=float("inf")), "all finite; got start=0.25, stop=4.0, step=inf"),
+        (dict(act_calibration="mse", mse_step_size=1e-9), "has 3750000001 multipliers, more than 1000"),
     ],
     ids=["fractional_bins", "bool_bins", "one_bin", "narrow_range", "nan_range", "inverted_range",
-         "b_min_above_b_max", "negative_margin", "zero_percentile", "inverted_mse_grid", "zero_mse_step"],
+         "b_min_above_b_max", "negative_margin", "zero_percentile", "inverted_mse_grid", "zero_mse_step",
+         "bins_half_an_octave_wide", "two_bins", "wide_range", "billion_bins", "string_bins", "nan_bins",
+         "infinite_margin", "nan_margin", "infinite_mse_stop", "infinite_mse_step", "tiny_mse_step"],
 )
 def test_degenerate_settings_are_refused_when_the_config_is_made(field, named):
     with pytest.raises(ValueError, match=f"NVFP4StaticActivationConfig.*{named}"):
+        NVFP4StaticActivationConfig(**field)
+
+
+def test_the_finest_settings_the_checks_allow_are_accepted():
+    NVFP4StaticActivationConfig(num_bins=160)  # half an octave per bin over 80
+    NVFP4StaticActivationConfig(act_calibration="mse", mse_start_multiplier=1.0, mse_stop_multiplier=10.99,
+                                mse_step_size=0.01)  # 1000 multipliers
+
+
+@pytest.mark.parametrize(
+    "field, message",
+    [
+        (dict(rho="16384"), "rho='16384' must be a number"),
+        (dict(margin=None), "margin=None must be a number"),
+        (dict(percentile=True), "percentile=True must be a number"),
+        (dict(log2_min=[-40.0]), r"log2_min=\[-40.0\] must be a number"),
+        (dict(strict="yes"), "strict='yes' must be True or False"),
+        (dict(strict=1), "strict=1 must be True or False"),
+    ],
+    ids=["string_rho", "none_margin", "bool_percentile", "list_log2_min", "string_strict", "int_strict"],
+)
+def test_settings_of_the_wrong_type_are_refused_naming_them(field, message):
+    with pytest.raises(TypeError, match=f"NVFP4StaticActivationConfig: {message}"):
         NVFP4StaticActivationConfig(**field)
 
 

@@ -86,8 +86,8 @@ class NVFP4BMinCalibrator(BlockAmaxHistogramObserver):
                 f"narrower than FP8's dynamic range ({E4M3_DYNAMIC_RANGE:.0f}, 2^14.8), which the "
                 f"recipe places B_min and B_max in; widen log2_min / log2_max"
             )
-        if not margin > 0.0:
-            raise ValueError(f"{self.describe()}: margin must be > 0, got {margin}")
+        if not 0.0 < margin < math.inf:
+            raise ValueError(f"{self.describe()}: margin must be a finite value > 0, got {margin}")
         self.rho = float(rho)
         self.b_min_percentile = float(b_min_percentile)
         self.b_max_percentile = float(b_max_percentile)

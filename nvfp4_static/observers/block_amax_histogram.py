@@ -6,6 +6,7 @@ in bounded memory (``num_bins`` int64 counts) and merges by addition, across bat
 """
 
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -16,6 +17,11 @@ from nvfp4_static.observers.base import MergeableObserver
 from nvfp4_static.references import histogram_bin_centres, histogram_bin_edges
 
 __all__ = ["BlockAmaxHistogramObserver", "ALL_ZERO_FALLBACK_AMAX"]
+
+# The widest bin, in octaves: a percentile is read at a bin's centre, at most half a bin off.
+MAX_BIN_OCTAVES = 0.5
+# The most bins: each layer holds a histogram (int64 counts) per calibrator.
+MAX_BINS = 1 << 16
 
 # Global amax returned when every collected block was zero: nothing constrains it, and any
 # positive value quantizes zeros exactly while keeping downstream scales finite.
@@ -76,12 +82,22 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         name: Optional[str] = None,
     ):
         super().__init__(name)
-        if isinstance(num_bins, bool) or int(num_bins) != num_bins or num_bins < 2:
-            raise ValueError(f"{self.describe()}: num_bins must be an integer >= 2, got {num_bins!r}")
+        whole = isinstance(num_bins, numbers.Real) and not isinstance(num_bins, bool) and float(num_bins).is_integer()
+        if not (whole and 2 <= num_bins <= MAX_BINS):
+            raise ValueError(
+                f"{self.describe()}: num_bins must be an integer from 2 to {MAX_BINS}, got {num_bins!r}"
+            )
         if not (math.isfinite(log2_min) and math.isfinite(log2_max) and log2_min < log2_max):
             raise ValueError(
                 f"{self.describe()}: need finite log2_min < log2_max; got log2_min={log2_min}, "
                 f"log2_max={log2_max}"
+            )
+        if (log2_max - log2_min) / num_bins > MAX_BIN_OCTAVES:
+            raise ValueError(
+                f"{self.describe()}: {num_bins} bins over 2^{log2_min:g}..2^{log2_max:g} are "
+                f"{(log2_max - log2_min) / num_bins:.3g} octaves wide; a percentile read from them "
+                f"could be off by more than 2^{MAX_BIN_OCTAVES / 2:g}. Use at least "
+                f"{math.ceil((log2_max - log2_min) / MAX_BIN_OCTAVES)} bins, or a narrower range"
             )
         self.num_bins = int(num_bins)
         self.log2_min = float(log2_min)

@@ -41,13 +41,30 @@ def squared_error(x: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
     return (x - xq) ** 2
 
 
+# The most multipliers a search grid may hold: each costs a fake quantization of the batch.
+MAX_SEARCH_STEPS = 1000
+
+
 def check_search_grid(who: str, step_size: float, start_multiplier: float, stop_multiplier: float) -> None:
-    """Refuse a search grid that is empty or runs backwards; ``who`` starts the message."""
-    if not (0.0 < start_multiplier <= stop_multiplier and step_size > 0.0):
+    """Refuse a search grid that is empty, runs backwards, or has more than ``MAX_SEARCH_STEPS``
+    multipliers; ``who`` starts the message."""
+    if not (0.0 < start_multiplier <= stop_multiplier < math.inf and 0.0 < step_size < math.inf):
         raise ValueError(
-            f"{who}: need 0 < start_multiplier <= stop_multiplier and step_size > 0; got "
-            f"start={start_multiplier}, stop={stop_multiplier}, step={step_size}"
+            f"{who}: need 0 < start_multiplier <= stop_multiplier and step_size > 0, all finite; "
+            f"got start={start_multiplier}, stop={stop_multiplier}, step={step_size}"
         )
+    if search_steps(step_size, start_multiplier, stop_multiplier) > MAX_SEARCH_STEPS:
+        raise ValueError(
+            f"{who}: the search grid from {start_multiplier} to {stop_multiplier} in steps of "
+            f"{step_size} has {search_steps(step_size, start_multiplier, stop_multiplier)} "
+            f"multipliers, more than {MAX_SEARCH_STEPS}; use a larger step_size"
+        )
+
+
+def search_steps(step_size: float, start_multiplier: float, stop_multiplier: float) -> int:
+    """How many multipliers the grid holds, both ends included."""
+    # round(): (1.0 - 0.5) / 0.1 is 5.000000000000001 in floats, which must not add a step.
+    return math.ceil(round((stop_multiplier - start_multiplier) / step_size, 9)) + 1
 
 
 class MseCalibrator(MergeableObserver):
@@ -95,8 +112,7 @@ class MseCalibrator(MergeableObserver):
         self.axis = axis
         self.quant_func = quant_func if quant_func is not None else nvfp4_fake_quantize_with_amax
         self.error_func = error_func if error_func is not None else squared_error
-        # round(): (1.0 - 0.5) / 0.1 is 5.000000000000001 in floats, which must not add a step.
-        num_steps = math.ceil(round((stop_multiplier - start_multiplier) / step_size, 9)) + 1
+        num_steps = search_steps(step_size, start_multiplier, stop_multiplier)
         self.multipliers = torch.linspace(start_multiplier, stop_multiplier, num_steps)
 
     def _merge_config(self) -> tuple:
