@@ -29,6 +29,7 @@ __all__ = [
     "per_tensor_amax_to_scale",
     "scale_reciprocal_overflows",
     "pad_to_block_multiple",
+    "non_finite_summary",
     "block_amax",
     "round_to_e2m1",
     "e2m1_values_by_code",
@@ -121,6 +122,12 @@ def check_dtype(x: torch.Tensor, what: str = "input") -> None:
             f"nvfp4_static: {what} has dtype {x.dtype}; supported dtypes are "
             f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
         )
+
+
+def non_finite_summary(x: torch.Tensor) -> str:
+    """``"N NaN and M Inf values (first at index (i, j))"`` for an ``x`` that holds some."""
+    first = tuple(torch.nonzero(~torch.isfinite(x))[0].tolist())
+    return f"{int(torch.isnan(x).sum())} NaN and {int(torch.isinf(x).sum())} Inf values (first at index {first})"
 
 
 def pad_to_block_multiple(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:

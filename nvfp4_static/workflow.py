@@ -38,6 +38,7 @@ from nvfp4_static.numerics import (
     check_dtype,
     dequantize_nvfp4,
     is_usable_act_per_tensor_scale,
+    non_finite_summary,
     per_tensor_amax_to_scale,
     times_block_scales,
 )
@@ -287,10 +288,18 @@ def layer_activation_global_amax(module: NVFP4StaticObservedLinear) -> torch.Ten
 
 def layer_weight_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
     """The weight's own ``max |w|``, or its fusion group's shared amax where
-    ``tie_fused_layers`` recorded one (``nvfp4_static.fused_layers``)."""
+    ``tie_fused_layers`` recorded one (``nvfp4_static.fused_layers``); refused for a weight
+    with NaN or Inf values, whose block scales would be NaN."""
+    weight = module.weight.detach()
+    own = weight.abs().amax().to(torch.float32)
+    if not bool(torch.isfinite(own)):
+        raise ValueError(
+            f"nvfp4_static: cannot convert layer '{module.layer_name}': its weight of shape "
+            f"{list(weight.shape)} holds {non_finite_summary(weight)}; NVFP4 needs a finite weight"
+        )
     if module.tied_weight_global_amax is not None:
         return module.tied_weight_global_amax.to(module.weight.device)
-    return module.weight.detach().abs().amax().to(torch.float32)
+    return own
 
 
 def _check_backend_runs_here(weight: NVFP4StaticTensor, name: str) -> None:

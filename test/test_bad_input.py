@@ -94,6 +94,20 @@ def test_convert_may_choose_another_weight_recipe_than_prepare():
     assert fresh.up.act_global_amax == model.up.act_global_amax
 
 
+@pytest.mark.parametrize("weight_scale", ["max", "mse", "hessian_mse", "gptq"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_a_weight_with_non_finite_values_is_refused_at_convert_naming_the_layer(weight_scale, bad):
+    model = prepare(make(MLP), weight_scale=weight_scale)
+    calibrate(model, calibration_batches())
+    with torch.no_grad():
+        model.down.weight[7, 40] = bad
+    with pytest.raises(ValueError, match=rf"cannot convert layer 'down': its weight of shape \[{DIM}, 128\] holds "
+                                         rf"{int(math.isnan(bad))} NaN and {int(math.isinf(bad))} Inf values "
+                                         rf"\(first at index \(7, 40\)\)"):
+        convert(model, weight_scale=weight_scale)
+    assert type(model.down) is NVFP4StaticObservedLinear
+
+
 # --- modules replaced that should not be --------------------------------------------------------
 
 

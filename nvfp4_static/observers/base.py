@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static.numerics import check_dtype
+from nvfp4_static.numerics import check_dtype, non_finite_summary
 
 __all__ = ["Observer", "MergeableObserver", "channel_reduce_dims"]
 
@@ -87,20 +87,17 @@ class Observer(abc.ABC):
         """
         if torch.compiler.is_compiling() or bool(torch.isfinite(summary).all()):
             return
-        n_nan = int(torch.isnan(x).sum())
-        n_inf = int(torch.isinf(x).sum())
-        if n_nan + n_inf == 0:
+        if bool(torch.isfinite(x).all()):
             raise ValueError(
                 f"{self.describe()}: collected tensor of shape {tuple(x.shape)} ({x.dtype}) is "
                 f"finite, but a statistic of it overflowed float32 (largest magnitude "
                 f"{float(x.abs().max()):.3g}, whose square the Hessian sums); activations this "
                 "large cannot be calibrated, so check the layers feeding this one"
             )
-        first = tuple(torch.nonzero(~torch.isfinite(x))[0].tolist())
         raise ValueError(
             f"{self.describe()}: collected tensor of shape {tuple(x.shape)} ({x.dtype}) holds "
-            f"{n_nan} NaN and {n_inf} Inf values (first at index {first}); calibration needs "
-            "finite activations, so check the layers feeding this one"
+            f"{non_finite_summary(x)}; calibration needs finite activations, so check the layers "
+            "feeding this one"
         )
 
     def _check_state_finite(self, statistic: torch.Tensor) -> None:
