@@ -24,7 +24,7 @@ from nvfp4_static.norm_smoothing import (
     fold_smoothing_scales,
     smoothing_scales,
 )
-from nvfp4_static.workflow import is_quantizable
+from nvfp4_static.workflow import is_quantizable, selects_a_layer
 
 __all__ = ["calibrate_model"]
 
@@ -62,11 +62,22 @@ def calibrate_model(
         ``model``, its selected linears converted.
 
     Raises:
-        ValueError: no batches, ``smooth_alpha`` outside [0, 1], or smoothing refused (see
-            ``smooth_norm_inputs``); in these cases the model is left as it was.
+        TypeError: ``batches`` is not a sequence (a tensor, say).
+        ValueError: no batches, a ``filter_fn`` that selects no layer, ``smooth_alpha`` outside
+            [0, 1], or smoothing refused (see ``smooth_norm_inputs``); in these cases the model
+            is left as it was.
     """
+    if isinstance(batches, torch.Tensor) or not isinstance(batches, Sequence):
+        raise TypeError(
+            f"nvfp4_static: calibrate_model takes a sequence of batches (a list), got a {type(batches).__name__}"
+        )
     if not batches:
         raise ValueError("nvfp4_static: calibrate_model needs at least one calibration batch")
+    if not selects_a_layer(model, filter_fn):
+        raise ValueError(
+            "nvfp4_static: calibrate_model: filter_fn selects no linear layer (or registered experts) of the "
+            "model, so there is nothing to quantize; the model is left as it was"
+        )
     if smooth_alpha is not None:
         check_alpha(smooth_alpha, "calibrate_model", "smooth_alpha")
     config = config or NVFP4StaticActivationConfig()

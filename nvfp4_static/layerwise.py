@@ -55,7 +55,7 @@ from nvfp4_static.layer_mover import LayerMover, put_tensor, tensor_slots
 from nvfp4_static.layerwise_resume import FinishedLayers, layer_fingerprint, run_fingerprint
 from nvfp4_static.layerwise_smoothing import LayerSmoothing
 from nvfp4_static.norm_smoothing import DEFAULT_ALPHA, check_alpha
-from nvfp4_static.workflow import is_quantizable
+from nvfp4_static.workflow import is_quantizable, selects_a_layer
 
 __all__ = ["calibrate_layer_by_layer", "find_decoder_layers"]
 
@@ -311,9 +311,20 @@ def calibrate_layer_by_layer(
         anchor_source = next((r for r, n in enumerate(counts) if n), 0)
     if smooth_alpha is not None:
         check_alpha(smooth_alpha, "calibrate_layer_by_layer", "smooth_alpha")
+    if not sum(counts):
+        raise ValueError(
+            f"nvfp4_static: calibrate_layer_by_layer needs at least one calibration batch"
+            f"{' on some rank' if data_parallel else ''}"
+        )
 
     def layer_filter_of(name):
         return lambda module, fqn: filter_fn(module, f"{name}.{fqn}" if fqn else name)
+
+    if not any(selects_a_layer(layer, layer_filter_of(f"{prefix}.{index}")) for index, layer in enumerate(layers)):
+        raise ValueError(
+            f"nvfp4_static: calibrate_layer_by_layer: filter_fn selects no linear layer (or registered experts) "
+            f"in {prefix}, so there is nothing to quantize; the model is left as it was"
+        )
 
     finished = None
     if resume_dir is not None:

@@ -77,6 +77,15 @@ def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
     return isinstance(module, torch.nn.Linear) or _is_experts(module)
 
 
+def selects_a_layer(model: torch.nn.Module, filter_fn) -> bool:
+    """Whether ``filter_fn`` selects any linear or registered experts module of ``model``: a
+    filter that selects none would leave a calibration run with nothing to quantize."""
+    return any(
+        (isinstance(module, torch.nn.Linear) or _is_experts(module)) and filter_fn(module, name)
+        for name, module in model.named_modules()
+    )
+
+
 def _is_experts(module: torch.nn.Module) -> bool:
     """A registered experts module, or what prepare or convert made of one."""
     return experts_layout(module) is not None or isinstance(
@@ -197,6 +206,7 @@ def left_float_says_why(module: torch.nn.Linear, name: str, strict: bool) -> boo
 
 def convert_linear(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
     if isinstance(module, NVFP4StaticLinear):
+        check_converted_with(module, config)
         return module
     if not isinstance(module, NVFP4StaticObservedLinear):
         if isinstance(module, torch.nn.Linear) and why_left_float(module) is None:
@@ -213,6 +223,18 @@ def convert_linear(module: torch.nn.Module, config: NVFP4StaticActivationConfig)
     converted = converted_linear(module, config)
     adopt_converted(module, converted)
     return converted
+
+
+def check_converted_with(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> None:
+    """Refuse to convert again, with another recipe, a layer converted before: convert dropped
+    the statistics another recipe needs, and keeping the layer would label it with the wrong
+    recipe. The same recipe leaves it as it is."""
+    if module.recipe != config.recipe():
+        raise ValueError(
+            f"nvfp4_static: layer '{module.layer_name}' is already converted with {module.recipe}, and "
+            f"convert asks for {config.recipe()}; converting again needs the calibration statistics, "
+            f"which convert dropped: prepare and calibrate the float model with that recipe"
+        )
 
 
 def adopt_converted(module: NVFP4StaticObservedLinear, converted: NVFP4StaticLinear) -> None:

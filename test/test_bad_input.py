@@ -94,6 +94,26 @@ def test_convert_may_choose_another_weight_recipe_than_prepare():
     assert fresh.up.act_global_amax == model.up.act_global_amax
 
 
+@pytest.mark.parametrize(
+    "again",
+    [dict(act_calibration="max", weight_scale="mse"), dict(weight_scale="max"), dict(weight_scale="gptq")],
+    ids=["act_calibration", "weight_scale", "gptq"],
+)
+def test_converting_a_converted_layer_with_another_recipe_is_refused(again):
+    model = quantized(make(MLP), weight_scale="mse")
+    before = model.up.weight.qdata.clone(), model.up.weight.scale.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=rf"'up' is already converted with \{{'act_calibration': 'b_min', "
+                                         rf"'weight_scale': 'mse'\}}, and convert asks for"):
+        convert(model, **again)
+    assert model.up.recipe == {"act_calibration": "b_min", "weight_scale": "mse"}
+    assert torch.equal(model.up.weight.qdata, before[0])
+    assert torch.equal(model.up.weight.scale.view(torch.uint8), before[1])
+    x = calibration_batches(1, seed=5)[0]
+    expected = model(x)
+    convert(model, weight_scale="mse")  # the same recipe again: nothing to do
+    assert torch.equal(model(x), expected)
+
+
 @pytest.mark.parametrize("weight_scale", ["max", "mse", "hessian_mse", "gptq"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
 def test_a_weight_with_non_finite_values_is_refused_at_convert_naming_the_layer(weight_scale, bad):

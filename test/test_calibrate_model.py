@@ -94,15 +94,31 @@ def gemma_like_llama():
         (tiny_llama, None, {"smooth_alpha": 2.0}, "smooth_alpha=2.0 must lie in"),
         (tiny_llama, None, {"smooth_alpha": float("nan")}, "smooth_alpha=nan must lie in"),
         (gemma_like_llama, None, {}, "does not scale its output with its weight"),
+        (tiny_llama, None, {"filter_fn": lambda m, fqn: False}, "filter_fn selects no linear layer"),
+        (tiny_llama, None, {"filter_fn": lambda m, fqn: fqn == "lm_head.weight"}, "filter_fn selects no linear layer"),
+        (tiny_llama, None, {"filter_fn": lambda m, fqn: not isinstance(m, torch.nn.Linear)},
+         "filter_fn selects no linear layer"),
     ],
-    ids=["no batches", "alpha below 0", "alpha above 1", "alpha nan", "gemma norm"],
+    ids=["no batches", "alpha below 0", "alpha above 1", "alpha nan", "gemma norm", "filter selects nothing",
+         "filter names a parameter", "filter selects only other modules"],
 )
 def test_bad_calls_are_refused_and_nothing_changes(model_fn, data, options, message):
     model = model_fn()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     kinds = [type(m) for m in model.modules()]
+    options = {"filter_fn": all_but_lm_head, **options}
     with pytest.raises(ValueError, match=message):
-        calibrate_model(model, batches() if data is None else data, CONFIG, filter_fn=all_but_lm_head,
-                        progress=False, **options)
+        calibrate_model(model, batches() if data is None else data, CONFIG, progress=False, **options)
     assert [type(m) for m in model.modules()] == kinds
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("data", [token_ids(0), {"input_ids": token_ids(0)}, (ids for ids in batches())],
+                         ids=["a tensor", "a dict", "a generator"])
+def test_batches_that_are_not_a_sequence_are_refused_and_nothing_changes(data):
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match=rf"takes a sequence of batches \(a list\), got a {type(data).__name__}"):
+        calibrate_model(model, data, CONFIG, filter_fn=all_but_lm_head, progress=False)
+    assert all(type(m) is not NVFP4StaticLinear for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -598,6 +598,15 @@ def test_a_checkpoint_with_a_bad_expert_block_scale_is_refused_naming_the_expert
                for k, v in before.items())
 
 
+def test_converting_converted_experts_with_another_recipe_is_refused():
+    holder = calibrated_experts([routed_batch(96, seed) for seed in range(2)], act_calibration="max", weight_scale="mse")
+    convert(holder, act_calibration="max", weight_scale="mse")
+    experts = holder.experts
+    with pytest.raises(ValueError, match=r"is already converted with \{'act_calibration': 'max', 'weight_scale': 'mse'\}"):
+        convert(holder, act_calibration="max", weight_scale="max")
+    assert holder.experts is experts and experts.recipe == {"act_calibration": "max", "weight_scale": "mse"}
+
+
 def test_a_checkpoint_of_another_recipe_is_refused(converted_model):
     fresh = tiny_model("qwen3_moe", seed=1)
     quantize_(fresh, NVFP4StaticActivationConfig(step="prepare_for_loading", weight_scale="mse"), filter_fn=is_quantizable)

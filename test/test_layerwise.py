@@ -91,6 +91,26 @@ def test_a_bad_smoothing_alpha_is_refused_and_nothing_changes(alpha):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(seeds=()), "needs at least one calibration batch"),
+        (dict(filter_fn=lambda m, fqn: False), r"filter_fn selects no linear layer .* in model.layers"),
+        (dict(filter_fn=lambda m, fqn: fqn == "lm_head"), r"filter_fn selects no linear layer .* in model.layers"),
+        (dict(filter_fn=lambda m, fqn: fqn.startswith("layers.")), r"filter_fn selects no linear layer"),
+    ],
+    ids=["no batches", "filter selects nothing", "filter selects only lm_head", "filter of names without the prefix"],
+)
+def test_a_call_with_nothing_to_calibrate_is_refused_and_nothing_changes(options, message):
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=message):
+        layer_by_layer("b_min", "hessian_mse", model=model, **options)
+    assert [type(m) for m in model.modules()] == kinds
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_propagating_the_quantized_outputs_changes_only_the_later_layers():
     plain = converted_scales(layer_by_layer("b_min", "hessian_mse"))
     propagated = converted_scales(layer_by_layer("b_min", "hessian_mse", propagate_quantized=True))

@@ -72,6 +72,7 @@ def _observed_expert_linear(
 
 def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
     if isinstance(module, NVFP4StaticExperts):
+        workflow.check_converted_with(module, config)
         return module
     if not isinstance(module, NVFP4StaticObservedExperts):
         if workflow.why_left_float(module) is None:
