@@ -17,6 +17,7 @@ from nvfp4_static.backends import BACKENDS, blackwell, cpu, linear_function
 from nvfp4_static.backends import triton_route as triton_backend
 from nvfp4_static.kernels import gemm
 from nvfp4_static.kernels.gemm import GEMM_CONFIGS, gemm_bucket
+from nvfp4_static.kernels.launch import recording_launches
 from nvfp4_static.numerics import dequantize_nvfp4, quantize_nvfp4
 
 
@@ -104,9 +105,15 @@ def test_cpu_route_builds_its_decoding_tables_once_as_ordinary_tensors():
     assert torch.equal(second, first)
 
 
-def test_triton_backend_sends_cpu_tensors_to_the_cpu_backend():
+def test_triton_backend_sends_cpu_tensors_to_the_cpu_backend(monkeypatch):
     inputs = linear_inputs(5, 32, 64, torch.bfloat16, seed=0)
-    assert torch.equal(triton_backend.static_nvfp4_linear(*inputs), cpu.static_nvfp4_linear(*inputs))
+    reference = cpu.static_nvfp4_linear
+    calls = []
+    monkeypatch.setattr(cpu, "static_nvfp4_linear", lambda *args: calls.append(args) or reference(*args))
+    with recording_launches() as launches:
+        out = triton_backend.static_nvfp4_linear(*inputs)
+    assert len(calls) == 1 and launches == []
+    assert torch.equal(out, reference(*inputs))
 
 
 @pytest.mark.parametrize("M,N,K", [(5, 256, 128), (130, 64, 320)], ids=str)

@@ -26,7 +26,7 @@ def assert_same_model(a, b):
     x, y = converted_scales(a), converted_scales(b)
     assert x.keys() == y.keys() and len(x) == 14
     for name in x:
-        assert all(torch.equal(p, q) for p, q in zip(x[name], y[name])), name
+        assert all(torch.equal(p, q) for p, q in zip(x[name], y[name], strict=True)), name
     assert torch.equal(logits(a, seed=7), logits(b, seed=7))
 
 

@@ -70,9 +70,15 @@ def test_a_layer_called_twice_is_summed_over_both_calls():
         def forward(self, x):
             return self.linear(torch.tanh(self.linear(x)))
 
-    float_model, model = float_and_converted(Twice)
-    (d,) = layer_diagnostics(model, calibration_batches(1, seed=4)[0], reference_model=float_model)
+    float_model, model = float_and_converted(Twice, act_calibration="max")
+    # Twice the calibration range: the first call's input clips, the second's (tanh) cannot.
+    x = calibration_batches(1, seed=4)[0] * 2
+    clipped_in_first_call = int((x.abs() > model.linear.act_global_amax).sum())
+    assert clipped_in_first_call > 0
+    (d,) = layer_diagnostics(model, x, reference_model=float_model)
     assert d.calls == 2 and math.isfinite(d.output_snr_db)
+    assert d.clipped_fraction == pytest.approx(clipped_in_first_call / (2 * x.numel()))
+    assert d.batch_amax == pytest.approx(float(x.abs().max()))
 
 
 def test_wide_block_amax_range_is_flagged():

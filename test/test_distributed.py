@@ -156,10 +156,10 @@ def test_two_ranks_equal_one_process_on_the_same_shards(results, act, weight):
 
 
 def test_states_gathered_in_many_chunks_fold_as_in_one(results):
-    for chunked, whole in zip(results("dp-chunked"), results("dp-one-chunk")):
+    for chunked, whole in zip(results("dp-chunked"), results("dp-one-chunk"), strict=True):
         assert_same(chunked, whole)
         assert len(chunked["states"]) == len(whole["states"]) == 28  # an mse search and a Hessian per linear
-        for ours, theirs in zip(chunked["states"], whole["states"]):
+        for ours, theirs in zip(chunked["states"], whole["states"], strict=True):
             assert ours.keys() == theirs.keys()
             assert all(same_bits(ours[key], theirs[key]) for key in ours)
 
@@ -171,7 +171,7 @@ def test_ranks_convert_disjoint_shares_and_all_end_with_the_one_process_convert(
     for rank in (rank0, rank1):
         assert rank["scales"].keys() == one_process["scales"].keys()
         for name, parts in rank["scales"].items():
-            assert all(same_bits(a, b) for a, b in zip(parts, one_process["scales"][name])), name
+            assert all(same_bits(a, b) for a, b in zip(parts, one_process["scales"][name], strict=True)), name
         assert torch.equal(rank["logits"], one_process["logits"])
     assert rank0["converted"] and rank1["converted"] and set(rank0["converted"]).isdisjoint(rank1["converted"])
     assert sorted(rank0["converted"] + rank1["converted"]) == sorted(rank0["scales"])
@@ -190,7 +190,7 @@ def test_a_side_task_runs_on_its_rank_whose_share_shrinks_by_its_cost(results):
     one_process = shards_run("b_min", "mse", SHARDS)
     for rank in (rank0, rank1):
         for name, parts in rank["scales"].items():
-            assert all(same_bits(a, b) for a, b in zip(parts, one_process["scales"][name])), name
+            assert all(same_bits(a, b) for a, b in zip(parts, one_process["scales"][name], strict=True)), name
 
 
 def test_shares_go_largest_first_to_the_least_loaded_rank_counting_its_head_start():
@@ -441,7 +441,7 @@ def test_gpu_sync_waits_for_the_device_as_often_for_one_layer_as_for_the_model_a
     finally:
         dist.destroy_process_group()
     assert len(before) == 28 and len(waits[0]) == len(waits[1]), waits  # 14 observers, 28
-    for ours, theirs in zip(before, after):
+    for ours, theirs in zip(before, after, strict=True):
         assert all(same_bits(ours[key], theirs[key]) for key in ours)
 
 
@@ -470,7 +470,7 @@ def test_gpu_data_parallel_layer_by_layer_sends_every_layer_home_with_the_one_pr
     scales = converted_scales(ours)
     assert scales.keys() == one_process.keys() and len(scales) == 2 * 7
     for name, parts in scales.items():
-        assert all(same_bits(a.cpu(), b.cpu()) for a, b in zip(parts, one_process[name])), name
+        assert all(same_bits(a.cpu(), b.cpu()) for a, b in zip(parts, one_process[name], strict=True)), name
 
 
 def test_sync_without_a_process_group_says_what_is_missing():

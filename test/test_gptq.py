@@ -348,7 +348,7 @@ LAUNCHES.update({f"gptq-block-{name}": (GPTQ_BLOCK, block_operands(*case)) for n
 
 
 def assert_same_block_result(got, expected):
-    for ours, theirs in zip(got, expected):
+    for ours, theirs in zip(got, expected, strict=True):
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
         # bit for bit: -0.0 and +0.0 are different E2M1 codes
         assert torch.equal(ours.view(torch.int32) if ours.is_floating_point() else ours,

@@ -286,8 +286,10 @@ def test_deinterleave_blocks_puts_even_elements_first():
 @pytest.mark.parametrize("mma_order", [False, True], ids=["deinterleaved", "mma_order"])
 def test_ops_route_cpu_tensors_to_the_reference(mma_order):
     x, per_tensor_scale = wide_range_activation(3, 64, torch.bfloat16, seed=0)
-    qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
-    operands = [gemm_activation_operand(x, per_tensor_scale, dtype, mma_order) for dtype in OPERAND_DTYPES]
+    with recording_launches() as launches:
+        qdata, block_scales = quantize_activation_nvfp4(x, per_tensor_scale)
+        operands = [gemm_activation_operand(x, per_tensor_scale, dtype, mma_order) for dtype in OPERAND_DTYPES]
+    assert launches == []
     assert_quantized_like_reference(x, per_tensor_scale, qdata, block_scales, operands, mma_order)
 
 

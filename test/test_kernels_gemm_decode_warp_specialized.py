@@ -330,6 +330,7 @@ def test_where_a_traced_route_keeps_the_entry_the_ops_it_traces_keep_it_too(monk
     86 programs of 132: the fill condition alone would keep the entry at one row)."""
     stand_in_hopper(monkeypatch)
     shapes = [(22016, 4096), (12288, 4096), (8192, 8192), (28672, 4096), (28672, 3840), (4096, 4096), (5120, 5120)]
+    entries_kept = 0
     for N, K in shapes:
         for max_m in gemm.DECODE_TILE_BUCKETS:
             bucket = gemm_bucket(max_m)
@@ -338,6 +339,8 @@ def test_where_a_traced_route_keeps_the_entry_the_ops_it_traces_keep_it_too(monk
                 traced_op = table_config(max_m, bucket, N, K, CUDA)
             if not gemm.is_decode_tile(traced_route):
                 assert traced_op == traced_route, (N, K, max_m)
+                entries_kept += 1
+    assert entries_kept >= len(gemm.DECODE_TILE_BUCKETS)  # (4096, 4096) keeps the entry in every bucket
 
 
 @pytest.mark.parametrize("N", [8192, 28672], ids=str)

@@ -166,11 +166,15 @@ def test_dynamic_range_warning_names_the_layer_once():
 
 
 def test_no_dynamic_range_warning_within_the_fp8_window():
+    """B_max / B_min = 2^3.125 (bins 250 and 270): far inside FP8's 28672, so no warning, and
+    the default rho (16384) sets g_amax from B_min."""
     calibrator = NVFP4ActMaxCalibrator(name=LAYER)
     calibrator.collect(three_bin_activation())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        calibrator.compute_amax()
+        g_amax = calibrator.compute_amax()
+    assert calibrator.stats["set_by"] == "rho*B_min"
+    assert g_amax.item() == torch.tensor(16384 * bin_centre(250), dtype=torch.float32).item()
 
 
 @pytest.mark.parametrize(
