@@ -197,9 +197,9 @@ class NVFP4StaticTensor(NVFP4Tensor):
         fields.update(changes)
         return type(self)(qdata, scale, **fields)
 
-    def _oriented(self) -> "NVFP4StaticTensor":
-        """This weight in its stored ``[N, K]`` orientation (undoes a ``.t()``)."""
-        return self.t() if self.qdata.stride(-2) < self.qdata.stride(-1) else self
+    def is_transposed(self) -> bool:
+        """Whether this is the ``[K, N]`` transpose (``.t()``) of a stored ``[N, K]`` weight."""
+        return self.qdata.stride(-2) < self.qdata.stride(-1)
 
     def __repr__(self):
         return (
@@ -242,13 +242,19 @@ implements_torch_function = NVFP4StaticTensor.implements_torch_function
 def static_linear(
     x: torch.Tensor, weight: NVFP4StaticTensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` for any leading dims of ``x``, on the weight's backend."""
+    """``x @ weight.T + bias`` for any leading dims of ``x``, on the weight's backend;
+    ``weight`` in its stored ``[N, K]`` orientation (the GEMM multiplies by its transpose only)."""
     if isinstance(x, NVFP4Tensor):
         raise NotImplementedError(
             "nvfp4_static: the activation must be a plain tensor; NVFP4StaticTensor quantizes it "
             "itself with its static activation scale"
         )
-    weight = weight._oriented()
+    if weight.is_transposed():
+        raise ValueError(
+            f"nvfp4_static: linear takes an NVFP4StaticTensor weight as [out_features, in_features]; "
+            f"got its transpose, of shape {tuple(weight.shape)} (the NVFP4 GEMM computes x @ w.T of the "
+            f"stored weight only: F.linear(x, w), or x @ w.t())"
+        )
     if x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"nvfp4_static: activation of shape {tuple(x.shape)} does not match weight of shape "
@@ -293,10 +299,22 @@ def _linear(func, types, args, kwargs):
     return static_linear(x, weight, bias)
 
 
+def _stored_weight(weight_t: NVFP4StaticTensor, op: str) -> NVFP4StaticTensor:
+    """The stored weight of the ``w.t()`` that ``x @ w.t()`` (``mm``, ``matmul``, ``addmm``)
+    multiplies by; a weight in its stored orientation would ask for ``x @ w``, which the GEMM
+    cannot compute."""
+    if not weight_t.is_transposed():
+        raise ValueError(
+            f"nvfp4_static: {op} multiplies by an NVFP4StaticTensor only as x @ w.t() (its transpose); "
+            f"got it in its stored [out_features, in_features] orientation, of shape {tuple(weight_t.shape)}"
+        )
+    return weight_t.t()
+
+
 @implements([aten.mm.default, aten.matmul.default])
 def _mm_and_matmul(func, types, args, kwargs):
     x, weight_t = args[0], args[1]
-    return static_linear(x, weight_t, None)
+    return static_linear(x, _stored_weight(weight_t, func.__name__.split(".")[0]), None)
 
 
 @implements([aten.addmm.default])
@@ -305,7 +323,32 @@ def _addmm(func, types, args, kwargs):
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     if beta != 1 or alpha != 1:
         raise NotImplementedError("nvfp4_static: addmm with beta/alpha other than 1")
-    return static_linear(x, weight_t, bias)
+    return static_linear(x, _stored_weight(weight_t, "addmm"), bias)
+
+
+@implements([aten.clone.default])
+def _clone(func, types, args, kwargs):
+    """A copy of every inner tensor; a transposed weight is copied as its stored weight and
+    transposed back: its packed values run along the stored rows."""
+    old = args[0]
+    if old.is_transposed():
+        return _clone(func, types, (old.t(),), {}).t()
+    scales = {
+        name: None if getattr(old, name) is None else getattr(old, name).clone()
+        for name in ("per_tensor_scale", "act_per_tensor_scale")
+    }
+    return old._rewrap(old.qdata.clone(), old.scale.clone(), **scales)
+
+
+@implements_torch_function([torch.Tensor.contiguous])
+def _contiguous(func, types, args, kwargs):
+    """The weight itself where its inner tensors are contiguous; a transposed weight stays the
+    transpose of its stored weight, made contiguous (its packed values cannot be laid out
+    along the other dim)."""
+    old = args[0]
+    if old.is_transposed():
+        return old.t().contiguous().t()
+    return old._apply_fn_to_data(lambda inner: inner.contiguous())
 
 
 @implements([aten.t.default])

@@ -128,6 +128,20 @@ def test_a_weight_with_non_finite_values_is_refused_at_convert_naming_the_layer(
     assert type(model.down) is NVFP4StaticObservedLinear
 
 
+@pytest.mark.parametrize("weight_scale", ["max", "mse", "hessian_mse", "gptq"])
+def test_an_all_zero_weight_converts_to_a_layer_that_outputs_its_bias(weight_scale):
+    model = prepare(make(MLP), weight_scale=weight_scale)
+    with torch.no_grad():
+        model.down.weight.zero_()
+    calibrate(model, calibration_batches())
+    convert(model, weight_scale=weight_scale)
+    codes = model.down.weight.scale.view(torch.uint8)
+    assert not bool(((codes & 0x7F) == 0x7F).any())  # no NaN block scale
+    hidden = torch.randn(5, 128)
+    with torch.no_grad():
+        assert torch.equal(model.down(hidden), model.down.bias.expand(5, DIM))
+
+
 # --- modules replaced that should not be --------------------------------------------------------
 
 

@@ -270,6 +270,53 @@ def test_a_batch_the_experts_would_refuse_leaves_every_statistic_as_it_was(bad_h
     assert all(torch.equal(b, a) for b, a in zip(before[3], after[3], strict=True))
 
 
+BAD_ROUTINGS = {
+    "float index": lambda h, i, w: (h, i.float(), w),
+    "bool index": lambda h, i, w: (h, i > 3, w),
+    "weights transposed": lambda h, i, w: (h, i, w.t().contiguous()),
+    "one weight per token": lambda h, i, w: (h, i, w[:, :1]),
+    "1-d weights": lambda h, i, w: (h, i, w[:, 0]),
+    "integer weights": lambda h, i, w: (h, i, (w * 10).long()),
+    "fewer index rows": lambda h, i, w: (h, i[:-1], w[:-1]),
+    "more index rows": lambda h, i, w: (h[:-1], i, w),
+    "3-d hidden states": lambda h, i, w: (h[None], i[None], w[None]),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_ROUTINGS.values(), ids=BAD_ROUTINGS.keys())
+@pytest.mark.parametrize("state", ["observed", "converted"])
+def test_routing_that_does_not_describe_each_tokens_experts_is_refused(bad, state):
+    holder = calibrated_experts([routed_batch(96, seed) for seed in range(2)], act_calibration="max", weight_scale="mse")
+    if state == "converted":
+        convert(holder, act_calibration="max", weight_scale="mse")
+    else:
+        before = copy.deepcopy((holder.experts.pooled_gate_up_calibrator.state_dict(),
+                                list(holder.experts.tokens_per_expert)))
+    with pytest.raises(ValueError, match=r"take hidden_states \[tokens, hidden\], an integer top_k_index"):
+        holder.experts(*bad(*routed_batch(6, seed=3)))
+    if state == "observed":
+        state_after = holder.experts.pooled_gate_up_calibrator.state_dict()
+        assert all(torch.equal(before[0][key], state_after[key]) for key in before[0])
+        assert before[1] == list(holder.experts.tokens_per_expert)
+
+
+@pytest.mark.parametrize("index", [-1, EXPERTS + 1, 1000], ids=["negative", "past no-expert", "far"])
+def test_calibration_refuses_an_expert_index_outside_the_experts_and_the_no_expert_index(index):
+    holder = calibrated_experts([routed_batch(20, 0)], act_calibration="max", weight_scale="hessian_mse")
+    experts = holder.experts
+    before = copy.deepcopy((experts.pooled_gate_up_calibrator.state_dict(), list(experts.tokens_per_expert)))
+    hidden, top_k_index, weights = routed_batch(6, seed=3)
+    top_k_index[2, 1] = index
+    with pytest.raises(ValueError, match=rf"top_k_index holds 1 expert indices outside 0..{EXPERTS} \(first: {index}\)"):
+        experts(hidden, top_k_index, weights)
+    state_after = experts.pooled_gate_up_calibrator.state_dict()
+    assert all(torch.equal(before[0][key], state_after[key]) for key in before[0])
+    assert before[1] == list(experts.tokens_per_expert)
+    top_k_index[2, 1] = EXPERTS  # transformers' index for "no expert" is taken
+    experts(hidden, top_k_index, weights)
+    assert sum(experts.tokens_per_expert) == sum(before[1]) + 6 * TOP_K - 1
+
+
 # --- convert -----------------------------------------------------------------------------------
 
 

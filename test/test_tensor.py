@@ -288,6 +288,37 @@ def test_linear_is_the_faithful_nvfp4_gemm(call, with_bias, x_shape, dtype):
     assert (out.double() - ref).norm() / ref.norm() <= tolerance
 
 
+WRONG_ORIENTATION_CALLS = {
+    "matmul": (lambda x, q: x @ q, "mm multiplies by an NVFP4StaticTensor only as x @ w.t()"),
+    "mm": (lambda x, q: torch.mm(x, q), "mm multiplies by an NVFP4StaticTensor only as x @ w.t()"),
+    "addmm": (lambda x, q: torch.addmm(torch.zeros(64), x, q), "addmm multiplies by an NVFP4StaticTensor only"),
+    "F.linear of w.t()": (lambda x, q: F.linear(x, q.t()), "linear takes an NVFP4StaticTensor weight as"),
+    "F.linear of w.mT": (lambda x, q: F.linear(x, q.mT), "linear takes an NVFP4StaticTensor weight as"),
+    "F.linear of w.transpose": (lambda x, q: F.linear(x, q.transpose(0, 1)), "linear takes an NVFP4StaticTensor"),
+}
+
+
+@pytest.mark.parametrize("call, message", WRONG_ORIENTATION_CALLS.values(), ids=WRONG_ORIENTATION_CALLS.keys())
+def test_a_square_weight_in_the_orientation_the_gemm_cannot_multiply_by_is_refused(call, message):
+    """On a square weight every orientation has matching shapes: x @ w is not x @ w.t()."""
+    q = NVFP4StaticTensor.from_float(make_weight(torch.float32, shape=(64, 64)), ACT_AMAX)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(torch.randn(3, 64), q)
+
+
+def test_a_transposed_weight_made_contiguous_or_cloned_stays_the_same_matrix():
+    q = NVFP4StaticTensor.from_float(make_weight(torch.float32, shape=(64, 32)), ACT_AMAX)
+    x = torch.randn(3, 32)
+    expected = F.linear(x, q)
+    for transposed in (q.t().contiguous(), q.t().clone()):
+        assert transposed.shape == (32, 64) and transposed.is_transposed()
+        assert torch.equal(x @ transposed, expected)
+        assert torch.equal(transposed.t().dequantize(torch.float32), q.dequantize(torch.float32))
+    copy = q.clone()
+    copy.act_per_tensor_scale.mul_(2)  # a clone shares no tensor with the original
+    assert torch.equal(F.linear(x, q), expected)
+
+
 def test_f_linear_is_handled_whole_without_transposing_the_weight(monkeypatch):
     """F.linear reaches the subclass's own handler (one call, any leading dims) rather than its
     decomposition into a transpose, which builds a new weight object on every call."""

@@ -7,7 +7,7 @@ import torch
 
 from nvfp4_static.backends import BACKEND_ENV_VAR, resolve_backend
 from nvfp4_static.experts.layouts import ExpertsLayout
-from nvfp4_static.experts.routing import combine, route
+from nvfp4_static.experts.routing import check_routing, combine, route
 from nvfp4_static.kernels.ops import (
     grouped_static_nvfp4_linear,
     grouped_static_nvfp4_linear_reference,
@@ -345,6 +345,7 @@ class NVFP4StaticExperts(torch.nn.Module):
                 f"nvfp4_static: experts '{self.layer_name}' take hidden states of size "
                 f"{self.gate_up_proj.in_features}, got shape {tuple(hidden_states.shape)}"
             )
+        check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name)
         routing = route(top_k_index, self.num_experts)
         gate_up = self.gate_up_proj(hidden_states, routing.expert_offsets, routing.token_of_row())
         gate, up = gate_up.chunk(2, dim=-1)

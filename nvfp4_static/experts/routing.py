@@ -13,7 +13,29 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Routing", "route", "combine"]
+__all__ = ["Routing", "check_routing", "route", "combine"]
+
+
+def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, name: str):
+    """Refuse routing tensors that do not describe ``T`` tokens' ``k`` experts each: ``route``
+    and ``combine`` would otherwise drop or mix up tokens without an error."""
+    tokens = hidden_states.shape[0] if hidden_states.dim() == 2 else None
+    if (
+        tokens is None
+        or top_k_index.dim() != 2
+        or top_k_index.shape[0] != tokens
+        or top_k_index.dtype.is_floating_point
+        or top_k_index.dtype.is_complex
+        or top_k_index.dtype == torch.bool
+        or top_k_weights.shape != top_k_index.shape
+        or not top_k_weights.dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"nvfp4_static: experts '{name}' take hidden_states [tokens, hidden], an integer top_k_index "
+            f"[tokens, k] and floating-point top_k_weights of the same shape; got hidden_states "
+            f"{list(hidden_states.shape)}, top_k_index {list(top_k_index.shape)} {top_k_index.dtype}, "
+            f"top_k_weights {list(top_k_weights.shape)} {top_k_weights.dtype}"
+        )
 
 
 class Routing(NamedTuple):
