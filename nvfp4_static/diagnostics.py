@@ -115,6 +115,9 @@ class _LayerAccumulator:
     @torch.no_grad()
     def observe(self, x: torch.Tensor, output: torch.Tensor) -> None:
         x = x.detach()
+        if x.numel() == 0:  # a call without tokens: nothing to measure
+            self.counts["calls"] += 1
+            return
         x64 = x.double()
         amax = x.abs().amax().to(torch.float32)
         static = fake_quantize_nvfp4(x, self.act_per_tensor_scale.to(x.device)).double()
@@ -211,6 +214,17 @@ def _reference_experts(reference_model: torch.nn.Module, name: str) -> dict[str,
 def _watch_linear(name, module, reference_model, accumulators) -> list:
     """An accumulator for the linear ``module`` and the hook that feeds it."""
     reference = None if reference_model is None else _reference_linear(reference_model, name)
+    if reference is not None and (
+        tuple(reference[0].shape) != tuple(module.weight.shape)
+        or (reference[1] is None) != (module.bias is None)
+        or (reference[1] is not None and tuple(reference[1].shape) != tuple(module.bias.shape))
+    ):
+        raise ValueError(
+            f"nvfp4_static.diagnostics: reference_model's '{name}' has weight {list(reference[0].shape)} and "
+            f"{'no bias' if reference[1] is None else 'a bias'}; the converted layer has weight "
+            f"{list(module.weight.shape)} and {'no bias' if module.bias is None else 'a bias'}: pass the float "
+            f"model it was converted from"
+        )
     accumulator = accumulators[name] = _LayerAccumulator(module, reference)
     return [
         module.register_forward_hook(
@@ -314,6 +328,8 @@ def format_diagnostics(
     the calibrator warned about the block-amax range.
     """
     rows = list(diagnostics)
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0):
+        raise ValueError(f"nvfp4_static: format_diagnostics: max_rows={max_rows!r} must be a whole number >= 0")
     if max_rows is not None and len(rows) > max_rows:
         worst = sorted(rows, key=lambda d: d.act_snr_db)[:max_rows]
         rows = [d for d in rows if d in worst]

@@ -106,6 +106,13 @@ def tie_fused_layers(
                 f"quantize_(..., step='convert'); the FP8 block scales are chosen relative to "
                 f"the shared weight global amax"
             )
+        widths = {n: m.in_features for n, m in members.items() if isinstance(m, torch.nn.Linear)}
+        if len(set(widths.values())) > 1:
+            raise ValueError(
+                f"nvfp4_static: cannot tie fusion group {list(names)}: its linears read inputs of "
+                f"different widths {widths}, so they are not siblings reading one input (engines fuse "
+                f"linears that share their input)"
+            )
         observed = {n: m for n, m in members.items() if isinstance(m, NVFP4StaticObservedLinear)}
         if len(observed) >= 2:
             plans.append((names, observed))

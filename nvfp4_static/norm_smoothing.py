@@ -21,6 +21,7 @@ it, and q/k/v and gate/up keep one input each (``tie_fused_layers`` still applie
 """
 
 import copy
+import numbers
 from collections.abc import Callable
 from typing import Optional
 
@@ -73,25 +74,56 @@ def smooth_norm_inputs(
             its weight (Gemma's ``1 + weight``); a norm ``forward_loop`` did not reach, or whose
             output was not finite. In every case the model is left as it was.
     """
-    groups = _norm_groups(model, norm_consumers or DEFAULT_NORM_CONSUMERS)
+    groups = _norm_groups(model, DEFAULT_NORM_CONSUMERS if norm_consumers is None else norm_consumers)
     scales = smoothing_scales(model, groups, forward_loop, alpha)
     fold_smoothing_scales(groups, scales)
     return scales
 
 
 def find_norm_groups(module: torch.nn.Module, norm_consumers: Optional[dict] = None) -> dict:
-    """Norm name -> (norm, [consumer linears]) in ``module``, each group checked; may be empty."""
-    groups = {}
+    """Norm name -> (norm, [consumer linears]) in ``module``, each group checked; may be empty.
+    A norm with only some of its consumers, or a linear two groups name, is refused: folding
+    scales into part of what reads a norm changes what the model computes."""
+    norm_consumers = DEFAULT_NORM_CONSUMERS if norm_consumers is None else norm_consumers
+    _check_norm_consumers(norm_consumers)
+    groups, owner = {}, {}
     for parent_name, parent in module.named_modules():
-        for norm_attr, consumer_names in (norm_consumers or DEFAULT_NORM_CONSUMERS).items():
+        for norm_attr, consumer_names in norm_consumers.items():
             norm = getattr(parent, norm_attr, None)
             consumers = [_submodule_or_none(parent, name) for name in consumer_names]
-            if norm is None or any(c is None for c in consumers):
+            if norm is None or all(c is None for c in consumers):
                 continue
             name = f"{parent_name}.{norm_attr}" if parent_name else norm_attr
+            missing = [n for n, c in zip(consumer_names, consumers) if c is None]
+            if missing:
+                raise ValueError(
+                    f"nvfp4_static: smooth_norm_inputs: norm '{name}' has only some of its consumers "
+                    f"{list(consumer_names)} beside it (missing: {missing}); name every linear that reads it"
+                )
             _check_group(name, norm, consumers, consumer_names)
+            for consumer_name, consumer in zip(consumer_names, consumers):
+                if consumer in owner:
+                    raise ValueError(
+                        f"nvfp4_static: smooth_norm_inputs: '{consumer_name}' is named as a consumer of "
+                        f"both '{owner[consumer]}' and '{name}'; a linear reads one norm"
+                    )
+                owner[consumer] = name
             groups[name] = (norm, consumers)
     return groups
+
+
+def _check_norm_consumers(norm_consumers) -> None:
+    """Refuse a ``norm_consumers`` that is not norm attribute -> distinct linear names."""
+    well_formed = isinstance(norm_consumers, dict) and norm_consumers and all(
+        isinstance(norm, str) and isinstance(names, (tuple, list)) and names
+        and all(isinstance(n, str) and n for n in names) and len(set(names)) == len(names)
+        for norm, names in norm_consumers.items()
+    )
+    if not well_formed:
+        raise ValueError(
+            f"nvfp4_static: smooth_norm_inputs: norm_consumers maps each norm's attribute name to the "
+            f"distinct names of the linears reading it, e.g. {DEFAULT_NORM_CONSUMERS}; got {norm_consumers!r}"
+        )
 
 
 @torch.no_grad()
@@ -110,8 +142,9 @@ def smoothing_scales(model: torch.nn.Module, groups: dict, forward_loop, alpha: 
 
 
 def check_alpha(alpha: float, caller: str, argument: str = "alpha") -> None:
-    """Refuse an alpha outside [0, 1] (NaN too), naming ``caller``'s ``argument``."""
-    if not 0.0 <= alpha <= 1.0:
+    """Refuse an alpha outside [0, 1] (NaN too, and what is not a number), naming ``caller``'s
+    ``argument``."""
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"nvfp4_static: {caller}: {argument}={alpha} must lie in [0, 1]")
 
 

@@ -117,3 +117,33 @@ def test_errors_name_what_is_missing():
     _, model = float_and_converted(MLP)
     with pytest.raises(ValueError, match="no module 'up'"):
         layer_diagnostics(model, calibration_batches(1, seed=8)[0], reference_model=torch.nn.Sequential())
+
+
+REFERENCE_MISMATCHES = {
+    "other out_features": lambda ref: setattr(ref, "down", torch.nn.Linear(128, 32)),
+    "a broadcastable weight": lambda ref: setattr(ref.down, "weight", torch.nn.Parameter(torch.randn(1, 128))),
+    "no bias": lambda ref: setattr(ref.down, "bias", None),
+}
+
+
+@pytest.mark.parametrize("mismatch", REFERENCE_MISMATCHES.values(), ids=REFERENCE_MISMATCHES.keys())
+def test_a_reference_linear_of_another_shape_is_refused_naming_the_layer(mismatch):
+    """'down' is refused after 'up' is watched: no hook is left behind on either."""
+    float_model, model = float_and_converted(MLP)
+    mismatch(float_model)
+    with pytest.raises(ValueError, match=r"reference_model's 'down' has weight .*; the converted layer has weight \[64, 128\]"):
+        layer_diagnostics(model, calibration_batches(1)[0], reference_model=float_model)
+    assert all(not module._forward_hooks and not module._forward_pre_hooks for module in model.modules())
+
+
+def test_a_batch_without_tokens_counts_the_call_and_measures_nothing():
+    float_model, model = float_and_converted(MLP)
+    rows = layer_diagnostics(model, torch.empty(0, DIM), reference_model=float_model)
+    assert [(d.name, d.calls, d.batch_amax, d.clipped_fraction) for d in rows] == [("up", 1, 0.0, 0.0), ("down", 1, 0.0, 0.0)]
+
+
+@pytest.mark.parametrize("max_rows", [-1, 1.5, True, "2"], ids=["negative", "fraction", "bool", "string"])
+def test_format_diagnostics_refuses_a_row_count_that_is_not_a_whole_number(max_rows):
+    _, model = float_and_converted(MLP)
+    with pytest.raises(ValueError, match=f"max_rows={max_rows!r} must be a whole number >= 0"):
+        format_diagnostics(layer_diagnostics(model, calibration_batches(1)[0]), max_rows=max_rows)

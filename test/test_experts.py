@@ -208,6 +208,41 @@ def test_register_experts_refuses_what_is_not_a_layout():
         register_experts(MyExperts, {"gate_up": "w13"})
 
 
+@pytest.mark.parametrize(
+    "experts_class, error, message",
+    [
+        (123, TypeError, "takes an nn.Module class or its qualified name"),
+        (None, TypeError, "takes an nn.Module class or its qualified name"),
+        (MyExperts.__init__, TypeError, "takes an nn.Module class or its qualified name"),
+        ("MyExperts", TypeError, "takes an nn.Module class or its qualified name"),
+        (torch.nn.Linear, ValueError, "nn.Linear is quantized as a linear"),
+        ("torch.nn.modules.linear.Linear", ValueError, "nn.Linear is quantized as a linear"),
+    ],
+    ids=["int", "none", "function", "unqualified name", "linear class", "linear name"],
+)
+def test_register_experts_refuses_what_is_not_an_experts_class(experts_class, error, message):
+    with pytest.raises(error, match=message):
+        register_experts(experts_class, ExpertsLayout())
+
+
+@pytest.mark.parametrize(
+    "fields, error, message",
+    [
+        (dict(checkpoint_names=("a", "a", "b")), ValueError, r"three different names.*\('a', 'a', 'b'\)"),
+        (dict(checkpoint_names=("w1", "w2")), ValueError, "three different names"),
+        (dict(checkpoint_names=["w1", "w3", "w2"]), ValueError, "three different names"),
+        (dict(checkpoint_names=("w1", "", "w2")), ValueError, "three different names"),
+        (dict(gate_up=5), TypeError, r"ExpertsLayout.gate_up is an attribute name, got 5"),
+        (dict(act_fn=None), TypeError, r"ExpertsLayout.act_fn is an attribute name, got None"),
+        (dict(router=""), TypeError, r"ExpertsLayout.router is an attribute name, got ''"),
+    ],
+    ids=["duplicate names", "two names", "a list", "an empty name", "int attribute", "none act_fn", "empty router"],
+)
+def test_an_experts_layout_that_names_its_parts_ambiguously_is_refused(fields, error, message):
+    with pytest.raises(error, match=message):
+        ExpertsLayout(**fields)
+
+
 # --- prepare and calibration -------------------------------------------------------------------
 
 

@@ -153,6 +153,23 @@ def test_tying_a_converted_model_is_refused_and_changes_nothing():
                 assert torch.equal(getattr(layer.weight, field), getattr(original.weight, field)), name
 
 
+@pytest.mark.parametrize(
+    "groups, widths",
+    [([("gate_proj", "down_proj")], r"\{'model.layers.0.mlp.gate_proj': 64, 'model.layers.0.mlp.down_proj': 128\}"),
+     ([("q_proj", "k_proj"), ("up_proj", "down_proj")], r"\{'model.layers.0.mlp.up_proj': 64, '.*down_proj': 128\}"),
+     ([("gate_proj", "up_proj", "down_proj")], r"\{'.*gate_proj': 64, '.*up_proj': 64, '.*down_proj': 128\}")],
+    ids=["gate with down", "a good group, then a bad one", "three members"],
+)
+def test_a_group_of_linears_reading_different_widths_is_refused_and_changes_nothing(groups, widths):
+    model = prepared_and_calibrated(tiny_llama(), weight_scale="max")
+    calibrators = {name: m.act_calibrator for name, m in model.named_modules() if hasattr(m, "act_calibrator")}
+    with pytest.raises(ValueError, match=rf"cannot tie fusion group .* different widths {widths}"):
+        tie_fused_layers(model, groups=groups)
+    for name, module in model.named_modules():
+        if name in calibrators:
+            assert module.act_calibrator is calibrators[name] and module.tied_weight_global_amax is None, name
+
+
 def test_untied_groups_are_refused_at_export_unless_the_check_is_skipped(tmp_path):
     model = tiny_llama()
     with torch.no_grad():

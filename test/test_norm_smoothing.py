@@ -124,12 +124,38 @@ def test_a_channel_that_dominates_its_blocks_loses_less_to_nvfp4_after_smoothing
     assert quantized_output_error(model) < 0.5 * before
 
 
-@pytest.mark.parametrize("alpha", [-0.1, 1.5, float("nan")], ids=["negative", "above-1", "nan"])
+@pytest.mark.parametrize("alpha", [-0.1, 1.5, float("nan"), "0.5", None, True],
+                         ids=["negative", "above-1", "nan", "string", "none", "bool"])
 def test_bad_alpha_is_refused_and_nothing_changes(alpha):
     model = tiny_llama()
     before = state(model)
     with pytest.raises(ValueError, match="alpha"):
         smooth_norm_inputs(model, lambda m: m(token_ids(1)), alpha=alpha)
+    assert_same_state(model, before)
+
+
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+
+@pytest.mark.parametrize(
+    "norm_consumers, message",
+    [
+        ({}, "norm_consumers maps each norm's attribute name"),
+        ({"input_layernorm": "self_attn.q_proj"}, "norm_consumers maps each norm's attribute name"),
+        ({"input_layernorm": ("self_attn.q_proj", "self_attn.q_proj")}, "norm_consumers maps each norm's"),
+        ({"input_layernorm": ()}, "norm_consumers maps each norm's attribute name"),
+        ({"input_layernorm": ATTENTION, "post_attention_layernorm": ("mlp.gate_prj", "mlp.up_proj")},
+         r"'model.layers.0.post_attention_layernorm' has only some of its consumers .* \(missing: \['mlp.gate_prj'\]\)"),
+        ({"input_layernorm": ATTENTION, "post_attention_layernorm": ("self_attn.q_proj",)},
+         r"'self_attn.q_proj' is named as a consumer of both 'model.layers.0.input_layernorm' and"),
+    ],
+    ids=["empty", "a string", "a name twice", "no names", "a typo in one group", "one linear in two groups"],
+)
+def test_norm_consumers_that_do_not_name_each_norms_readers_are_refused_and_nothing_changes(norm_consumers, message):
+    model = tiny_llama()
+    before = state(model)
+    with pytest.raises(ValueError, match=message):
+        smooth_norm_inputs(model, lambda m: m(token_ids(1)), norm_consumers=norm_consumers)
     assert_same_state(model, before)
 
 

@@ -49,6 +49,21 @@ class ExpertsLayout:
     checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     router: str = "gate"
 
+    def __post_init__(self):
+        names = {"gate_up": self.gate_up, "down": self.down, "act_fn": self.act_fn, "router": self.router}
+        for field, value in names.items():
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"nvfp4_static: ExpertsLayout.{field} is an attribute name, got {value!r}")
+        names = self.checkpoint_names
+        if not (
+            isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) and n for n in names)
+            and len(set(names)) == 3
+        ):
+            raise ValueError(
+                f"nvfp4_static: ExpertsLayout.checkpoint_names are three different names (an expert's gate, "
+                f"up and down linears in checkpoints), got {names!r}"
+            )
+
     def weights(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gate_up, down)`` of ``module``."""
         return getattr(module, self.gate_up), getattr(module, self.down)
@@ -70,6 +85,15 @@ def register_experts(experts_class: Union[type, str], layout: ExpertsLayout = Ex
     forward the class must have."""
     if not isinstance(layout, ExpertsLayout):
         raise TypeError(f"nvfp4_static: register_experts takes an ExpertsLayout, got {type(layout).__name__}")
+    if not (isinstance(experts_class, type) and issubclass(experts_class, torch.nn.Module)) and not (
+        isinstance(experts_class, str) and "." in experts_class
+    ):
+        raise TypeError(
+            f"nvfp4_static: register_experts takes an nn.Module class or its qualified name "
+            f"('package.module.ClassName'), got {experts_class!r}"
+        )
+    if experts_class is torch.nn.Linear or experts_class == _qualified_name(torch.nn.Linear):
+        raise ValueError("nvfp4_static: nn.Linear is quantized as a linear; register an experts module class")
     name = experts_class if isinstance(experts_class, str) else _qualified_name(experts_class)
     _LAYOUTS[name] = layout
 
