@@ -349,6 +349,22 @@ def calibrate(model, calib_batches, desc: str) -> None:
         model(ids, use_cache=False)
 
 
+def smooth(model, calib_batches) -> None:
+    """The recipe's smoothing, in place: the channel maxima of the first batch are enough."""
+    smooth_norm_inputs(model, lambda m: m(calib_batches[0], use_cache=False))
+
+
+def diagnostics_reference(float_model, recipe: dict, calib_batches):
+    """The float model a quantized one is measured against: for a smoothed recipe, a smoothed
+    copy (smoothing moves scales between the norms and the weights, so the unsmoothed weights
+    and their outputs on the smoothed inputs are not what the quantized layers approximate)."""
+    if not recipe.get("smooth"):
+        return float_model
+    reference = copy.deepcopy(float_model)
+    smooth(reference, calib_batches)
+    return reference
+
+
 def quantize(float_model, recipe: dict, calib_batches, name: str, tie: bool = False):
     """A quantized copy of ``float_model``; with ``tie``, fusion groups share their scales."""
     model = copy.deepcopy(float_model)
@@ -356,8 +372,8 @@ def quantize(float_model, recipe: dict, calib_batches, name: str, tie: bool = Fa
         quantize_(model, NVFP4WeightOnlyConfig(), filter_fn=all_but_lm_head)
         return model
     config = {key: value for key, value in recipe.items() if key not in EXAMPLE_KEYS}
-    if recipe.get("smooth"):  # the channel maxima of the first batch are enough
-        smooth_norm_inputs(model, lambda m: m(calib_batches[0], use_cache=False))
+    if recipe.get("smooth"):
+        smooth(model, calib_batches)
     quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=all_but_lm_head)
     calibrate(model, calib_batches, f"calibrate {name}")
     if tie:
@@ -465,9 +481,9 @@ def main(argv=None) -> None:
             tqdm.write(f"{name}: {len(groups)} sibling groups (q/k/v, gate/up) run as one GEMM each")
         rows.append(row(name, model, f"evaluate {name}"))
         if is_w4a4(recipe):
-            summary = diagnostics_summary(
-                model, float_model, eval_batches[0][:1], args.diagnostics_rows
-            )
+            reference = diagnostics_reference(float_model, recipe, calib_batches)
+            summary = diagnostics_summary(model, reference, eval_batches[0][:1], args.diagnostics_rows)
+            del reference
             diagnostics.append(f"{name}:\n{summary}")
         if args.save:
             path = pathlib.Path(args.save) / f"{name.replace('+', '_')}.pt"

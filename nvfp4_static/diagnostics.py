@@ -281,8 +281,10 @@ def layer_diagnostics(
         model: a converted model (``step="convert"`` or a loaded checkpoint).
         batch: a tensor (``model(batch)``), a tuple (``model(*batch)``) or a mapping
             (``model(**batch)``).
-        reference_model: optional float model with the same module names (the model before
-            ``prepare``); enables ``weight_snr_db`` and ``output_snr_db``.
+        reference_model: optional float model with the same module names (the model as it
+            was right before ``prepare``: after ``smooth_norm_inputs`` where the recipe smooths,
+            since smoothing changes the weights the quantized layers approximate); enables
+            ``weight_snr_db`` and ``output_snr_db``.
 
     Returns:
         One ``LayerDiagnostics`` per converted layer (and expert GEMM) that ran, in module

@@ -403,3 +403,7 @@ def test_smooth_recipes_fold_scales_into_the_norms_of_the_copy_they_quantize():
     assert torch.equal(float_model.model.layers[0].input_layernorm.weight, norm_before)
     assert torch.equal(plain.model.layers[0].input_layernorm.weight, norm_before)
     assert not torch.allclose(smoothed.model.layers[0].input_layernorm.weight, norm_before, rtol=0.1)
+    # Diagnostics measure a smoothed recipe against the float model smoothed the same way.
+    reference = example.diagnostics_reference(float_model, example.parse_recipe("max+max+smooth", {}), calib)
+    assert torch.equal(reference.model.layers[0].input_layernorm.weight, smoothed.model.layers[0].input_layernorm.weight)
+    assert example.diagnostics_reference(float_model, example.parse_recipe("max+max", {}), calib) is float_model
