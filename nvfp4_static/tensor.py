@@ -23,7 +23,12 @@ from torchao.utils import TorchAOBaseTensor, fill_defaults
 
 from nvfp4_static.backends import linear_function, resolve_backend
 from nvfp4_static.kernels import quantize_weight_nvfp4
-from nvfp4_static.numerics import BLOCK_SIZE, per_tensor_amax_to_scale, scale_reciprocal_overflows
+from nvfp4_static.numerics import (
+    BLOCK_SIZE,
+    SUPPORTED_DTYPES,
+    is_usable_act_per_tensor_scale,
+    per_tensor_amax_to_scale,
+)
 
 __all__ = ["NVFP4StaticTensor", "static_linear"]
 
@@ -70,6 +75,7 @@ class NVFP4StaticTensor(NVFP4Tensor):
         output_scale=None,
     ):
         _check_layout(block_size, is_swizzled_scales)
+        _check_data(qdata, scale, orig_dtype)
         self = super().__new__(
             cls,
             qdata,
@@ -149,10 +155,11 @@ class NVFP4StaticTensor(NVFP4Tensor):
                 of a tied fusion group takes the group's.
         """
         act_per_tensor_scale = per_tensor_amax_to_scale(act_global_amax.detach()).to(weight.device)
-        if scale_reciprocal_overflows(act_per_tensor_scale):
+        if not is_usable_act_per_tensor_scale(act_per_tensor_scale):
             raise ValueError(
                 f"nvfp4_static: activation global amax {float(act_global_amax):.3g} is below what "
-                f"NVFP4 can quantize with (about 5e-34: block-scale reciprocals overflow float32)"
+                f"NVFP4 can quantize with: it must be finite and above about 5e-34 (below it, "
+                f"block-scale reciprocals overflow float32)"
             )
         if weight_global_amax is None:
             weight_global_amax = weight.detach().abs().amax()
@@ -453,6 +460,28 @@ def _check_layout(block_size: int, is_swizzled_scales: bool) -> None:
         raise ValueError(
             "nvfp4_static: an NVFP4StaticTensor keeps its FP8 block scales row-major [N, K/16], got "
             "is_swizzled_scales=True (the blocked layout of torchao's FP4 _scaled_mm): unswizzle them first"
+        )
+
+
+def _check_data(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype) -> None:
+    """Refuse packed codes and block scales that do not describe one weight: the backends would
+    misread them (another scale format), or fail deep in a kernel (shapes that do not match)."""
+    transposed = qdata.dim() >= 2 and qdata.stride(-2) < qdata.stride(-1)
+    packed = -2 if transposed else -1  # the dim along which two codes share a byte
+    shapes_fit = (
+        qdata.dim() == scale.dim() >= 2
+        and all(q == s for i, (q, s) in enumerate(zip(qdata.shape, scale.shape)) if i != qdata.dim() + packed)
+        and qdata.shape[packed] == scale.shape[packed] * (BLOCK_SIZE // 2)
+    )
+    if qdata.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn or not shapes_fit:
+        raise ValueError(
+            f"nvfp4_static: an NVFP4StaticTensor holds uint8 codes [N, K/2] and float8_e4m3fn block scales "
+            f"[N, K/16]; got codes {list(qdata.shape)} {qdata.dtype} and scales {list(scale.shape)} {scale.dtype}"
+        )
+    if orig_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"nvfp4_static: an NVFP4StaticTensor stands for a weight of dtype "
+            f"{', '.join(map(str, SUPPORTED_DTYPES))}; got orig_dtype={orig_dtype}"
         )
 
 

@@ -38,9 +38,39 @@ def test_from_float_matches_torchao_to_nvfp4(dtype):
     assert torch.equal(ours.dequantize(), theirs.dequantize())
 
 
-def test_from_float_refuses_an_activation_amax_whose_scale_reciprocals_overflow():
-    with pytest.raises(ValueError, match="activation global amax 1e-35 is below"):
-        NVFP4StaticTensor.from_float(make_weight(), torch.tensor(1e-35))
+@pytest.mark.parametrize("amax", [1e-35, 0.0, -5.0, float("inf"), float("nan")],
+                         ids=["overflowing reciprocals", "zero", "negative", "inf", "nan"])
+def test_from_float_refuses_an_activation_amax_nvfp4_cannot_quantize_with(amax):
+    with pytest.raises(ValueError, match=f"activation global amax {amax:.3g} is below what NVFP4 can quantize"):
+        NVFP4StaticTensor.from_float(make_weight(), torch.tensor(amax))
+
+
+def constructor_variants():
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+
+    def built(**changes):
+        fields = dict(qdata=q.qdata, scale=q.scale, block_size=16, orig_dtype=torch.bfloat16,
+                      per_tensor_scale=q.per_tensor_scale, act_per_tensor_scale=q.act_per_tensor_scale)
+        fields.update(changes)
+        return NVFP4StaticTensor(**fields)
+
+    return {
+        "e5m2 scales": lambda: built(scale=q.scale.view(torch.float8_e5m2)),
+        "uint8 scales": lambda: built(scale=q.scale.view(torch.uint8)),
+        "int8 codes": lambda: built(qdata=q.qdata.view(torch.int8)),
+        "scales of half the blocks": lambda: built(scale=q.scale[:, :4]),
+        "scales of other rows": lambda: built(scale=q.scale[:32]),
+        "1-d scales": lambda: built(scale=q.scale.reshape(-1)),
+        "transposed scales only": lambda: built(scale=q.scale.t()),
+        "an int8 weight": lambda: built(orig_dtype=torch.int8),
+        "a float64 weight": lambda: built(orig_dtype=torch.float64),
+    }
+
+
+@pytest.mark.parametrize("variant", constructor_variants().keys())
+def test_codes_and_scales_that_do_not_describe_one_weight_are_refused(variant):
+    with pytest.raises(ValueError, match="an NVFP4StaticTensor (holds uint8 codes|stands for a weight of dtype)"):
+        constructor_variants()[variant]()
 
 
 TYPE_PRESERVING_OPS = {
