@@ -358,6 +358,14 @@ def _contiguous(func, types, args, kwargs):
     return old._apply_fn_to_data(lambda inner: inner.contiguous())
 
 
+@implements([aten.select.int])
+def _select(func, types, args, kwargs):
+    raise NotImplementedError(
+        f"nvfp4_static: an NVFP4StaticTensor of shape {tuple(args[0].shape)} cannot be indexed down to one "
+        f"dim (its codes are packed along the last): slice it instead, e.g. w[i : i + 1]"
+    )
+
+
 @implements([aten.t.default])
 def _t(func, types, args, kwargs):
     old = args[0]

@@ -141,6 +141,14 @@ def test_aligned_slice_equals_sliced_dequantize(rows, cols):
     assert torch.equal(sliced.dequantize(), q.dequantize()[rows[0] : rows[1], cols[0] : cols[1]])
 
 
+@pytest.mark.parametrize("index", [lambda w: w[0], lambda w: w[-1], lambda w: w.select(0, 3), lambda w: w[:, 5]],
+                         ids=["first row", "last row", "select", "one column"])
+def test_indexing_down_to_one_dim_is_refused_naming_the_shape(index):
+    q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
+    with pytest.raises(NotImplementedError, match=r"NVFP4StaticTensor of shape \(64, 128\) cannot be indexed down"):
+        index(q)
+
+
 def test_unaligned_column_slice_is_an_error():
     q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
     with pytest.raises(ValueError, match="multiples of 16"):
