@@ -474,13 +474,14 @@ def _check_layout(block_size: int, is_swizzled_scales: bool) -> None:
 def _check_data(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype) -> None:
     """Refuse packed codes and block scales that do not describe one weight: the backends would
     misread them (another scale format), or fail deep in a kernel (shapes that do not match)."""
-    transposed = qdata.dim() >= 2 and qdata.stride(-2) < qdata.stride(-1)
-    packed = -2 if transposed else -1  # the dim along which two codes share a byte
-    shapes_fit = (
-        qdata.dim() == scale.dim() >= 2
-        and all(q == s for i, (q, s) in enumerate(zip(qdata.shape, scale.shape)) if i != qdata.dim() + packed)
-        and qdata.shape[packed] == scale.shape[packed] * (BLOCK_SIZE // 2)
-    )
+
+    def fit_packed_along(packed: int) -> bool:
+        """Whether the shapes fit codes packed along dim ``packed`` (-1 stored, -2 transposed)."""
+        dims = enumerate(zip(qdata.shape, scale.shape))
+        others_equal = all(q == s for i, (q, s) in dims if i != qdata.dim() + packed)
+        return others_equal and qdata.shape[packed] == scale.shape[packed] * (BLOCK_SIZE // 2)
+
+    shapes_fit = qdata.dim() == scale.dim() >= 2 and (fit_packed_along(-1) or fit_packed_along(-2))
     if qdata.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn or not shapes_fit:
         raise ValueError(
             f"nvfp4_static: an NVFP4StaticTensor holds uint8 codes [N, K/2] and float8_e4m3fn block scales "

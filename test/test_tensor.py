@@ -61,7 +61,6 @@ def constructor_variants():
         "scales of half the blocks": lambda: built(scale=q.scale[:, :4]),
         "scales of other rows": lambda: built(scale=q.scale[:32]),
         "1-d scales": lambda: built(scale=q.scale.reshape(-1)),
-        "transposed scales only": lambda: built(scale=q.scale.t()),
         "an int8 weight": lambda: built(orig_dtype=torch.int8),
         "a float64 weight": lambda: built(orig_dtype=torch.float64),
     }
