@@ -63,8 +63,9 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
     ) -> torch.Tensor:
         self.gate_up_proj[0].check_input(hidden_states)  # before the pooled calibrator sees it
         check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name)
-        if bool(((top_k_index < 0) | (top_k_index > self.num_experts)).any()):
-            bad = top_k_index[(top_k_index < 0) | (top_k_index > self.num_experts)]
+        outside = (top_k_index < 0) | (top_k_index > self.num_experts)
+        if bool(outside.any()):
+            bad = top_k_index[outside]
             raise ValueError(
                 f"nvfp4_static: experts '{self.layer_name}': top_k_index holds {bad.numel()} expert indices "
                 f"outside 0..{self.num_experts} (first: {int(bad[0])}); {self.num_experts} routes a slot "
