@@ -119,3 +119,13 @@ def test_the_one_row_benchmark_runs_the_forms_it_names(benchmarks_on_path, monke
             assert decode.sums_in_program(split, K, 1) == in_program, name
     assert gemm.table_config(1, None, 8192, 8192, CUDA) == gemm.gemm_config(1)  # 8 K tiles per split: the entry
     assert gemm.decode_tile_for_one_row(split, K) == gemm.DECODE_TILE
+
+
+def test_the_decode_tile_benchmarks_name_both_forms_of_the_decode_tile(benchmarks_on_path):
+    """Their ``takes`` column names the tile the table runs: at one row the decode tile may be the
+    form that quantizes its row, which is the decode tile too."""
+    from nvfp4_static.kernels import gemm
+
+    tile_name = importlib.import_module("bench_decode_tile").tile_name
+    assert [tile_name(t) for t in (gemm.DECODE_TILE, gemm.DECODE_TILE_AT_ONE_ROW)] == ["decode", "decode"]
+    assert tile_name(gemm.GEMM_CONFIGS[0][1]) == "entry"

@@ -71,7 +71,9 @@ def tiles_taken(M: int, N: int, K: int, device: torch.device) -> tuple:
 
 
 def tile_name(config) -> str:
-    return "decode" if config == DECODE_TILE else "entry"
+    """``decode`` for the decode tile in either form (taking its operand, or quantizing its one
+    row), else ``entry``."""
+    return "decode" if gemm.is_decode_tile(config) else "entry"
 
 
 def same_as_the_triton_twin(x, weight, act_scale) -> bool:
