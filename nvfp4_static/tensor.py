@@ -25,6 +25,7 @@ from nvfp4_static.backends import linear_function, resolve_backend
 from nvfp4_static.kernels import quantize_weight_nvfp4
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
+    E4M3_MIN_NORMAL,
     SUPPORTED_DTYPES,
     is_usable_act_per_tensor_scale,
     per_tensor_amax_to_scale,
@@ -154,16 +155,26 @@ class NVFP4StaticTensor(NVFP4Tensor):
             weight_global_amax: the weight's global amax, by default its ``max(|w|)``; a layer
                 of a tied fusion group takes the group's.
         """
-        act_per_tensor_scale = per_tensor_amax_to_scale(act_global_amax.detach()).to(weight.device)
-        if not is_usable_act_per_tensor_scale(act_per_tensor_scale):
-            raise ValueError(
-                f"nvfp4_static: activation global amax {float(act_global_amax):.3g} is below what "
-                f"NVFP4 can quantize with: it must be finite and above about 5e-34 (below it, "
-                f"block-scale reciprocals overflow float32)"
-            )
+        act_global_amax = _one_amax(act_global_amax, "act_global_amax")
+        act_per_tensor_scale = per_tensor_amax_to_scale(act_global_amax)
+        weight_max = weight.detach().abs().amax().to(torch.float32)
         if weight_global_amax is None:
-            weight_global_amax = weight.detach().abs().amax()
-        weight_per_tensor_scale = per_tensor_amax_to_scale(weight_global_amax.detach())
+            weight_global_amax = weight_max
+        weight_global_amax = _one_amax(weight_global_amax, "weight_global_amax")
+        weight_per_tensor_scale = per_tensor_amax_to_scale(weight_global_amax.to(weight.device))
+        scalars = (act_per_tensor_scale, act_global_amax, weight_per_tensor_scale, weight_global_amax, weight_max)
+        values = _host_values(weight.device, *scalars)
+        output_scale = None
+        if values is not None:
+            _check_amaxes(*values)
+            act_scale, _, weight_scale, _, _ = values
+            output_scale = float(act_scale * weight_scale)
+            if block_scales_e4m3 is None and weight_scale == 0:
+                # An all-zero weight: block max would be 0 / 0 under its zero global scale. It
+                # takes the sweep's smallest normal block scale; any scale quantizes it to zeros.
+                rows, columns = weight.shape[-2], weight.shape[-1] // BLOCK_SIZE
+                block_scales_e4m3 = torch.full((rows, columns), E4M3_MIN_NORMAL, device=weight.device)
+                block_scales_e4m3 = block_scales_e4m3.to(torch.float8_e4m3fn)
         qdata, scale = quantize_weight_nvfp4(weight.detach(), weight_per_tensor_scale, block_scales_e4m3)
         return cls(
             qdata,
@@ -171,9 +182,9 @@ class NVFP4StaticTensor(NVFP4Tensor):
             BLOCK_SIZE,
             weight.dtype,
             weight_per_tensor_scale,
-            act_per_tensor_scale,
+            act_per_tensor_scale.to(weight.device),
             backend_override=backend_override,
-            output_scale=host_scale_product(act_per_tensor_scale, weight_per_tensor_scale),
+            output_scale=output_scale,
         )
 
     def _stable_hash_for_caching(self) -> str:
@@ -226,6 +237,55 @@ def host_scale_product(
     if any(s is None or not _holds_values(s) for s in scales):
         return None
     return float(scales[0].to(torch.float32) * scales[1].to(torch.float32))
+
+
+def _one_amax(amax, name: str) -> torch.Tensor:
+    """``amax`` (a one-element tensor or a Python number) as a float32 scalar tensor, refusing
+    anything else: a several-element amax would broadcast the per-tensor scale over the weight."""
+    if isinstance(amax, (int, float)) and not isinstance(amax, bool):
+        amax = torch.tensor(float(amax))
+    if not isinstance(amax, torch.Tensor):
+        raise ValueError(f"nvfp4_static: from_float takes {name} as one real number; got {amax!r}")
+    if amax.numel() != 1 or amax.dtype.is_complex or amax.dtype == torch.bool:
+        got = f"a tensor of shape {list(amax.shape)} {amax.dtype}"
+        raise ValueError(f"nvfp4_static: from_float takes {name} as one real number; got {got}")
+    return amax.detach().reshape(()).to(torch.float32)
+
+
+def _host_values(device: torch.device, *scalars: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
+    """The scalars' values on the host as float32, those not there yet gathered on ``device``
+    and read in one transfer (one wait for a GPU); None where one has none to read (fake while
+    tracing, or on ``meta``)."""
+    if not all(_holds_values(s) for s in scalars):
+        return None
+    elsewhere = [s.to(device=device, dtype=torch.float32) for s in scalars if s.device.type != "cpu"]
+    read = iter(torch.stack(elsewhere).cpu().unbind() if elsewhere else ())
+    return tuple(s.to(torch.float32) if s.device.type == "cpu" else next(read) for s in scalars)
+
+
+# How far a weight's max |w| may exceed its global amax: the float32 rounding of a weight that
+# was dequantized under that amax (GPTQ's), whose largest values reach it.
+AMAX_ROUNDING = 2.0**-16
+
+
+def _check_amaxes(act_scale, act_global_amax, weight_scale, weight_global_amax, weight_max) -> None:
+    """Refuse, from their host values, global amaxes that would quantize to NaN or to another
+    weight than the given one (an amax under the weight's max |w| saturates block scales)."""
+    if not is_usable_act_per_tensor_scale(act_scale):
+        raise ValueError(
+            f"nvfp4_static: activation global amax {float(act_global_amax):.3g} is below what "
+            f"NVFP4 can quantize with: it must be finite and above about 5e-34 (below it, "
+            f"block-scale reciprocals overflow float32)"
+        )
+    if not bool(torch.isfinite(weight_max)):
+        raise ValueError("nvfp4_static: from_float needs a finite weight; this one holds NaN or Inf values")
+    usable = bool(torch.isfinite(weight_scale)) and weight_scale >= 0
+    if not usable or weight_max > weight_global_amax * (1 + AMAX_ROUNDING):
+        raise ValueError(
+            f"nvfp4_static: weight global amax {float(weight_global_amax):.6g} cannot quantize a "
+            f"weight whose max |w| is {float(weight_max):.6g}: it must be finite and at least "
+            f"that max (a smaller one clips the largest blocks)"
+        )
 
 
 def _holds_values(t: torch.Tensor) -> bool:

@@ -35,7 +35,6 @@ from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.messages import warn
 from nvfp4_static.numerics import (
     BLOCK_SIZE,
-    E4M3_MIN_NORMAL,
     check_dtype,
     dequantize_nvfp4,
     is_usable_act_per_tensor_scale,
@@ -346,14 +345,7 @@ def _weight_block_scales(
     ``nvfp4_static.data_parallel_convert``); None (block max, as torchao computes
     them) for ``weight_scale="max"`` and for a weight too small for the sweep."""
     if config.weight_scale == "max":
-        if bool(global_amax > 0):
-            return None
-        # An all-zero weight: block max would be 0 / 0 under its zero global scale. The sweep
-        # gives such a weight the smallest normal scale; any scale quantizes it to zeros.
-        weight = module.weight
-        return torch.full(
-            (weight.shape[0], weight.shape[1] // BLOCK_SIZE), E4M3_MIN_NORMAL, device=weight.device
-        ).to(torch.float8_e4m3fn)
+        return None
     if module.swept_block_scales is not None:
         return module.swept_block_scales
     try:

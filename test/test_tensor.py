@@ -45,6 +45,59 @@ def test_from_float_refuses_an_activation_amax_nvfp4_cannot_quantize_with(amax):
         NVFP4StaticTensor.from_float(make_weight(), torch.tensor(amax))
 
 
+@pytest.mark.parametrize(
+    "amax", [float("nan"), float("inf"), -1.0, 0.0, 0.5],
+    ids=["nan", "inf", "negative", "zero", "under max |w|"],
+)
+def test_from_float_refuses_a_weight_amax_that_would_not_quantize_the_weight_given(amax):
+    """NaN or Inf quantized to NaN outputs; a negative one flipped signs; zero or one under the
+    weight's max |w| saturated block scales (relative output error near 1)."""
+    weight = make_weight()
+    message = rf"weight global amax {amax:.6g} cannot quantize a weight whose max \|w\| is"
+    with pytest.raises(ValueError, match=message):
+        NVFP4StaticTensor.from_float(weight, ACT_AMAX, weight_global_amax=torch.tensor(amax))
+
+
+@pytest.mark.parametrize(
+    "amax", [torch.tensor([1.0, 2.0]), torch.ones(1, 2), torch.tensor(True), "5.0"],
+    ids=["two elements", "two by one", "bool", "string"],
+)
+@pytest.mark.parametrize("argument", ["act_global_amax", "weight_global_amax"])
+def test_from_float_refuses_an_amax_that_is_not_one_number(argument, amax):
+    amaxes = {"act_global_amax": ACT_AMAX, argument: amax}
+    with pytest.raises(ValueError, match=f"from_float takes {argument} as one real number"):
+        NVFP4StaticTensor.from_float(make_weight(), **amaxes)
+
+
+def test_from_float_takes_amaxes_as_python_numbers_or_larger_than_the_weight():
+    """A tied group's amax is at least each member's max |w|; numbers are the same amax."""
+    weight = make_weight()
+    own = NVFP4StaticTensor.from_float(weight, ACT_AMAX)
+    as_numbers = NVFP4StaticTensor.from_float(weight, 5.0, weight_global_amax=float(weight.abs().amax()))
+    assert torch.equal(as_numbers.qdata, own.qdata) and torch.equal(as_numbers.per_tensor_scale, own.per_tensor_scale)
+    larger = NVFP4StaticTensor.from_float(weight, ACT_AMAX, weight_global_amax=3 * weight.abs().amax())
+    reference = dequantize_nvfp4(own.qdata, own.scale, own.per_tensor_scale).float()
+    assert (larger.dequantize().float() - reference).norm() / reference.norm() < 0.2
+
+
+@pytest.mark.parametrize("weight_global_amax", [None, 0.0], ids=["its own", "zero given"])
+def test_from_float_quantizes_an_all_zero_weight_to_zeros(weight_global_amax):
+    """Its block max under a zero global scale was 0 / 0: NaN outputs."""
+    weight = torch.zeros(64, 128, dtype=torch.bfloat16)
+    q = NVFP4StaticTensor.from_float(weight, ACT_AMAX, weight_global_amax=weight_global_amax)
+    out = F.linear(torch.randn(3, 128, dtype=torch.bfloat16), q)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(q.scale.float(), torch.full((64, 8), 2.0**-6))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_from_float_refuses_a_weight_with_non_finite_values(value):
+    weight = make_weight()
+    weight[3, 5] = value
+    with pytest.raises(ValueError, match="from_float needs a finite weight"):
+        NVFP4StaticTensor.from_float(weight, ACT_AMAX)
+
+
 def constructor_variants():
     q = NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX)
 
