@@ -137,7 +137,7 @@ def prepare_linear(module: torch.nn.Linear, config: NVFP4StaticActivationConfig)
     if isinstance(shared, NVFP4StaticObservedLinear) and shared.weight is module.weight:
         return shared  # a linear two parents hold: one observed layer serves both
     if isinstance(module, (NVFP4StaticObservedLinear, NVFP4StaticLinear)):
-        raise ValueError(f"nvfp4_static: layer '{name}' is already {type(module).__name__}")
+        raise ValueError(already_prepared_message(name, module))
     check_dtype(module.weight, f"weight of layer '{name}'")
     if left_float_says_why(module, name, config.strict):
         return module
@@ -155,12 +155,14 @@ def prepare_linear(module: torch.nn.Linear, config: NVFP4StaticActivationConfig)
     return observed
 
 
-
-
-
-
-
-
+def already_prepared_message(name: str, module: torch.nn.Module) -> str:
+    """What prepare says of a layer it prepared or converted before: each layer is prepared
+    once, and a prepare refused at one layer has already prepared the layers before it."""
+    return (
+        f"nvfp4_static: layer '{name}' is already {type(module).__name__}; prepare runs once per "
+        f"model (a prepare refused at a later layer leaves the layers before it prepared): load "
+        f"the float model again to prepare it again"
+    )
 
 
 def why_left_float(module: torch.nn.Linear):

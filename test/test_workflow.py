@@ -415,6 +415,21 @@ def test_strict_mode_raises_on_a_100_wide_linear():
         )
 
 
+@pytest.mark.parametrize("step", ["prepare", "convert"], ids=["prepared", "converted"])
+def test_preparing_a_layer_again_names_it_and_says_how_to_start_over(step):
+    """A prepare refused at a later layer (strict, a weight dtype) has prepared the layers before
+    it; preparing again then meets one of those."""
+    model = make(MLP)
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
+    if step == "convert":
+        with torch.no_grad():
+            model(torch.randn(8, DIM))
+        quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
+    message = r"'up' is already NVFP4Static\w+; prepare runs once .* load the float model again"
+    with pytest.raises(ValueError, match=message):
+        quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
+
+
 def test_unsupported_weight_dtype_is_an_error():
     model = make(MLP).to(torch.float64)
     with pytest.raises(TypeError, match="float64"):

@@ -38,7 +38,7 @@ __all__ = ["EXPERTS_STEPS"]
 def _prepare(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
     name = workflow.layer_name(module)
     if isinstance(module, (NVFP4StaticObservedExperts, NVFP4StaticExperts)):
-        raise ValueError(f"nvfp4_static: layer '{name}' is already {type(module).__name__}")
+        raise ValueError(workflow.already_prepared_message(name, module))
     if workflow.left_float_says_why(module, name, config.strict):
         return module
     layout = experts_layout(module)
