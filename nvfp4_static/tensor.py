@@ -533,15 +533,12 @@ def _check_layout(block_size: int, is_swizzled_scales: bool) -> None:
 
 def _check_data(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype) -> None:
     """Refuse packed codes and block scales that do not describe one weight: the backends would
-    misread them (another scale format), or fail deep in a kernel (shapes that do not match)."""
-
-    def fit_packed_along(packed: int) -> bool:
-        """Whether the shapes fit codes packed along dim ``packed`` (-1 stored, -2 transposed)."""
-        dims = enumerate(zip(qdata.shape, scale.shape))
-        others_equal = all(q == s for i, (q, s) in dims if i != qdata.dim() + packed)
-        return others_equal and qdata.shape[packed] == scale.shape[packed] * (BLOCK_SIZE // 2)
-
-    shapes_fit = qdata.dim() == scale.dim() >= 2 and (fit_packed_along(-1) or fit_packed_along(-2))
+    misread them (another scale format), or fail deep in a kernel (shapes that do not match).
+    Every rebuild of a weight runs it (an unwrapped model's, at each call), so it stays cheap."""
+    codes, scales = qdata.shape, scale.shape
+    shapes_fit = len(codes) == len(scales) >= 2 and (
+        _fits_packed_along(codes, scales, -1) or _fits_packed_along(codes, scales, -2)
+    )
     if qdata.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn or not shapes_fit:
         raise ValueError(
             f"nvfp4_static: an NVFP4StaticTensor holds uint8 codes [N, K/2] and float8_e4m3fn block scales "
@@ -552,6 +549,16 @@ def _check_data(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtyp
             f"nvfp4_static: an NVFP4StaticTensor stands for a weight of dtype "
             f"{', '.join(map(str, SUPPORTED_DTYPES))}; got orig_dtype={orig_dtype}"
         )
+
+
+def _fits_packed_along(codes_shape: torch.Size, scales_shape: torch.Size, packed: int) -> bool:
+    """Whether codes and block scales of these shapes fit codes packed along dim ``packed`` (-1
+    stored, -2 transposed): 8 bytes of codes per block scale there, the same size elsewhere."""
+    codes, scales = list(codes_shape), list(scales_shape)
+    if codes[packed] != scales[packed] * (BLOCK_SIZE // 2):
+        return False
+    del codes[packed], scales[packed]
+    return codes == scales
 
 
 # Called with (destination, source) before ``copy_`` writes into an NVFP4StaticTensor, once the
