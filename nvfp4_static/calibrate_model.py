@@ -15,6 +15,7 @@ import torch
 from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
+from nvfp4_static.arguments import check_flags
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.layerwise import _home_device, _map_tensors
 from nvfp4_static.norm_smoothing import (
@@ -73,6 +74,7 @@ def calibrate_model(
         )
     if not batches:
         raise ValueError("nvfp4_static: calibrate_model needs at least one calibration batch")
+    check_flags("calibrate_model", progress=progress)
     if not selects_a_layer(model, filter_fn):
         raise ValueError(
             "nvfp4_static: calibrate_model: filter_fn selects no linear layer (or registered experts) of the "

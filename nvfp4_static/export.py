@@ -31,6 +31,7 @@ from typing import Union
 import torch
 from safetensors.torch import save_file
 
+from nvfp4_static.arguments import check_flags
 from nvfp4_static.experts import NVFP4StaticExperts, NVFP4StaticObservedExperts
 from nvfp4_static.experts.serving import as_saved, converted_expert_linears, saved_module_names
 from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups
@@ -113,6 +114,7 @@ def export_checkpoint(
         raise ValueError(
             f"nvfp4_static: unknown export format {format!r}; choose one of {', '.join(FORMATS)}"
         )
+    check_flags("export_checkpoint", overwrite=overwrite)
     converted = _converted_layers(model)
     if fusion_groups:
         _check_fusion_groups_tied(model, fusion_groups)

@@ -42,6 +42,7 @@ import torch
 from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
+from nvfp4_static.arguments import check_flags
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.data_parallel_convert import SideTask, convert_data_parallel
 from nvfp4_static.distributed import (
@@ -291,6 +292,8 @@ def calibrate_layer_by_layer(
     Returns:
         ``model``, its decoder layers' selected linears converted.
     """
+    flags = dict(propagate_quantized=propagate_quantized, offload=offload, progress=progress)
+    check_flags("calibrate_layer_by_layer", **flags, **({} if prefetch is None else {"prefetch": prefetch}))
     config = config or NVFP4StaticActivationConfig()
     prepare = dataclasses.replace(config, step="prepare")
     convert = dataclasses.replace(config, step="convert")

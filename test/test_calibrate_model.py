@@ -113,6 +113,16 @@ def test_bad_calls_are_refused_and_nothing_changes(model_fn, data, options, mess
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("progress", ["no", 1], ids=["string", "one"])
+def test_a_progress_flag_that_is_not_a_bool_is_refused_and_nothing_changes(progress):
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match=f"calibrate_model: progress={progress!r} must be True or False"):
+        calibrate_model(model, batches(), CONFIG, filter_fn=all_but_lm_head, progress=progress)
+    assert all(type(m) is not NVFP4StaticLinear for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("data", [token_ids(0), {"input_ids": token_ids(0)}, (ids for ids in batches())],
                          ids=["a tensor", "a dict", "a generator"])
 def test_batches_that_are_not_a_sequence_are_refused_and_nothing_changes(data):

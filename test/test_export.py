@@ -358,6 +358,17 @@ def test_a_non_empty_folder_is_refused_and_overwrite_keeps_the_users_files(llama
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging folder left
 
 
+@pytest.mark.parametrize("overwrite", ["no", "False", 0, None], ids=["no", "False string", "zero", "none"])
+def test_an_overwrite_flag_that_is_not_a_bool_is_refused_and_nothing_is_written(llama_fp32, tmp_path, overwrite):
+    """``overwrite="no"`` is truthy: it would have replaced the folder's files."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(TypeError, match=f"export_checkpoint: overwrite={overwrite!r} must be True or False"):
+        export_checkpoint(llama_fp32, folder, overwrite=overwrite)
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
 def test_overwrite_refuses_weight_files_it_would_not_replace(llama_fp32, tmp_path):
     folder = tmp_path / "export"
     folder.mkdir()

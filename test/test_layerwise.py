@@ -111,6 +111,21 @@ def test_a_call_with_nothing_to_calibrate_is_refused_and_nothing_changes(options
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize(
+    "flag, value",
+    [("propagate_quantized", "False"), ("offload", "no"), ("progress", 0), ("prefetch", "yes")],
+    ids=["propagate_quantized string", "offload string", "progress zero", "prefetch string"],
+)
+def test_a_flag_that_is_not_a_bool_is_refused_and_nothing_changes(flag, value):
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    options = {"progress": False, flag: value}
+    with pytest.raises(TypeError, match=f"calibrate_layer_by_layer: {flag}={value!r} must be True or False"):
+        calibrate_layer_by_layer(model, [token_ids(0)], filter_fn=all_but_lm_head, device="cpu", **options)
+    assert all(type(m) is not NVFP4StaticLinear for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_propagating_the_quantized_outputs_changes_only_the_later_layers():
     plain = converted_scales(layer_by_layer("b_min", "hessian_mse"))
     propagated = converted_scales(layer_by_layer("b_min", "hessian_mse", propagate_quantized=True))
