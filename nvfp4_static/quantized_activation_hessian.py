@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from nvfp4_static.arguments import check_flags
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers import BlockHessianAccumulator
 from nvfp4_static.observers.mse import nvfp4_fake_quantize_with_amax
@@ -81,6 +82,7 @@ def calibrate_hessians_under_quantized_activations(
 
     Experts of mixture-of-experts layers run float during the pass and keep their Hessians.
     """
+    check_flags("calibrate_hessians_under_quantized_activations", own_input_quantized=own_input_quantized)
     paths: dict[NVFP4StaticObservedLinear, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, NVFP4StaticObservedLinear):

@@ -159,6 +159,15 @@ def test_a_layer_without_calibration_is_named_and_nothing_changes():
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("flag", ["yes", 1], ids=["string", "one"])
+def test_an_own_input_flag_that_is_not_a_bool_is_refused_and_nothing_changes(flag):
+    model = calibrated_mlp(weight_scale="hessian_mse")
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=f"own_input_quantized={flag!r} must be True or False"):
+        calibrate_hessians_under_quantized_activations(model, run_batches(), own_input_quantized=flag)
+    assert_unchanged(model, before)
+
+
 @pytest.mark.parametrize("model", [make(MLP), torch.nn.Sequential()], ids=["float_mlp", "empty"])
 def test_a_model_without_observed_linears_is_refused(model):
     with pytest.raises(ValueError, match="found no observed linear.*step='prepare'"):
