@@ -53,7 +53,7 @@ def find_fusion_groups(
     entry of ``groups`` (sibling names such as ``("q_proj", "k_proj", "v_proj")``). Every
     ``nn.Linear`` counts, whether float, observed or converted.
     """
-    _check_groups(groups)
+    groups = _checked_groups(groups)
     found = []
     for parent_name, parent in model.named_modules():
         children = dict(parent.named_children())
@@ -64,6 +64,7 @@ def find_fusion_groups(
             if len(members) >= 2:
                 prefix = f"{parent_name}." if parent_name else ""
                 found.append(tuple(prefix + name for name in members))
+    _check_no_layer_in_two_groups(found)
     return found
 
 
@@ -128,23 +129,44 @@ def tie_fused_layers(
     return [tuple(observed) for _, observed, _, _ in ties]
 
 
-def _check_groups(groups) -> None:
+def _checked_groups(groups) -> tuple[tuple[str, ...], ...]:
+    """``groups`` as tuples (an iterator is read once, here), refused where a group is not a
+    tuple of distinct sibling names."""
     if isinstance(groups, str) or not isinstance(groups, Iterable):
         raise TypeError(
             f"nvfp4_static: fusion groups must be a sequence of sibling-name tuples such as "
             f"[('q_proj', 'k_proj', 'v_proj')], got {groups!r}"
         )
-    for group in groups:
-        if isinstance(group, str) or not all(isinstance(name, str) for name in group):
+    checked = []
+    for given in groups:
+        group = None if isinstance(given, str) or not isinstance(given, Iterable) else tuple(given)
+        if group is None or not all(isinstance(name, str) for name in group):
             raise TypeError(
                 f"nvfp4_static: each fusion group must be a tuple of child names such as "
-                f"('gate_proj', 'up_proj'), got {group!r}"
+                f"('gate_proj', 'up_proj'), got {given!r}"
             )
         if any("." in name for name in group):
             raise ValueError(
                 f"nvfp4_static: fusion group {group!r} names a nested module; a group lists "
                 f"sibling names (children of one parent), which are matched under every parent"
             )
+        if len(set(group)) < len(group):
+            raise ValueError(f"nvfp4_static: fusion group {group!r} names a linear twice")
+        checked.append(group)
+    return tuple(checked)
+
+
+def _check_no_layer_in_two_groups(found: list[tuple[str, ...]]) -> None:
+    """One linear cannot share two groups' global amaxes, nor run in two fused GEMMs."""
+    seen = {}
+    for group in found:
+        for name in group:
+            if name in seen:
+                raise ValueError(
+                    f"nvfp4_static: linear '{name}' is in two fusion groups, {list(seen[name])} and "
+                    f"{list(group)}; each linear fuses with one group of siblings"
+                )
+            seen[name] = group
 
 
 def _group_weight_global_amax(observed: dict) -> torch.Tensor:

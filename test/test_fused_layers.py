@@ -195,9 +195,36 @@ def test_a_partly_quantized_group_is_refused_at_export(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "groups, error",
-    [("q_proj", TypeError), (["q_proj", "k_proj"], TypeError), ([("self_attn.q_proj", "x")], ValueError)],
+    "groups, error, message",
+    [("q_proj", TypeError, "fusion groups must be"), (["q_proj", "k_proj"], TypeError, "each fusion group must"),
+     ([("self_attn.q_proj", "x")], ValueError, "names a nested module"), ([3], TypeError, "each fusion group must"),
+     ([("q_proj", "q_proj")], ValueError, r"\('q_proj', 'q_proj'\) names a linear twice"),
+     ([("gate_proj", "up_proj", "up_proj")], ValueError, "names a linear twice"),
+     ([("q_proj", "k_proj"), ("k_proj", "v_proj")], ValueError,
+      r"'model.layers.0.self_attn.k_proj' is in two fusion groups"),
+     ([("gate_proj", "up_proj"), ("up_proj", "gate_proj")], ValueError, "is in two fusion groups")],
+    ids=["a string", "a list of strings", "a dotted name", "a number", "a name twice", "a name twice of three",
+         "overlapping groups", "one group twice"],
 )
-def test_malformed_groups_are_refused(groups, error):
-    with pytest.raises(error, match="fusion group"):
-        tie_fused_layers(tiny_llama(), groups=groups)
+def test_malformed_groups_are_refused_and_change_nothing(groups, error, message):
+    """A name twice fused a linear with itself (its weight stored twice in the group's GEMM);
+    overlapping groups reported both tied while their members' scales differed."""
+    model = prepared_and_calibrated(tiny_llama(), weight_scale="max")
+    calibrators = {name: m.act_calibrator for name, m in model.named_modules() if hasattr(m, "act_calibrator")}
+    with pytest.raises(error, match=message):
+        tie_fused_layers(model, groups=groups)
+    with pytest.raises(error, match=message):
+        find_fusion_groups(model, groups)
+    for name, module in model.named_modules():
+        if name in calibrators:
+            assert module.act_calibrator is calibrators[name] and module.tied_weight_global_amax is None, name
+
+
+def test_groups_given_as_iterators_are_read_once_and_found():
+    """The check read a generator to its end, leaving the search nothing: no group tied."""
+    model = prepared_and_calibrated(tiny_llama(), weight_scale="max")
+    standard = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
+    expected = find_fusion_groups(model, standard)
+    assert find_fusion_groups(model, (group for group in standard)) == expected
+    assert find_fusion_groups(model, [iter(group) for group in standard]) == expected
+    assert tie_fused_layers(model, (group for group in standard)) == expected
