@@ -26,6 +26,7 @@ from nvfp4_static import (
     NVFP4StaticExperts,
     NVFP4StaticLinear,
     NVFP4StaticObservedExperts,
+    NVFP4StaticObservedLinear,
     export_checkpoint,
     import_checkpoint,
     is_quantizable,
@@ -215,10 +216,16 @@ def test_register_experts_refuses_what_is_not_a_layout():
         (None, TypeError, "takes an nn.Module class or its qualified name"),
         (MyExperts.__init__, TypeError, "takes an nn.Module class or its qualified name"),
         ("MyExperts", TypeError, "takes an nn.Module class or its qualified name"),
-        (torch.nn.Linear, ValueError, "nn.Linear is quantized as a linear"),
-        ("torch.nn.modules.linear.Linear", ValueError, "nn.Linear is quantized as a linear"),
+        (torch.nn.Linear, ValueError, "is a linear .* quantized as a linear"),
+        ("torch.nn.modules.linear.Linear", ValueError, "is a linear .* quantized as a linear"),
+        (NVFP4StaticObservedLinear, ValueError, "is a linear .* quantized as a linear"),
+        (NVFP4StaticLinear, ValueError, "is a linear .* quantized as a linear"),
+        (f"{NVFP4StaticLinear.__module__}.{NVFP4StaticLinear.__qualname__}", ValueError, "is a linear .* quantized as"),
+        (f"{NVFP4StaticObservedLinear.__module__}.{NVFP4StaticObservedLinear.__qualname__}", ValueError,
+         "is a linear .* quantized as"),
     ],
-    ids=["int", "none", "function", "unqualified name", "linear class", "linear name"],
+    ids=["int", "none", "function", "unqualified name", "linear class", "linear name", "observed linear",
+         "converted linear", "converted linear name", "observed linear name"],
 )
 def test_register_experts_refuses_what_is_not_an_experts_class(experts_class, error, message):
     with pytest.raises(error, match=message):

@@ -79,6 +79,14 @@ def _qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# nn.Linear and this package's linears by qualified name: a name is checked without importing it.
+_LINEAR_NAMES = (
+    "torch.nn.modules.linear.Linear",
+    "nvfp4_static.observed.NVFP4StaticObservedLinear",
+    "nvfp4_static.linear.NVFP4StaticLinear",
+)
+
+
 def register_experts(experts_class: Union[type, str], layout: ExpertsLayout = ExpertsLayout()) -> None:
     """Let ``is_quantizable`` select ``experts_class`` (a class, or its ``module.QualName``)
     and quantize its experts as ``layout`` describes; see this module's docstring for the
@@ -92,8 +100,15 @@ def register_experts(experts_class: Union[type, str], layout: ExpertsLayout = Ex
             f"nvfp4_static: register_experts takes an nn.Module class or its qualified name "
             f"('package.module.ClassName'), got {experts_class!r}"
         )
-    if experts_class is torch.nn.Linear or experts_class == _qualified_name(torch.nn.Linear):
-        raise ValueError("nvfp4_static: nn.Linear is quantized as a linear; register an experts module class")
+    if isinstance(experts_class, str):
+        linear = experts_class in _LINEAR_NAMES
+    else:
+        linear = issubclass(experts_class, torch.nn.Linear)
+    if linear:
+        raise ValueError(
+            f"nvfp4_static: {experts_class!r} is a linear (nn.Linear or a subclass, such as the layers prepare and "
+            f"convert make), quantized as a linear; register an experts module class"
+        )
     name = experts_class if isinstance(experts_class, str) else _qualified_name(experts_class)
     _LAYOUTS[name] = layout
 
