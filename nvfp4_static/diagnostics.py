@@ -28,6 +28,7 @@ from nvfp4_static.numerics import (
     block_amax,
     dequantize_nvfp4,
     fake_quantize_nvfp4,
+    non_finite_summary,
     per_tensor_amax_to_scale,
 )
 
@@ -101,7 +102,8 @@ class _LayerAccumulator:
     """Running sums for one layer over every call in the batch (float64, bounded).
     ``reference``: the float layer's ``(weight, bias)``, or None."""
 
-    def __init__(self, module: NVFP4StaticLinear, reference: Optional[tuple]):
+    def __init__(self, name: str, module: NVFP4StaticLinear, reference: Optional[tuple]):
+        self.name = name
         self.module = module
         self.reference = reference
         self.act_per_tensor_scale = module.weight.act_per_tensor_scale.to(torch.float32)
@@ -118,8 +120,13 @@ class _LayerAccumulator:
         if x.numel() == 0:  # a call without tokens: nothing to measure
             self.counts["calls"] += 1
             return
-        x64 = x.double()
         amax = x.abs().amax().to(torch.float32)
+        if not bool(torch.isfinite(amax)):
+            raise ValueError(
+                f"nvfp4_static.diagnostics: layer '{self.name}' got an input holding {non_finite_summary(x)}; "
+                f"the diagnostics measure finite activations (check the batch, or the layers before this one)"
+            )
+        x64 = x.double()
         static = fake_quantize_nvfp4(x, self.act_per_tensor_scale.to(x.device)).double()
         self.sums["signal"] += float(x64.pow(2).sum())
         self.sums["noise"] += float((x64 - static).pow(2).sum())
@@ -225,7 +232,7 @@ def _watch_linear(name, module, reference_model, accumulators) -> list:
             f"{list(module.weight.shape)} and {'no bias' if module.bias is None else 'a bias'}: pass the float "
             f"model it was converted from"
         )
-    accumulator = accumulators[name] = _LayerAccumulator(module, reference)
+    accumulator = accumulators[name] = _LayerAccumulator(name, module, reference)
     return [
         module.register_forward_hook(
             lambda _module, args, output: accumulator.observe(args[0], output)
@@ -244,7 +251,7 @@ def _watch_experts(name, module: NVFP4StaticExperts, reference_model, accumulato
         for expert in range(module.num_experts):
             reference = None if references is None else (references[projection][expert], None)
             key = f"{projection}.{expert}"
-            experts.append(_LayerAccumulator(linears[key], reference))
+            experts.append(_LayerAccumulator(f"{name}.{key}", linears[key], reference))
             accumulators[f"{name}.{key}"] = experts[-1]
         handles.append(
             getattr(module, projection).register_forward_hook(
@@ -287,8 +294,12 @@ def layer_diagnostics(
             ``weight_snr_db`` and ``output_snr_db``.
 
     Returns:
-        One ``LayerDiagnostics`` per converted layer (and expert GEMM) that ran, in module
-        order (an experts module's gate/up GEMMs by expert, then its down GEMMs).
+        One ``LayerDiagnostics`` per converted layer (and expert GEMM) that ran on at least one
+        token, in module order (an experts module's gate/up GEMMs by expert, then its down
+        GEMMs).
+
+    Raises:
+        ValueError: a layer's input holds NaN or Inf (no number would mean anything).
     """
     accumulators: dict[str, _LayerAccumulator] = {}
     handles = []
@@ -308,7 +319,7 @@ def layer_diagnostics(
     finally:
         for handle in handles:
             handle.remove()
-    return [acc.result(name) for name, acc in accumulators.items() if acc.counts["calls"]]
+    return [acc.result(name) for name, acc in accumulators.items() if acc.counts["elements"]]
 
 
 def _short_name(name: str, width: int) -> str:

@@ -136,10 +136,41 @@ def test_a_reference_linear_of_another_shape_is_refused_naming_the_layer(mismatc
     assert all(not module._forward_hooks and not module._forward_pre_hooks for module in model.modules())
 
 
-def test_a_batch_without_tokens_counts_the_call_and_measures_nothing():
+def test_a_batch_without_tokens_gives_no_row():
+    """Rows of infinite SNR read as lossless layers; nothing was measured."""
     float_model, model = float_and_converted(MLP)
-    rows = layer_diagnostics(model, torch.empty(0, DIM), reference_model=float_model)
-    assert [(d.name, d.calls, d.batch_amax, d.clipped_fraction) for d in rows] == [("up", 1, 0.0, 0.0), ("down", 1, 0.0, 0.0)]
+    assert layer_diagnostics(model, torch.empty(0, DIM), reference_model=float_model) == []
+
+
+class EmptyCallFirst(torch.nn.Module):
+    """Runs its model on no tokens, then on the batch."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        self.model(x[:0])
+        return self.model(x)
+
+
+def test_a_call_without_tokens_is_counted_beside_one_with_tokens():
+    _, model = float_and_converted(MLP)
+    x = calibration_batches(1)[0]
+    one_call = {d.name: d for d in layer_diagnostics(model, x)}
+    rows = {d.name: d for d in layer_diagnostics(EmptyCallFirst(model), x)}
+    assert rows["model.up"].calls == 2 and rows["model.up"].act_snr_db == one_call["up"].act_snr_db
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_an_input_holding_nan_or_inf_is_refused_naming_the_layer(value):
+    """Its batch amax read 0.0 (Python's max(0.0, nan)) and its SNRs NaN."""
+    float_model, model = float_and_converted(MLP)
+    x = calibration_batches(1)[0].clone()
+    x[0, 3, 5] = value
+    with pytest.raises(ValueError, match=r"layer 'up' got an input holding .* values \(first at index \(0, 3, 5\)\)"):
+        layer_diagnostics(model, x, reference_model=float_model)
+    assert all(not module._forward_hooks for module in model.modules())
 
 
 @pytest.mark.parametrize("max_rows", [-1, 1.5, True, "2"], ids=["negative", "fraction", "bool", "string"])
