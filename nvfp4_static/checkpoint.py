@@ -11,8 +11,10 @@ from typing import Optional, Union
 
 import torch
 
-from nvfp4_static.experts import NVFP4StaticExperts, experts_layout
+from nvfp4_static.backends import check_runs_on, resolve_backend
+from nvfp4_static.experts import NVFP4StaticExperts, NVFP4StaticObservedExperts, experts_layout
 from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear, saved_recipe
+from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.tensor import NVFP4StaticTensor
 
 __all__ = ["load_quantized", "replace_submodule"]
@@ -51,6 +53,7 @@ def load_quantized(
             f"nvfp4_static: load_quantized takes a state dict or the path of a file holding one; "
             f"got a {type(checkpoint).__name__}"
         )
+    check_load_target(model, "load_quantized")
     swapped = []
     try:
         for name, recipe in _converted_layers(checkpoint).items():
@@ -68,6 +71,7 @@ def load_quantized(
                 )
             replace_submodule(model, name, converted)
             swapped.append((name, module))
+        check_backend_runs_on_model(model, backend, "load_quantized")
         _check_loadable(model, checkpoint)
         for name, module in model.named_modules():
             if isinstance(module, (NVFP4StaticLinear, NVFP4StaticExperts)):
@@ -78,6 +82,25 @@ def load_quantized(
             replace_submodule(model, name, original)
         raise
     return model
+
+
+def check_load_target(model: torch.nn.Module, function: str) -> None:
+    """Refuse, before anything changes, a model holding prepared layers: those the checkpoint
+    leaves float would stay prepared."""
+    observed = (NVFP4StaticObservedLinear, NVFP4StaticObservedExperts)
+    prepared = [name for name, module in model.named_modules() if isinstance(module, observed)]
+    if prepared:
+        raise ValueError(
+            f"nvfp4_static: {function}: the model holds prepared layers (first: '{prepared[0]}'); load "
+            f"into the float model the checkpoint was made from"
+        )
+
+
+def check_backend_runs_on_model(model: torch.nn.Module, backend: Optional[str], function: str) -> None:
+    """Refuse a forced ``blackwell`` route for layers loaded on a device without FP4
+    ``_scaled_mm`` (after the experts' own refusal of it, which says more)."""
+    device = _device_of(model)
+    check_runs_on(resolve_backend(device, backend), device, f"{function} into a model")
 
 
 def _converted_layers(state_dict: Mapping) -> dict:

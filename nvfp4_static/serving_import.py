@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from nvfp4_static.checkpoint import replace_submodule
+from nvfp4_static.checkpoint import check_backend_runs_on_model, check_load_target, replace_submodule
 from nvfp4_static.experts import NVFP4StaticExperts
 from nvfp4_static.experts.serving import (
     as_loaded,
@@ -99,6 +99,7 @@ def import_checkpoint(
     checkpoint, exact_scales = _read_tensors(folder)
     if model is None:
         model = _model_from_config(folder)
+    check_load_target(model, "import_checkpoint")
     converted = [
         n for n, m in model.named_modules() if isinstance(m, (NVFP4StaticLinear, NVFP4StaticExperts))
     ]
@@ -132,6 +133,7 @@ def import_checkpoint(
     experts = stack_imported_experts(model, layers)
     checkpoint = fuse_float_experts(model, checkpoint, experts)
     remainder = _remaining_tensors(model, checkpoint, layers, format, experts)
+    check_backend_runs_on_model(model, backend, "import_checkpoint")
     linears = {name: layer for name, layer in layers.items() if name not in expert_linears}
     for name, layer in {**linears, **experts}.items():
         replace_submodule(model, name, layer)

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torchao.quantization.transform_module import register_quantize_module_handler
 
-from nvfp4_static.backends import BACKEND_ENV_VAR, has_fp4_scaled_mm
+from nvfp4_static.backends import check_runs_on
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.convert_progress import ConvertProgress
 from nvfp4_static.experts import (
@@ -266,7 +266,7 @@ def converted_linear(
         backend_override=config.backend,
         weight_global_amax=weight_global_amax,
     ).to(module.weight.dtype)  # GPTQ's float32 weight; a no-op for the others
-    _check_backend_runs_here(weight, module.layer_name)
+    check_runs_on(weight.linear_backend, weight.device, f"layer '{module.layer_name}'")
     stats = dict(getattr(module.act_calibrator, "stats", None) or {"g_amax": float(act_amax)})
     return NVFP4StaticLinear(weight, module.bias, config.recipe(), module.layer_name, stats)
 
@@ -324,17 +324,6 @@ def layer_weight_global_amax(module: NVFP4StaticObservedLinear) -> torch.Tensor:
     if module.tied_weight_global_amax is not None:
         return module.tied_weight_global_amax.to(module.weight.device)
     return own
-
-
-def _check_backend_runs_here(weight: NVFP4StaticTensor, name: str) -> None:
-    """A forced ``blackwell`` route on a device without FP4 ``_scaled_mm`` would fail at the
-    first forward, deep in the GEMM; refuse it at convert instead."""
-    if weight.linear_backend == "blackwell" and not has_fp4_scaled_mm(weight.device):
-        raise ValueError(
-            f"nvfp4_static: layer '{name}': backend 'blackwell' (from the config's backend or "
-            f"${BACKEND_ENV_VAR}) needs a CUDA GPU with FP4 torch._scaled_mm (sm100+), but the "
-            f"weight is on {weight.device}; choose backend 'cpu' or 'triton', or leave it unset"
-        )
 
 
 def _weight_block_scales(

@@ -104,6 +104,35 @@ def test_a_checkpoint_of_another_model_is_refused_and_leaves_the_model_as_it_was
     unchanged(target, before)
 
 
+@pytest.mark.parametrize(
+    "backend, match",
+    [("blackwell", r"load_quantized into a model: backend 'blackwell' .*sm100\+\), but it is on cpu"),
+     ("", r"unknown backend '' \(from the backend argument\)"), (False, "unknown backend False"),
+     ("gpu", "unknown backend 'gpu'")],
+    ids=["blackwell on cpu", "empty string", "false", "unknown name"],
+)
+def test_a_backend_that_cannot_run_here_is_refused_and_leaves_the_model_as_it_was(backend, match):
+    """The blackwell route loaded on a CPU failed at the first forward, deep in the GEMM; an
+    empty or false backend meant auto."""
+    state = quantized(make(MLP)).state_dict()
+    target = make(MLP, seed=1)
+    before = snapshot(target)
+    with pytest.raises(ValueError, match=match):
+        load_quantized(target, state, backend=backend)
+    unchanged(target, before)
+
+
+def test_loading_into_a_prepared_model_is_refused_and_leaves_it_as_it_was():
+    """Layers the checkpoint leaves float stayed prepared, observing every later call."""
+    state = quantized(make(MLP)).state_dict()
+    target = make(MLP, seed=1)
+    quantize_(target, NVFP4StaticActivationConfig(step="prepare"), filter_fn=all_but_lm_head)
+    before = snapshot(target)
+    with pytest.raises(ValueError, match=r"load_quantized: the model holds prepared layers \(first: 'up'\)"):
+        load_quantized(target, state)
+    unchanged(target, before)
+
+
 def test_a_converted_layer_where_the_model_has_no_linear_is_refused():
     state = quantized(make(MLP)).state_dict()
 

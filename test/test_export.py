@@ -204,6 +204,19 @@ def test_import_into_a_given_float_model(llama_fp32, tmp_path):
     assert torch.equal(logits(target), logits(llama_fp32))
 
 
+def test_import_with_a_backend_that_cannot_run_here_or_into_a_prepared_model_is_refused(llama_fp32, tmp_path):
+    export_checkpoint(llama_fp32, tmp_path / "ct")
+    target = tiny_llama(seed=1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"import_checkpoint into a model: backend 'blackwell' .* on cpu"):
+        import_checkpoint(tmp_path / "ct", target, backend="blackwell")
+    prepared = prepared_and_calibrated(tiny_llama(seed=1))
+    with pytest.raises(ValueError, match=r"import_checkpoint: the model holds prepared layers \(first: 'model.layers.0"):
+        import_checkpoint(tmp_path / "ct", prepared)
+    assert all(type(m) is not NVFP4StaticLinear for m in [*target.modules(), *prepared.modules()])
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
 def test_compressed_tensors_reciprocal_scale_without_our_header(llama_fp32, tmp_path):
     """Another writer's folder holds only G: the scale is then 1 / G, one rounding from ours
     (the header record is ours only, see export._exact_per_tensor_scales)."""

@@ -30,18 +30,30 @@ def has_fp4_scaled_mm(device: torch.device) -> bool:
 
 
 def resolve_backend(device: torch.device, override: Optional[str] = None) -> str:
-    """The backend for tensors on ``device``: ``override``, else ``$NVFP4_STATIC_BACKEND``, else auto."""
-    requested = override or os.environ.get(BACKEND_ENV_VAR) or None
+    """The backend for tensors on ``device``: ``override``, else ``$NVFP4_STATIC_BACKEND``, else auto
+    (an empty variable means auto; an empty or false ``override`` is refused, not read as auto)."""
+    requested = override if override is not None else os.environ.get(BACKEND_ENV_VAR) or None
     if requested is not None:
         if requested not in BACKENDS:
+            source = "the backend argument" if override is not None else f"${BACKEND_ENV_VAR}"
             raise ValueError(
-                f"nvfp4_static: unknown backend {requested!r} (from "
-                f"{'the config' if override else '$' + BACKEND_ENV_VAR}); choose one of {BACKENDS}"
+                f"nvfp4_static: unknown backend {requested!r} (from {source}); choose one of {BACKENDS}"
             )
         return requested
     if device.type != "cuda":
         return "cpu"
     return "blackwell" if has_fp4_scaled_mm(device) else "triton"
+
+
+def check_runs_on(backend: str, device: torch.device, what: str) -> None:
+    """Refuse the ``blackwell`` route for ``what`` on a device without FP4 ``_scaled_mm``: its
+    first forward would fail deep in the GEMM."""
+    if backend == "blackwell" and not has_fp4_scaled_mm(device):
+        raise ValueError(
+            f"nvfp4_static: {what}: backend 'blackwell' (from the backend argument or "
+            f"${BACKEND_ENV_VAR}) needs a CUDA GPU with FP4 torch._scaled_mm (sm100+), but it is "
+            f"on {device}; choose backend 'cpu' or 'triton', or leave it unset"
+        )
 
 
 _LINEAR_FUNCTIONS = {}
