@@ -145,7 +145,7 @@ def check_alpha(alpha: float, caller: str, argument: str = "alpha") -> None:
     """Refuse an alpha outside [0, 1] (NaN too, and what is not a number), naming ``caller``'s
     ``argument``."""
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"nvfp4_static: {caller}: {argument}={alpha} must lie in [0, 1]")
+        raise ValueError(f"nvfp4_static: {caller}: {argument}={alpha!r} must be a number in [0, 1]")
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ without the merge from then on, with a warning.
 
 import copy
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
@@ -117,6 +117,10 @@ def _one_mode(given: Optional[str], compiling: Optional[str]) -> Optional[str]:
 
 def _graph_compiler(backend: Union[str, Callable], mode: Optional[str], options: Optional[dict]) -> Callable:
     """``(gm, example_inputs) -> compiled``: Inductor with ``mode`` and ``options``, or ``backend``."""
+    if not (isinstance(backend, str) or callable(backend)):
+        raise TypeError(f"nvfp4_static: backend must be a dynamo backend's name or a callable; got {backend!r}")
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"nvfp4_static: options must map Inductor option names to values; got {options!r}")
     if backend != "inductor":
         if mode is not None or options:
             raise ValueError(f"nvfp4_static: mode and options are Inductor's; backend {backend!r} takes neither")

@@ -90,9 +90,9 @@ def gemma_like_llama():
     "model_fn, data, options, message",
     [
         (tiny_llama, [], {}, "needs at least one calibration batch"),
-        (tiny_llama, None, {"smooth_alpha": -0.5}, "smooth_alpha=-0.5 must lie in"),
-        (tiny_llama, None, {"smooth_alpha": 2.0}, "smooth_alpha=2.0 must lie in"),
-        (tiny_llama, None, {"smooth_alpha": float("nan")}, "smooth_alpha=nan must lie in"),
+        (tiny_llama, None, {"smooth_alpha": -0.5}, "smooth_alpha=-0.5 must be a number in"),
+        (tiny_llama, None, {"smooth_alpha": 2.0}, "smooth_alpha=2.0 must be a number in"),
+        (tiny_llama, None, {"smooth_alpha": float("nan")}, "smooth_alpha=nan must be a number in"),
         (gemma_like_llama, None, {}, "does not scale its output with its weight"),
         (tiny_llama, None, {"filter_fn": lambda m, fqn: False}, "filter_fn selects no linear layer"),
         (tiny_llama, None, {"filter_fn": lambda m, fqn: fqn == "lm_head.weight"}, "filter_fn selects no linear layer"),

@@ -86,7 +86,7 @@ def test_smoothing_changes_the_norm_fed_layers_scales_and_lowers_their_error():
 def test_a_bad_smoothing_alpha_is_refused_and_nothing_changes(alpha):
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=f"smooth_alpha={alpha} must lie in"):
+    with pytest.raises(ValueError, match=f"smooth_alpha={alpha!r} must be a number in"):
         layer_by_layer("b_min", "mse", model=model, smooth_alpha=alpha)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 

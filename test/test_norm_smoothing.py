@@ -2,6 +2,7 @@
 error falls where a channel dominates its blocks, and bad calls leave the model as it was."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -124,12 +125,13 @@ def test_a_channel_that_dominates_its_blocks_loses_less_to_nvfp4_after_smoothing
     assert quantized_output_error(model) < 0.5 * before
 
 
-@pytest.mark.parametrize("alpha", [-0.1, 1.5, float("nan"), "0.5", None, True],
-                         ids=["negative", "above-1", "nan", "string", "none", "bool"])
+@pytest.mark.parametrize("alpha", [-0.1, 1.5, float("nan"), "0.5", None, True, torch.tensor(0.5)],
+                         ids=["negative", "above-1", "nan", "string", "none", "bool", "tensor"])
 def test_bad_alpha_is_refused_and_nothing_changes(alpha):
+    """A string or a tensor read as alpha=0.5 in the message, as if out of range."""
     model = tiny_llama()
     before = state(model)
-    with pytest.raises(ValueError, match="alpha"):
+    with pytest.raises(ValueError, match=re.escape(f"alpha={alpha!r} must be a number in [0, 1]")):
         smooth_norm_inputs(model, lambda m: m(token_ids(1)), alpha=alpha)
     assert_same_state(model, before)
 

@@ -390,11 +390,24 @@ BAD_ARGUMENTS = {
     "mode for another backend": (dict(mode="reduce-overhead", backend="eager"), r"backend 'eager' takes neither"),
     "options for another backend": (dict(options={"max_autotune": True}, backend="aot_eager"), r"'aot_eager'"),
 }
+# Each failed only at the first compiled call, or with a raw error ('list' object is not a mapping).
+BADLY_TYPED_ARGUMENTS = {
+    "no backend": (dict(backend=None), r"backend must be a dynamo backend's name or a callable; got None"),
+    "a number as backend": (dict(backend=3), r"got 3"),
+    "options as a list": (dict(options=["max_autotune"]), r"options must map Inductor option names to values"),
+    "options as a string": (dict(options="max_autotune"), r"options must map .*; got 'max_autotune'"),
+}
 
 
 @pytest.mark.parametrize("arguments, message", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
 def test_bad_arguments_are_refused(arguments, message):
     with pytest.raises(ValueError, match=message):
+        sibling_gemm_backend(**arguments)
+
+
+@pytest.mark.parametrize("arguments, message", BADLY_TYPED_ARGUMENTS.values(), ids=BADLY_TYPED_ARGUMENTS.keys())
+def test_badly_typed_arguments_are_refused_when_the_backend_is_made(arguments, message):
+    with pytest.raises(TypeError, match=message):
         sibling_gemm_backend(**arguments)
 
 
