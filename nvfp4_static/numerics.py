@@ -18,6 +18,7 @@ from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, pack_uint4
 from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
 __all__ = [
+    "AMAX_ROUNDING",
     "BLOCK_SIZE",
     "E2M1_MAX",
     "E2M1_VALUES",
@@ -55,6 +56,10 @@ E4M3_MIN_NORMAL = 2.0**-6
 E4M3_DYNAMIC_RANGE = E4M3_MAX / E4M3_MIN_NORMAL  # 28672
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# How far a weight's max |w| may exceed the global amax it is quantized under: the float32
+# rounding of a weight dequantized under that amax (GPTQ's), whose largest values reach it.
+AMAX_ROUNDING = 2.0**-16
 
 
 def e4m3_positive_values() -> torch.Tensor:

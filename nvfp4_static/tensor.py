@@ -24,6 +24,7 @@ from torchao.utils import TorchAOBaseTensor, fill_defaults
 from nvfp4_static.backends import linear_function, resolve_backend
 from nvfp4_static.kernels import quantize_weight_nvfp4
 from nvfp4_static.numerics import (
+    AMAX_ROUNDING,
     BLOCK_SIZE,
     E4M3_MIN_NORMAL,
     SUPPORTED_DTYPES,
@@ -261,11 +262,6 @@ def _host_values(device: torch.device, *scalars: torch.Tensor) -> Optional[tuple
     elsewhere = [s.to(device=device, dtype=torch.float32) for s in scalars if s.device.type != "cpu"]
     read = iter(torch.stack(elsewhere).cpu().unbind() if elsewhere else ())
     return tuple(s.to(torch.float32) if s.device.type == "cpu" else next(read) for s in scalars)
-
-
-# How far a weight's max |w| may exceed its global amax: the float32 rounding of a weight that
-# was dequantized under that amax (GPTQ's), whose largest values reach it.
-AMAX_ROUNDING = 2.0**-16
 
 
 def _check_amaxes(act_scale, act_global_amax, weight_scale, weight_global_amax, weight_max) -> None:

@@ -492,6 +492,33 @@ def sweep(weight, hessian=None, global_amax=None):
     return calibrator
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_weight_sweep_refuses_a_hessian_holding_nan_or_inf_naming_the_layer(value):
+    """Every candidate's error was NaN and the sweep kept block scales of 0: an all-zero weight."""
+    weight = torch.randn(4, 32, generator=torch.Generator().manual_seed(3))
+    hessian = torch.eye(16).repeat(2, 1, 1)
+    hessian[1, 2, 2] = value
+    calibrator = NVFP4MSECalibrator(torch.zeros(4, 2), weight.abs().max(), hessian=hessian, name=LAYER)
+    with pytest.raises(ValueError, match=f"'{LAYER}'.*the Hessian holds NaN or Inf"):
+        calibrator.collect(weight)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.99, 1e-6], ids=["a quarter", "just under", "a millionth"])
+def test_weight_sweep_refuses_a_global_amax_below_the_weights_max_naming_the_layer(fraction):
+    """Every block scale saturated at 448 and the largest blocks were clipped, silently."""
+    weight = torch.randn(4, 32, generator=torch.Generator().manual_seed(3))
+    calibrator = NVFP4MSECalibrator(torch.zeros(4, 2), fraction * weight.abs().max(), name=LAYER)
+    with pytest.raises(ValueError, match=f"'{LAYER}'.*global_amax .* is below the weight's max"):
+        calibrator.collect(weight)
+
+
+def test_weight_sweep_takes_a_global_amax_at_or_above_the_weights_max():
+    """A tied group's amax is at least each member's max |w|."""
+    weight = torch.randn(4, 32, generator=torch.Generator().manual_seed(3))
+    for global_amax in (weight.abs().max(), 2 * weight.abs().max()):
+        assert sweep(weight, global_amax=global_amax).block_scales_e4m3.float().min() > 0
+
+
 def test_weight_sweep_refuses_a_global_amax_too_small_for_it_naming_the_layer():
     weight = torch.full((4, 32), 1e-35)
     calibrator = NVFP4MSECalibrator(torch.zeros(4, 2), torch.tensor(1e-35), name=LAYER)
@@ -634,7 +661,7 @@ OBSERVERS = {
     "percentile": lambda: PercentileCalibrator(name=LAYER),
     "max": lambda: MaxCalibrator(name=LAYER),
     "mse": lambda: MseCalibrator(torch.tensor(1.0), name=LAYER),
-    "nvfp4_mse": lambda: NVFP4MSECalibrator(torch.zeros(4, 2), torch.tensor(1.0), name=LAYER),
+    "nvfp4_mse": lambda: NVFP4MSECalibrator(torch.zeros(4, 2), torch.tensor(8.0), name=LAYER),
     "block_hessian": lambda: BlockHessianAccumulator(32, name=LAYER),
 }
 CALIBRATORS = {key: make for key, make in OBSERVERS.items() if key != "block_hessian"}

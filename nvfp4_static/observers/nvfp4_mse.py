@@ -6,6 +6,7 @@ import torch
 
 from nvfp4_static import kernels, references
 from nvfp4_static.numerics import (
+    AMAX_ROUNDING,
     BLOCK_SIZE,
     E4M3_MAX,
     E4M3_MIN_NORMAL,
@@ -113,13 +114,31 @@ class NVFP4MSECalibrator(Observer):
             )
         weight = self._check_input(weight, scan_for_non_finite=False)
         global_amax = self.global_amax.to(weight.device)
-        # Whether the weight is finite and the per-tensor scale the sweep's candidates divide,
-        # as the sweep computes it (on the weight's device), read together.
-        finite, per_tensor_scale = torch.stack(
-            [torch.isfinite(weight).all().to(torch.float32), per_tensor_amax_to_scale(global_amax)]
+        # Whether the weight and the Hessian are finite, the per-tensor scale the sweep's
+        # candidates divide, as the sweep computes it (on the weight's device), and the weight's
+        # max |w|, read together.
+        no_value = torch.zeros((), device=weight.device)
+        hessian_finite = no_value + 1 if self.hessian is None else torch.isfinite(self.hessian).all()
+        weight_max = weight.abs().amax().to(torch.float32) if weight.numel() else no_value
+        finite, per_tensor_scale, hessian_finite, weight_max = torch.stack(
+            [
+                torch.isfinite(weight).all().to(torch.float32),
+                per_tensor_amax_to_scale(global_amax),
+                hessian_finite.to(device=weight.device, dtype=torch.float32),
+                weight_max,
+            ]
         ).cpu()
         if not finite:
             self._raise_if_non_finite(weight, weight)
+        if not hessian_finite:
+            raise ValueError(
+                f"{self.describe()}: the Hessian holds NaN or Inf values; every block's error would be NaN"
+            )
+        if weight_max > self._host_global_amax * (1 + AMAX_ROUNDING):
+            raise ValueError(
+                f"{self.describe()}: global_amax {self._host_global_amax:.6g} is below the weight's max |w| "
+                f"{float(weight_max):.6g}: every candidate would clip the largest blocks"
+            )
         if weight.ndim != 2:
             raise ValueError(
                 f"{self.describe()}: expects a 2-D [N, K] weight, got shape {tuple(weight.shape)}"
