@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
-from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale
+from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale, largest_at_most
 from nvfp4_static.tensor import NVFP4StaticTensor
 
 __all__ = [
@@ -241,7 +241,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
     @torch.no_grad()
     def _count_clipped(self, x: torch.Tensor) -> None:
         magnitude = x.detach().abs()
-        limit = (self.weight.act_per_tensor_scale * 448 * 6).to(magnitude.dtype)
+        limit = largest_at_most(self.weight.act_per_tensor_scale.to(torch.float32) * 448 * 6, magnitude.dtype)
         clipped = (magnitude > limit).sum()
         seen = torch.full_like(clipped, magnitude.numel())
         self.clip_counters["elements"].add_(torch.stack([clipped, seen]))

@@ -31,6 +31,7 @@ __all__ = [
     "scale_reciprocal_overflows",
     "pad_to_block_multiple",
     "non_finite_summary",
+    "largest_at_most",
     "block_amax",
     "round_to_e2m1",
     "e2m1_values_by_code",
@@ -127,6 +128,16 @@ def check_dtype(x: torch.Tensor, what: str = "input") -> None:
             f"nvfp4_static: {what} has dtype {x.dtype}; supported dtypes are "
             f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
         )
+
+
+def largest_at_most(limit: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest ``dtype`` value at most each of ``limit``'s: for values ``x`` of ``dtype``,
+    ``x > largest_at_most(limit, dtype)`` exactly where ``x > limit``, which a comparison with
+    ``limit`` rounded to the nearest ``dtype`` value is not (rounded up, it misses the values
+    between)."""
+    rounded = limit.to(dtype)
+    below = torch.nextafter(rounded, torch.full_like(rounded, -torch.inf))
+    return torch.where(rounded.to(limit.dtype) > limit, below, rounded)
 
 
 def non_finite_summary(x: torch.Tensor) -> str:

@@ -67,3 +67,22 @@ def test_enabling_again_restarts_from_zero_and_disabling_drops_the_counters():
 def test_a_model_without_converted_layers_cannot_be_monitored():
     with pytest.raises(ValueError, match="MLP has no converted NVFP4 layer"):
         enable_clip_monitor(make(MLP))
+
+
+@pytest.mark.parametrize(
+    "dtype, above, below", [(torch.float16, 19280.0, 19264.0), (torch.bfloat16, 19328.0, 19200.0)], ids=["fp16", "bf16"]
+)
+def test_inputs_just_above_the_amax_count_though_it_rounds_up_in_their_dtype(dtype, above, below):
+    """19274.09 rounds up to ``above`` in fp16 and bf16: compared with the rounded limit, an
+    input of ``above`` (which the quantizer clips) was not counted. ``below`` is the largest
+    value of the dtype under the amax."""
+    model = quantized(make(MLP), act_calibration="max").to(dtype)
+    model.up.weight.act_per_tensor_scale.fill_(19274.09 / 2688)
+    amax = model.up.act_global_amax
+    assert below < amax < above and torch.tensor(amax).to(dtype) == above
+    x = torch.zeros(1, 64, dtype=dtype)
+    x[0, 0], x[0, 1] = above, below
+    enable_clip_monitor(model)
+    with torch.no_grad():
+        model(x)
+    assert clip_counts(model)["up"].clipped == 1

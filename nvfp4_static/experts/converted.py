@@ -19,7 +19,7 @@ from nvfp4_static.linear import (
     check_block_scale_codes,
     check_checkpoint_scale_values,
 )
-from nvfp4_static.numerics import BLOCK_SIZE
+from nvfp4_static.numerics import BLOCK_SIZE, largest_at_most
 from nvfp4_static.tensor import NVFP4StaticTensor, host_scale_product
 
 __all__ = ["NVFP4StaticGroupedLinear", "NVFP4StaticExperts", "experts_backend"]
@@ -146,7 +146,7 @@ class NVFP4StaticGroupedLinear(torch.nn.Module):
         # lowering of searchsorted ignores a slice's offset (pytorch/pytorch#160964).
         expert_of_row = (torch.searchsorted(expert_offsets, row_index, right=True) - 1).clamp(min=0)
         limits = torch.cat([self.act_global_amax, self.act_global_amax.new_full((1,), torch.inf)])
-        clipped = (magnitude > limits.to(magnitude.dtype)[expert_of_row, None]).sum(dim=-1)
+        clipped = (magnitude > largest_at_most(limits, magnitude.dtype)[expert_of_row, None]).sum(dim=-1)
         counters = self.clip_counters
         counters["clipped"].index_add_(0, expert_of_row, clipped)
         counters["seen"].index_add_(0, expert_of_row, torch.full_like(clipped, magnitude.shape[-1]))
