@@ -677,6 +677,27 @@ def test_non_finite_input_is_refused_with_counts_shape_and_name(make):
         observer.collect(x)
 
 
+@pytest.mark.parametrize("make", OBSERVERS.values(), ids=OBSERVERS.keys())
+def test_a_0d_input_is_refused_naming_the_layer(make):
+    """It raised IndexError from deep inside (a tuple index out of range)."""
+    with pytest.raises(ValueError, match=rf"{LAYER}.*takes a tensor with a last \(feature\) dim; got a 0-d tensor"):
+        make().collect(torch.tensor(3.0))
+
+
+ACTIVATION_CALIBRATORS = {key: make for key, make in CALIBRATORS.items() if key != "nvfp4_mse"}
+
+
+@pytest.mark.parametrize("make", ACTIVATION_CALIBRATORS.values(), ids=ACTIVATION_CALIBRATORS.keys())
+def test_a_batch_without_tokens_is_skipped(make):
+    """MaxCalibrator raised IndexError (amax over no elements), MseCalibrator a reshape error."""
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(5))
+    alone, with_empty = make(), make()
+    alone.collect(x)
+    with_empty.collect(torch.empty(0, 32))
+    with_empty.collect(x)
+    assert torch.equal(with_empty.compute_amax(), alone.compute_amax())
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64], ids=["fp64", "int64"])
 @pytest.mark.parametrize("make", OBSERVERS.values(), ids=OBSERVERS.keys())
 def test_unsupported_dtypes_are_refused(make, dtype):

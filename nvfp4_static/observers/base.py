@@ -73,6 +73,8 @@ class Observer(abc.ABC):
         call ``_raise_if_non_finite`` on a small statistic they compute anyway instead.
         """
         check_dtype(x, f"{self.describe()} input of shape {tuple(x.shape)}")
+        if x.dim() == 0:
+            raise ValueError(f"{self.describe()}: takes a tensor with a last (feature) dim; got a 0-d tensor")
         x = x.detach()
         if scan_for_non_finite and not torch.compiler.is_compiling():
             self._raise_if_non_finite(x, x)

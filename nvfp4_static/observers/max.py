@@ -36,6 +36,8 @@ class MaxCalibrator(MergeableObserver):
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         x = self._check_input(x, scan_for_non_finite=False)
+        if x.numel() == 0:  # no tokens: nothing to observe
+            return
         dims = channel_reduce_dims(x, self.axis)
         amax = x.abs().amax(dim=dims, keepdim=self.axis is not None).to(torch.float32)
         self._raise_if_non_finite(x, amax)

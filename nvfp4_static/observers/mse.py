@@ -146,6 +146,8 @@ class MseCalibrator(MergeableObserver):
     def collect(self, x: torch.Tensor) -> None:
         """Add, for every multiplier, the error of quantizing ``x`` with ``amax * m``."""
         x = self._check_input(x, scan_for_non_finite=False).to(torch.float32)
+        if x.numel() == 0:  # no tokens: nothing to observe
+            return
         dims = channel_reduce_dims(x, self.axis)
         self._check_layout(x)
         amax = self.initial_amax.to(x.device)
