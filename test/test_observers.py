@@ -2,6 +2,7 @@
 merging, and the behaviour on bad input."""
 
 import math
+import re
 import warnings
 
 import pytest
@@ -19,6 +20,7 @@ from nvfp4_static.observers import (
     MaxCalibrator,
     MseCalibrator,
     NVFP4ActMaxCalibrator,
+    NVFP4BMinCalibrator,
     NVFP4MSECalibrator,
     PercentileCalibrator,
     nvfp4_fake_quantize_with_amax,
@@ -783,6 +785,32 @@ def test_calibration_goes_on_after_a_refused_batch_as_if_it_never_came(make, dev
     assert all(torch.equal(expected[key], got[key]) for key in expected)
 
 
-def test_block_hessian_needs_a_positive_width():
-    with pytest.raises(ValueError, match=f"{LAYER}.*in_features must be >= 1, got 0"):
-        BlockHessianAccumulator(0, name=LAYER)
+@pytest.mark.parametrize("width", [0, -16, 64.5, float("nan"), "64", True], ids=["zero", "negative", "fraction", "nan",
+                                                                         "string", "bool"])
+def test_block_hessian_needs_a_positive_integer_width(width):
+    """64.5 became 64; NaN and a string raised bare errors."""
+    with pytest.raises(ValueError, match=rf"{LAYER}.*in_features must be an integer >= 1, got {re.escape(repr(width))}"):
+        BlockHessianAccumulator(width, name=LAYER)
+
+
+BADLY_TYPED_ARGUMENTS = {
+    "percentile string": (lambda: PercentileCalibrator(percentile="50", name=LAYER), "percentile='50' must be a number"),
+    "percentile bool": (lambda: PercentileCalibrator(percentile=True, name=LAYER), "percentile=True must be a number"),
+    "rho string": (lambda: NVFP4BMinCalibrator(rho="1", name=LAYER), "rho='1' must be a number"),
+    "margin tensor": (lambda: NVFP4BMinCalibrator(margin=torch.tensor(1.0), name=LAYER), "margin=tensor"),
+    "log2_min string": (lambda: PercentileCalibrator(log2_min="-40", name=LAYER), "log2_min='-40' must be a number"),
+    "step string": (lambda: MseCalibrator(torch.tensor(1.0), step_size="0.1", name=LAYER), "step_size='0.1' must be"),
+    "max axis string": (lambda: MaxCalibrator(axis="0", name=LAYER), "axis='0' must be None or an integer"),
+    "max axis bool": (lambda: MaxCalibrator(axis=True, name=LAYER), "axis=True must be None or an integer"),
+    "mse axis float": (lambda: MseCalibrator(torch.ones(4, 1), axis=0.0, name=LAYER), "axis=0.0 must be None or"),
+    "sweep amax list": (lambda: NVFP4MSECalibrator([1.0] * 8, torch.tensor(8.0), name=LAYER), "amax must be a tensor"),
+    "sweep hessian list": (lambda: NVFP4MSECalibrator(torch.zeros(4, 2), torch.tensor(8.0), hessian=[[1.0]], name=LAYER),
+                           "hessian must be a tensor"),
+}
+
+
+@pytest.mark.parametrize("make, message", BADLY_TYPED_ARGUMENTS.values(), ids=BADLY_TYPED_ARGUMENTS.keys())
+def test_badly_typed_constructor_arguments_are_refused_naming_the_observer(make, message):
+    """Each raised a bare TypeError ('<' not supported ...) or AttributeError, or read a bool as 1."""
+    with pytest.raises(TypeError, match=rf"{LAYER}.*{re.escape(message)}"):
+        make()

@@ -13,6 +13,7 @@ import torch
 
 from nvfp4_static.messages import warn
 from nvfp4_static.numerics import BLOCK_SIZE, E4M3_DYNAMIC_RANGE
+from nvfp4_static.observers.base import check_numbers
 from nvfp4_static.observers.block_amax_histogram import BlockAmaxHistogramObserver
 
 __all__ = ["DEFAULT_B_MAX_PERCENTILE", "NVFP4ActMaxCalibrator", "NVFP4BMinCalibrator"]
@@ -65,6 +66,8 @@ class NVFP4BMinCalibrator(BlockAmaxHistogramObserver):
         name: Optional[str] = None,
     ):
         super().__init__(num_bins=num_bins, log2_min=log2_min, log2_max=log2_max, name=name)
+        percentiles = dict(b_min_percentile=b_min_percentile, b_max_percentile=b_max_percentile)
+        check_numbers(self.describe(), rho=rho, margin=margin, **percentiles)
         if not 0.0 < rho < E4M3_DYNAMIC_RANGE:
             raise ValueError(
                 f"{self.describe()}: rho must be in (0, {E4M3_DYNAMIC_RANGE:.0f}), got {rho}; "

@@ -8,6 +8,7 @@ same operation: reduce every entry of ``state_dict()`` by ``STATE_REDUCTIONS[key
 
 import abc
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Optional
 
@@ -18,6 +19,20 @@ from nvfp4_static.numerics import check_dtype, non_finite_summary
 __all__ = ["Observer", "MergeableObserver", "channel_reduce_dims"]
 
 _REDUCE = {"sum": torch.add, "max": torch.maximum}
+
+
+def check_numbers(who: str, **values) -> None:
+    """Refuse arguments that are not real numbers (a string, a bool, a tensor), ``who`` starting
+    the message: comparing one raises a bare TypeError, and a bool reads as 0 or 1."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{who}: {name}={value!r} must be a number")
+
+
+def check_axis(who: str, axis) -> None:
+    """Refuse an ``axis`` that is neither None nor an integer (a bool reads as 1)."""
+    if axis is not None and (isinstance(axis, bool) or not isinstance(axis, numbers.Integral)):
+        raise TypeError(f"{who}: axis={axis!r} must be None or an integer")
 
 
 def channel_reduce_dims(x: torch.Tensor, axis: Optional[int]) -> tuple[int, ...]:

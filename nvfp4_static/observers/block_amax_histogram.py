@@ -13,7 +13,7 @@ import torch
 
 from nvfp4_static import kernels
 from nvfp4_static.messages import warn
-from nvfp4_static.observers.base import MergeableObserver
+from nvfp4_static.observers.base import MergeableObserver, check_numbers
 from nvfp4_static.references import histogram_bin_centres, histogram_bin_edges
 
 __all__ = ["BlockAmaxHistogramObserver", "ALL_ZERO_FALLBACK_AMAX"]
@@ -87,6 +87,7 @@ class BlockAmaxHistogramObserver(MergeableObserver):
             raise ValueError(
                 f"{self.describe()}: num_bins must be an integer from 2 to {MAX_BINS}, got {num_bins!r}"
             )
+        check_numbers(self.describe(), log2_min=log2_min, log2_max=log2_max)
         if not (math.isfinite(log2_min) and math.isfinite(log2_max) and log2_min < log2_max):
             raise ValueError(
                 f"{self.describe()}: need finite log2_min < log2_max; got log2_min={log2_min}, "

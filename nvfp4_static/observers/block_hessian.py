@@ -1,5 +1,6 @@
 """The per-input-block Hessian that weights the weight-scale sweep."""
 
+import numbers
 from typing import Optional
 
 import torch
@@ -31,8 +32,9 @@ class BlockHessianAccumulator(MergeableObserver):
 
     def __init__(self, in_features: int, *, name: Optional[str] = None):
         super().__init__(name)
-        if in_features < 1:
-            raise ValueError(f"{self.describe()}: in_features must be >= 1, got {in_features}")
+        whole = not isinstance(in_features, bool) and isinstance(in_features, numbers.Integral)
+        if not whole or in_features < 1:
+            raise ValueError(f"{self.describe()}: in_features must be an integer >= 1, got {in_features!r}")
         self.in_features = int(in_features)
 
     def _merge_config(self) -> tuple:

@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static.observers.base import MergeableObserver, channel_reduce_dims
+from nvfp4_static.observers.base import MergeableObserver, channel_reduce_dims, check_axis
 
 __all__ = ["MaxCalibrator"]
 
@@ -28,6 +28,7 @@ class MaxCalibrator(MergeableObserver):
 
     def __init__(self, axis: Optional[int] = None, *, name: Optional[str] = None):
         super().__init__(name)
+        check_axis(self.describe(), axis)
         self.axis = axis
 
     def _merge_config(self) -> tuple:

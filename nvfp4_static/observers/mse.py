@@ -16,7 +16,7 @@ from nvfp4_static.numerics import (
     pad_to_block_multiple,
     per_tensor_amax_to_scale,
 )
-from nvfp4_static.observers.base import MergeableObserver, channel_reduce_dims
+from nvfp4_static.observers.base import MergeableObserver, channel_reduce_dims, check_axis, check_numbers
 
 __all__ = ["MseCalibrator", "check_search_grid", "nvfp4_fake_quantize_with_amax", "squared_error"]
 
@@ -48,6 +48,7 @@ MAX_SEARCH_STEPS = 1000
 def check_search_grid(who: str, step_size: float, start_multiplier: float, stop_multiplier: float) -> None:
     """Refuse a search grid that is empty, runs backwards, or has more than ``MAX_SEARCH_STEPS``
     multipliers; ``who`` starts the message."""
+    check_numbers(who, step_size=step_size, start_multiplier=start_multiplier, stop_multiplier=stop_multiplier)
     if not (0.0 < start_multiplier <= stop_multiplier < math.inf and 0.0 < step_size < math.inf):
         raise ValueError(
             f"{who}: need 0 < start_multiplier <= stop_multiplier and step_size > 0, all finite; "
@@ -108,6 +109,7 @@ class MseCalibrator(MergeableObserver):
     ):
         super().__init__(name)
         check_search_grid(self.describe(), step_size, start_multiplier, stop_multiplier)
+        check_axis(self.describe(), axis)
         self.initial_amax = torch.as_tensor(amax).detach().to(torch.float32)
         self.axis = axis
         self.quant_func = quant_func if quant_func is not None else nvfp4_fake_quantize_with_amax

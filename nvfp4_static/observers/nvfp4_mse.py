@@ -74,6 +74,9 @@ class NVFP4MSECalibrator(Observer):
                 f"{self.describe()}: custom quant_func / error_func are not supported; the sweep "
                 "minimises squared error, or dw^T H dw when a hessian is given"
             )
+        for what, value in (("amax", amax), ("hessian", hessian)):
+            if not (isinstance(value, torch.Tensor) or (what == "hessian" and value is None)):
+                raise TypeError(f"{self.describe()}: {what} must be a tensor, got {type(value).__name__}")
         global_amax = torch.as_tensor(global_amax).detach().to(torch.float32)
         # On the host once: each read of a GPU tensor waits for the device.
         host_amax = global_amax.cpu() if global_amax.numel() == 1 else None

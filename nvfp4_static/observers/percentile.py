@@ -4,6 +4,7 @@ from typing import Optional
 
 import torch
 
+from nvfp4_static.observers.base import check_numbers
 from nvfp4_static.observers.block_amax_histogram import BlockAmaxHistogramObserver
 
 __all__ = ["PercentileCalibrator"]
@@ -36,6 +37,7 @@ class PercentileCalibrator(BlockAmaxHistogramObserver):
         name: Optional[str] = None,
     ):
         super().__init__(num_bins=num_bins, log2_min=log2_min, log2_max=log2_max, name=name)
+        check_numbers(self.describe(), percentile=percentile)
         if not 0.0 < percentile <= 100.0:
             raise ValueError(f"{self.describe()}: percentile must be in (0, 100], got {percentile}")
         self.target_percentile = float(percentile)
