@@ -242,8 +242,11 @@ def test_register_experts_refuses_what_is_not_an_experts_class(experts_class, er
         (dict(gate_up=5), TypeError, r"ExpertsLayout.gate_up is an attribute name, got 5"),
         (dict(act_fn=None), TypeError, r"ExpertsLayout.act_fn is an attribute name, got None"),
         (dict(router=""), TypeError, r"ExpertsLayout.router is an attribute name, got ''"),
+        (dict(gate_up="w", down="w"), ValueError, r"four different attributes .*'gate_up': 'w', 'down': 'w'"),
+        (dict(act_fn="gate"), ValueError, r"four different attributes"),
     ],
-    ids=["duplicate names", "two names", "a list", "an empty name", "int attribute", "none act_fn", "empty router"],
+    ids=["duplicate names", "two names", "a list", "an empty name", "int attribute", "none act_fn", "empty router",
+         "one weight for both projections", "act_fn named as the router"],
 )
 def test_an_experts_layout_that_names_its_parts_ambiguously_is_refused(fields, error, message):
     with pytest.raises(error, match=message):

@@ -79,6 +79,17 @@ def test_percentile_agrees_with_torch_quantile_within_one_bin(percentile):
     assert abs(bin_of(actual) - bin_of(expected)) <= 1
 
 
+@pytest.mark.parametrize("percentile, error", [(float("nan"), ValueError), (-5.0, ValueError), (0.0, ValueError),
+                                               (101.0, ValueError), ("50", TypeError)],
+                         ids=["nan", "negative", "zero", "above 100", "string"])
+def test_a_percentile_outside_0_to_100_is_refused_naming_the_layer(percentile, error):
+    """NaN raised IndexError (index 512 is out of bounds); -5 read the first percentile."""
+    calibrator = PercentileCalibrator(name=LAYER)
+    calibrator.collect(lognormal_activation(seed=1))
+    with pytest.raises(error, match=rf"{LAYER}.*percentile"):
+        calibrator.percentile(percentile)
+
+
 def test_percentile_100_is_the_literal_max():
     x = lognormal_activation(seed=1)
     calibrator = PercentileCalibrator(100.0)

@@ -54,6 +54,11 @@ class ExpertsLayout:
         for field, value in names.items():
             if not isinstance(value, str) or not value:
                 raise TypeError(f"nvfp4_static: ExpertsLayout.{field} is an attribute name, got {value!r}")
+        if len(set(names.values())) < len(names):
+            raise ValueError(
+                f"nvfp4_static: ExpertsLayout names four different attributes (gate_up, down, act_fn, router), "
+                f"got {names}"
+            )
         names = self.checkpoint_names
         if not (
             isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) and n for n in names)

@@ -164,6 +164,9 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         Returns:
             The value as a Python float; 0.0 if no block is counted.
         """
+        check_numbers(self.describe(), percentile=percentile)
+        if not 0.0 < percentile <= 100.0:
+            raise ValueError(f"{self.describe()}: percentile must be in (0, 100], got {percentile}")
         return self._percentile_of(self._host_state("percentile()"), percentile, floor)
 
     def _percentile_of(self, host: HostHistogram, percentile: float, floor: Optional[float] = None) -> float:
