@@ -321,6 +321,16 @@ def test_max_calibrator_merges_by_max_and_rejects_a_changed_channel_count():
         a.collect(torch.ones(5, 16))
 
 
+def test_merging_observers_that_saw_other_channel_counts_is_refused_naming_both():
+    """The merge raised torch's broadcast error, naming neither observer."""
+    a, b = MaxCalibrator(axis=0, name=LAYER), MaxCalibrator(axis=0, name="other")
+    a.collect(torch.ones(8, 16))
+    b.collect(torch.ones(4, 16))
+    with pytest.raises(ValueError, match=rf"{LAYER}.*cannot merge MaxCalibrator\('other'\).*amax \(8, 1\) vs \(4, 1\)"):
+        a.merge(b)
+    assert torch.equal(a.compute_amax(), torch.ones(8, 1))
+
+
 def test_max_calibrator_of_zeros_is_zero():
     calibrator = MaxCalibrator()
     calibrator.collect(torch.zeros(2, 16))

@@ -290,6 +290,13 @@ class MergeableObserver(Observer):
         if self._state is None:
             self.load_state_dict(other._state)
             return
+        shapes = {key: (tuple(value.shape), tuple(other._state[key].shape)) for key, value in self._state.items()}
+        if any(ours != theirs for ours, theirs in shapes.values()):
+            raise ValueError(
+                f"{self.describe()}: cannot merge {other.describe()}: their statistics have other shapes "
+                f"({', '.join(f'{key} {ours} vs {theirs}' for key, (ours, theirs) in shapes.items())}); "
+                f"per-channel observers must have seen as many channels"
+            )
         combined = {
             key: _REDUCE[self.STATE_REDUCTIONS[key]](value, other._state[key].to(value.device))
             for key, value in self._state.items()
