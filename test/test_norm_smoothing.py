@@ -201,6 +201,21 @@ def test_non_finite_norm_outputs_are_refused_and_nothing_changes(bad):
     assert_same_state(model, before)
 
 
+def test_an_fp16_model_whose_norm_outputs_reach_subnormals_is_smoothed():
+    """Norm weights of 1e-3 put some fp16 outputs under 6e-5, whose rounding the relative check
+    read as a norm that does not scale with its weight."""
+    model = tiny_llama()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.fill_(1e-3)
+    model = model.half()
+    before = {name: norm.weight.clone() for name, norm in model.named_modules() if name.endswith("input_layernorm")}
+    with torch.no_grad():
+        smooth_norm_inputs(model, lambda m: [m(token_ids(seed)) for seed in range(2)], alpha=0.5)
+    changed = [name for name, weight in before.items() if not torch.equal(model.get_submodule(name).weight, weight)]
+    assert changed == list(before)
+
+
 class OnePlusWeightNorm(ChannelScale):
     """Gemma's parametrization: ``x * (1 + weight)``, which dividing the weight does not scale."""
 
@@ -219,3 +234,13 @@ def test_a_norm_whose_output_does_not_follow_its_weight_is_refused_and_nothing_c
     with pytest.raises(ValueError, match="'norm' \\(OnePlusWeightNorm\\) does not scale its output"):
         smooth_norm_inputs(model, lambda m: m(loud), norm_consumers={"norm": ("proj", "gate")})
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_gemma_norm_is_refused_in_fp16_too(dtype):
+    model = NormThenLinears().to(dtype)
+    model.norm = OnePlusWeightNorm(K).to(dtype)
+    loud = torch.ones(8, K, dtype=dtype)
+    loud[:, 0] = 100.0
+    with pytest.raises(ValueError, match="'norm' \\(OnePlusWeightNorm\\) does not scale its output"):
+        smooth_norm_inputs(model, lambda m: m(loud), norm_consumers={"norm": ("proj", "gate")})
