@@ -17,6 +17,7 @@ from nvfp4_static.numerics import (
 )
 from nvfp4_static.observers import (
     BlockHessianAccumulator,
+    FullHessianAccumulator,
     MaxCalibrator,
     MseCalibrator,
     NVFP4ActMaxCalibrator,
@@ -762,6 +763,40 @@ def test_load_state_dict_rejects_wrong_keys_and_shapes():
         calibrator.load_state_dict(
             {"counts": torch.zeros(3, dtype=torch.int64), "literal_max": torch.zeros(())}
         )
+
+
+FRESH_STATES = {
+    "histogram of 10 bins": (lambda: PercentileCalibrator(name=LAYER),
+                             {"counts": torch.ones(10, dtype=torch.int64), "literal_max": torch.tensor(1.0)},
+                             r"state 'counts' has shape \(10,\), expected \(512,\)"),
+    "literal max of two": (lambda: PercentileCalibrator(name=LAYER),
+                           {"counts": torch.ones(512, dtype=torch.int64), "literal_max": torch.ones(2)},
+                           r"state 'literal_max' has shape \(2,\), expected \(\)"),
+    "hessian of 3 blocks": (lambda: BlockHessianAccumulator(64, name=LAYER),
+                            {"hessian": torch.zeros(3, 16, 16), "num_tokens": torch.tensor(0)},
+                            r"state 'hessian' has shape \(3, 16, 16\), expected \(4, 16, 16\)"),
+    "full hessian of another width": (lambda: FullHessianAccumulator(32, name=LAYER),
+                                      {"hessian": torch.zeros(16, 16), "num_tokens": torch.tensor(0)},
+                                      r"expected \(32, 32\)"),
+    "a float amax": (lambda: MaxCalibrator(name=LAYER), {"amax": 3.0}, r"state 'amax' is a float, not a tensor"),
+}
+
+
+@pytest.mark.parametrize("make, state, message", FRESH_STATES.values(), ids=FRESH_STATES.keys())
+def test_a_fresh_observer_refuses_a_state_its_settings_do_not_fit(make, state, message):
+    """Taken as it was: the histogram read 2.5e-12 from 10 counts, the Hessian failed at the next
+    collect with a broadcast error, a float amax raised AttributeError."""
+    observer = make()
+    with pytest.raises(ValueError, match=rf"{LAYER}.*{message}"):
+        observer.load_state_dict(state)
+    with pytest.raises(RuntimeError):
+        observer.state_dict()
+
+
+def test_a_fresh_observer_takes_a_state_of_its_shapes():
+    full = FullHessianAccumulator(32, name=LAYER)
+    full.load_state_dict({"hessian": torch.eye(32), "num_tokens": torch.tensor(4)})
+    assert torch.equal(full.state_dict()["hessian"], torch.eye(32))
 
 
 def test_a_refused_batch_leaves_the_histogram_as_it_was():

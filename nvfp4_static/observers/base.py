@@ -258,6 +258,11 @@ class MergeableObserver(Observer):
         state = self._require_state("state_dict()")
         return {key: value.clone() for key, value in state.items()}
 
+    def _state_shapes(self) -> Optional[dict[str, tuple[int, ...]]]:
+        """Each state entry's shape where the settings fix it before any data; None where the
+        first batch does (a per-channel statistic)."""
+        return None
+
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Replace the state with copies of ``state_dict`` (e.g. after an all-reduce)."""
         if set(state_dict) != set(self.STATE_REDUCTIONS):
@@ -265,13 +270,16 @@ class MergeableObserver(Observer):
                 f"{self.describe()}: state_dict keys {sorted(state_dict)} do not match the "
                 f"expected {sorted(self.STATE_REDUCTIONS)}"
             )
-        if self._state is not None:
-            for key, value in state_dict.items():
-                if value.shape != self._state[key].shape:
-                    raise ValueError(
-                        f"{self.describe()}: state '{key}' has shape {tuple(value.shape)}, "
-                        f"expected {tuple(self._state[key].shape)} (observers of different data?)"
-                    )
+        for key, value in state_dict.items():
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{self.describe()}: state '{key}' is a {type(value).__name__}, not a tensor")
+        shapes = self._state_shapes() if self._state is None else {k: v.shape for k, v in self._state.items()}
+        for key, shape in (shapes or {}).items():
+            if tuple(state_dict[key].shape) != tuple(shape):
+                raise ValueError(
+                    f"{self.describe()}: state '{key}' has shape {tuple(state_dict[key].shape)}, "
+                    f"expected {tuple(shape)} (observers of different data or settings?)"
+                )
         self._pending_check = None  # whatever it was about is replaced
         self._state_before_batch = None
         self._state = {key: value.detach().clone() for key, value in state_dict.items()}

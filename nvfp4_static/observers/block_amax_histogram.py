@@ -110,6 +110,9 @@ class BlockAmaxHistogramObserver(MergeableObserver):
     def _merge_config(self) -> tuple:
         return (self.num_bins, self.log2_min, self.log2_max)
 
+    def _state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"counts": (self.num_bins,), "literal_max": ()}
+
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Add the per-block amaxes of ``x`` to the histogram."""

@@ -40,6 +40,9 @@ class BlockHessianAccumulator(MergeableObserver):
     def _merge_config(self) -> tuple:
         return (self.in_features,)
 
+    def _state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"hessian": tuple(self._zero_hessian(torch.device("meta")).shape), "num_tokens": ()}
+
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Add ``x_b^T x_b`` of ``x`` ``[..., in_features]`` (every leading index is a token)."""
