@@ -799,6 +799,47 @@ def test_a_fresh_observer_takes_a_state_of_its_shapes():
     assert torch.equal(full.state_dict()["hessian"], torch.eye(32))
 
 
+IMPOSSIBLE_STATES = {
+    "NaN amax": (lambda: MaxCalibrator(name=LAYER), {"amax": torch.tensor(float("nan"))},
+                 r"state 'amax' of shape \(\) holds 1 NaN and 0 Inf values"),
+    "Inf literal max": (lambda: PercentileCalibrator(name=LAYER),
+                        {"counts": torch.ones(512, dtype=torch.int64), "literal_max": torch.tensor(float("inf"))},
+                        r"state 'literal_max' of shape \(\) holds 0 NaN and 1 Inf values"),
+    "negative counts": (lambda: PercentileCalibrator(name=LAYER),
+                        {"counts": -torch.ones(512, dtype=torch.int64), "literal_max": torch.tensor(1.0)},
+                        r"state 'counts' of shape \(512,\) holds 512 negative values"),
+    "negative token count": (lambda: BlockHessianAccumulator(32, name=LAYER),
+                             {"hessian": torch.zeros(2, 16, 16), "num_tokens": torch.tensor(-3)},
+                             r"state 'num_tokens' of shape \(\) holds 1 negative values"),
+    "NaN in a Hessian": (lambda: FullHessianAccumulator(16, name=LAYER),
+                         {"hessian": torch.eye(16).index_fill(0, torch.tensor([2]), float("nan")),
+                          "num_tokens": torch.tensor(4)},
+                         r"state 'hessian' of shape \(16, 16\) holds 16 NaN"),
+}
+
+
+@pytest.mark.parametrize("make, state, message", IMPOSSIBLE_STATES.values(), ids=IMPOSSIBLE_STATES.keys())
+def test_load_state_dict_refuses_values_no_data_could_give(make, state, message):
+    """Taken as they were: negative counts raised IndexError when the histogram was read, a NaN
+    amax came back from compute_amax. A refused load leaves the collected state as it was."""
+    observer = make()
+    width = 16 if isinstance(observer, FullHessianAccumulator) else 32
+    observer.collect(torch.rand(4, width))
+    before = observer.state_dict()
+    with pytest.raises(ValueError, match=rf"{LAYER}.*{message}"):
+        observer.load_state_dict(state)
+    after = observer.state_dict()
+    assert all(torch.equal(after[key], before[key]) for key in before)
+
+
+def test_a_hessian_state_may_hold_negative_entries():
+    """Off the diagonal a sum of x x^T is negative wherever two inputs are anticorrelated."""
+    hessian = torch.tensor([[1.0, -0.5], [-0.5, 1.0]]).repeat(8, 8)
+    observer = FullHessianAccumulator(16, name=LAYER)
+    observer.load_state_dict({"hessian": hessian, "num_tokens": torch.tensor(2)})
+    assert torch.equal(observer.state_dict()["hessian"], hessian)
+
+
 def test_a_refused_batch_leaves_the_histogram_as_it_was():
     calibrator = NVFP4ActMaxCalibrator(name="layer")
     calibrator.collect(torch.randn(8, 64))

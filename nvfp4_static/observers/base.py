@@ -143,6 +143,9 @@ class MergeableObserver(Observer):
     """
 
     STATE_REDUCTIONS: Mapping[str, str] = {}
+    # State entries that may hold negative values (every other one counts or takes maxima of
+    # magnitudes, so a negative value there is not a statistic of any data).
+    SIGNED_STATE: frozenset[str] = frozenset()
 
     def __init__(self, name: Optional[str] = None):
         super().__init__(name)
@@ -280,9 +283,27 @@ class MergeableObserver(Observer):
                     f"{self.describe()}: state '{key}' has shape {tuple(state_dict[key].shape)}, "
                     f"expected {tuple(shape)} (observers of different data or settings?)"
                 )
+        self._check_state_values(state_dict)
         self._pending_check = None  # whatever it was about is replaced
         self._state_before_batch = None
         self._state = {key: value.detach().clone() for key, value in state_dict.items()}
+
+    def _check_state_values(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Refuse NaN or Inf anywhere and negative values outside ``SIGNED_STATE``: a statistic
+        no data could give, which would otherwise surface later as an amax read from garbage or
+        an IndexError in the histogram."""
+        for key, value in state_dict.items():
+            signed = key in self.SIGNED_STATE
+            if not bool(torch.isfinite(value).all()):
+                problem = non_finite_summary(value)
+            elif not signed and bool((value < 0).any()):
+                problem = f"{int((value < 0).sum())} negative values"
+            else:
+                continue
+            raise ValueError(
+                f"{self.describe()}: state '{key}' of shape {tuple(value.shape)} holds {problem}; "
+                f"an observer's state holds finite{'' if signed else ', non-negative'} statistics"
+            )
 
     def merge(self, other: "MergeableObserver") -> None:
         """Fold ``other``'s statistics into this one, as if this observer had seen its batches."""

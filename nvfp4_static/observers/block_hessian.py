@@ -29,6 +29,7 @@ class BlockHessianAccumulator(MergeableObserver):
     """
 
     STATE_REDUCTIONS = {"hessian": "sum", "num_tokens": "sum"}
+    SIGNED_STATE = frozenset({"hessian"})  # off-diagonal entries
 
     def __init__(self, in_features: int, *, name: Optional[str] = None):
         super().__init__(name)
