@@ -361,6 +361,29 @@ def test_mse_multiplier_grid_follows_step_size():
     assert torch.equal(grid.multipliers, torch.linspace(0.5, 1.0, 6))
 
 
+UNSEARCHABLE_AMAXES = {
+    "NaN": (torch.tensor(float("nan")), {}, r"1 of its 1 values are not \(first nan at index \(\)\)"),
+    "negative": (torch.tensor(-2.0), {}, r"1 of its 1 values are not \(first -2.0 at index \(\)\)"),
+    "Inf in one row": (torch.tensor([[1.0], [float("inf")], [2.0]]), {"axis": 0}, r"1 of its 3 values .*index \(1, 0\)"),
+    "overflowing at the grid's top": (torch.tensor(1e38), {}, r"stop_multiplier \(4.0\) finite"),
+    "overflowing at a wider grid's top": (torch.tensor(1e37), {"stop_multiplier": 100.0}, r"stop_multiplier \(100.0\)"),
+}
+
+
+@pytest.mark.parametrize("amax, kwargs, message", UNSEARCHABLE_AMAXES.values(), ids=UNSEARCHABLE_AMAXES.keys())
+def test_mse_calibrator_refuses_an_amax_it_cannot_search_around(amax, kwargs, message):
+    """Taken as they were: a NaN or negative amax came back from compute_amax, and an amax whose
+    multiples overflow made collect blame the activations for an overflowing statistic."""
+    with pytest.raises(ValueError, match=rf"{LAYER}.*amax must be finite and >= 0.*{message}"):
+        MseCalibrator(amax, name=LAYER, **kwargs)
+
+
+def test_mse_calibrator_searches_around_a_zero_amax():
+    calibrator = MseCalibrator(torch.tensor(0.0), name=LAYER)
+    calibrator.collect(torch.randn(4, 32))
+    assert calibrator.compute_amax().item() == 0.0
+
+
 def test_mse_calibrator_per_tensor_picks_the_brute_force_argmin():
     batches = [lognormal_activation(seed, rows=32).bfloat16() for seed in (15, 16)]
     amax = torch.stack(batches).abs().max().float()

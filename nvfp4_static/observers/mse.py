@@ -68,6 +68,21 @@ def search_steps(step_size: float, start_multiplier: float, stop_multiplier: flo
     return math.ceil(round((stop_multiplier - start_multiplier) / step_size, 9)) + 1
 
 
+def check_search_amax(who: str, amax: torch.Tensor, stop_multiplier: float) -> None:
+    """Refuse an amax to search around that is negative, NaN or Inf, or whose largest multiple
+    overflows float32: every candidate's loss would be NaN, and the error would then blame the
+    activations."""
+    largest = amax * stop_multiplier
+    bad = ~torch.isfinite(largest) | (amax < 0)
+    if bool(bad.any()):
+        first = tuple(torch.nonzero(bad)[0].tolist())
+        raise ValueError(
+            f"{who}: amax must be finite and >= 0, with amax * stop_multiplier ({stop_multiplier}) "
+            f"finite in float32; {int(bad.sum())} of its {amax.numel()} values are not (first "
+            f"{float(amax[first])!r} at index {first})"
+        )
+
+
 class MseCalibrator(MergeableObserver):
     """Picks ``amax * m`` minimising ``sum error_func(x, quant_func(x, amax * m))`` over batches.
 
@@ -111,6 +126,7 @@ class MseCalibrator(MergeableObserver):
         check_search_grid(self.describe(), step_size, start_multiplier, stop_multiplier)
         check_axis(self.describe(), axis)
         self.initial_amax = torch.as_tensor(amax).detach().to(torch.float32)
+        check_search_amax(self.describe(), self.initial_amax, stop_multiplier)
         self.axis = axis
         self.quant_func = quant_func if quant_func is not None else nvfp4_fake_quantize_with_amax
         self.error_func = error_func if error_func is not None else squared_error
