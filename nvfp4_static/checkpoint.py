@@ -6,6 +6,7 @@ instead of asking the user to repeat the ``filter_fn`` and the config they conve
 """
 
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Optional, Union
 
@@ -17,9 +18,10 @@ from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear, saved_reci
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.tensor import NVFP4StaticTensor
 
-__all__ = ["load_quantized", "replace_submodule"]
+__all__ = ["check_converted_layers_on_load", "load_quantized", "replace_submodule"]
 
 _EXTRA_STATE = "_extra_state"
+_MODELS_CHECKED_ON_LOAD: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def load_quantized(
@@ -73,15 +75,35 @@ def load_quantized(
             swapped.append((name, module))
         check_backend_runs_on_model(model, backend, "load_quantized")
         _check_loadable(model, checkpoint)
-        for name, module in model.named_modules():
-            if isinstance(module, (NVFP4StaticLinear, NVFP4StaticExperts)):
-                module.check_loadable(checkpoint, f"{name}." if name else "")
+        check_converted_layers(model, checkpoint)
         model.load_state_dict(checkpoint)
     except BaseException:
         for name, original in reversed(swapped):
             replace_submodule(model, name, original)
         raise
     return model
+
+
+def check_converted_layers(model: torch.nn.Module, state_dict: Mapping, prefix: str = "") -> None:
+    """Each converted layer's checks of its entries in ``state_dict`` (``prefix`` + its name):
+    the recipe it was made with, scales no convert writes."""
+    for name, module in model.named_modules():
+        if isinstance(module, (NVFP4StaticLinear, NVFP4StaticExperts)):
+            module.check_loadable(state_dict, f"{prefix}{name}." if name else prefix)
+
+
+def check_converted_layers_on_load(model: torch.nn.Module) -> None:
+    """Make ``model.load_state_dict`` run every converted layer's checks before it copies
+    anything. torch loads module by module, so a layer refusing its entries as its turn comes
+    would leave the layers before it loaded; ``is_quantizable`` registers this on the model
+    ``quantize_`` walks (once per model)."""
+    if model not in _MODELS_CHECKED_ON_LOAD:
+        model.register_load_state_dict_pre_hook(_check_converted_layers_hook)
+        _MODELS_CHECKED_ON_LOAD.add(model)
+
+
+def _check_converted_layers_hook(model, state_dict, prefix, *_) -> None:
+    check_converted_layers(model, state_dict, prefix)
 
 
 def check_load_target(model: torch.nn.Module, function: str) -> None:

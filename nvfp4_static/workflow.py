@@ -22,6 +22,7 @@ import torch
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from nvfp4_static.backends import check_runs_on
+from nvfp4_static.checkpoint import check_converted_layers_on_load
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.convert_progress import ConvertProgress
 from nvfp4_static.experts import (
@@ -73,6 +74,7 @@ def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
     """
     if fqn == "":  # quantize_ asks about the root first: the one time the whole model is seen
         _record_weights_held_elsewhere(module)
+        check_converted_layers_on_load(module)
     _LAYER_NAMES[module] = fqn
     return isinstance(module, torch.nn.Linear) or _is_experts(module)
 

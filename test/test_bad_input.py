@@ -362,10 +362,57 @@ def test_a_checkpoint_with_an_impossible_block_scale_is_refused_before_anything_
     placeholder = make(MLP, seed=1)
     quantize_(placeholder, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)
     empty_down = converted_tensors(placeholder.down)
+    empty = converted_tensors(placeholder)
     with pytest.raises(ValueError, match="'down' has 1 FP8 block scale"):
         placeholder.load_state_dict(state)
-    assert not placeholder.down.loaded
-    assert_same_tensors(empty_down, converted_tensors(placeholder.down))
+    assert not placeholder.up.loaded and not placeholder.down.loaded
+    assert_same_tensors(empty, converted_tensors(placeholder))
+
+
+def damage_down(state: dict, damage: str) -> None:
+    """Make ``state``'s last converted layer, ``down``, one a load refuses."""
+    if damage == "block-scale":
+        state["down.weight"].scale.view(torch.uint8)[0, 0] = 0x7F
+    elif damage == "activation-scale":
+        state["down.weight"].act_per_tensor_scale.fill_(float("nan"))
+    elif damage == "weight-scale":
+        state["down.weight"].per_tensor_scale.fill_(-1.0)
+    else:
+        state["down._extra_state"] = {**state["down._extra_state"], "weight_scale": "max"}
+
+
+class Outer(torch.nn.Module):
+    """A model holding the quantized one as a child, loaded as a whole."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.head = torch.nn.Linear(DIM, 4)
+
+
+@pytest.mark.parametrize("damage", ["block-scale", "activation-scale", "weight-scale", "recipe"])
+@pytest.mark.parametrize("target", ["placeholder", "converted", "placeholder-inside-another-model"])
+def test_model_load_state_dict_refusing_its_last_layer_loads_none_of_the_others(damage, target):
+    """torch loads module by module; the layers before the refused one were loaded when each
+    layer checked only its own entries as it loaded them."""
+    source = quantized(make(MLP, seed=3))
+    if target == "converted":
+        model = quantized(make(MLP, seed=1))
+    else:
+        model = make(MLP, seed=1)
+        quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)
+    state = source.state_dict()
+    damage_down(state, damage)
+    if target == "placeholder-inside-another-model":
+        model = Outer(model)
+        state = {**{f"inner.{key}": value for key, value in state.items()}, **{
+            f"head.{key}": value for key, value in model.head.state_dict().items()}}
+    before = converted_tensors(model)
+    with pytest.raises(ValueError, match="'down'"):
+        model.load_state_dict(state)
+    assert_same_tensors(before, converted_tensors(model))
+    quantized_model = model.inner if target == "placeholder-inside-another-model" else model
+    assert quantized_model.up.loaded == (target == "converted")
 
 
 @pytest.mark.parametrize("into", ["converted", "converted_load_state_dict", "placeholder"])
