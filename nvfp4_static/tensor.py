@@ -323,6 +323,12 @@ def static_linear(
             f"nvfp4_static: activation of shape {tuple(x.shape)} does not match weight of shape "
             f"{tuple(weight.shape)} (in_features {weight.shape[-1]})"
         )
+    if x.device != weight.qdata.device:  # the inner tensor's device: the subclass's costs a dispatch
+        raise ValueError(
+            f"nvfp4_static: activation of shape {tuple(x.shape)} is on {x.device}, the NVFP4 weight of "
+            f"shape {tuple(weight.shape)} on {weight.device}; move the input (or the model) so that both "
+            f"are on one device"
+        )
     if x.numel() == 0:  # no tokens: the kernels have no rows to work on
         out = x.new_zeros(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias.to(x.dtype)

@@ -483,6 +483,23 @@ def test_an_empty_placeholder_is_neither_saved_as_a_checkpoint_nor_exported(tmp_
         assert torch.equal(loaded(x), source(x))
 
 
+INPUTS_ON_ANOTHER_DEVICE = {
+    "input on meta": ("cpu", lambda model, x: model(x.to("meta")), "is on meta, the NVFP4 weight .* on cpu"),
+    "model on meta": ("meta", lambda model, x: model(x), "is on cpu, the NVFP4 weight .* on meta"),
+    "F.linear with the weight": ("cpu", lambda model, x: torch.nn.functional.linear(x.to("meta"), model.up.weight),
+                                 r"\(2, 16, 64\) is on meta, the NVFP4 weight of shape \(128, 64\) on cpu"),
+}
+
+
+@pytest.mark.parametrize("device, run, message", INPUTS_ON_ANOTHER_DEVICE.values(), ids=INPUTS_ON_ANOTHER_DEVICE.keys())
+def test_an_input_on_another_device_than_the_weight_is_refused(device, run, message):
+    """Taken as it was, the error came from deep inside torch without a shape; on two GPUs the
+    Triton kernels would read one device's memory with another's pointers."""
+    model = quantized(make(MLP)).to(device)
+    with pytest.raises(ValueError, match=rf"nvfp4_static: activation of shape .*{message}.*move the input"):
+        run(model, calibration_batches(1)[0])
+
+
 def test_a_placeholder_refuses_to_run_until_loaded():
     model = make(MLP)
     quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)

@@ -345,6 +345,31 @@ def test_routing_that_does_not_describe_each_tokens_experts_is_refused(bad, stat
         assert before[1] == list(holder.experts.tokens_per_expert)
 
 
+ROUTINGS_ON_META = {
+    "hidden states": (lambda h, i, w: (h.to("meta"), i, w), "hidden_states on meta"),
+    "index": (lambda h, i, w: (h, i.to("meta"), w), "top_k_index on meta"),
+    "weights": (lambda h, i, w: (h, i, w.to("meta")), "top_k_weights on meta"),
+    "all three": (lambda h, i, w: (h.to("meta"), i.to("meta"), w.to("meta")),
+                  "hidden_states on meta, top_k_index on meta, top_k_weights on meta"),
+}
+
+
+@pytest.mark.parametrize("move, named", ROUTINGS_ON_META.values(), ids=ROUTINGS_ON_META.keys())
+@pytest.mark.parametrize("state", ["observed", "converted"])
+def test_experts_refuse_inputs_on_another_device_than_their_weights(move, named, state):
+    """Taken as they were, torch stopped inside the routing with "Tensor on device cpu is not on
+    the expected device meta!", no layer named; calibration must not have seen the batch."""
+    holder = calibrated_experts([routed_batch(32, seed) for seed in range(2)], act_calibration="max", weight_scale="mse")
+    if state == "converted":
+        convert(holder, act_calibration="max", weight_scale="mse")
+    else:
+        before = list(holder.experts.tokens_per_expert)
+    with pytest.raises(ValueError, match=rf"experts '.*experts' hold their weights on cpu, but got {named}; move"):
+        holder.experts(*move(*routed_batch(6, seed=3)))
+    if state == "observed":
+        assert before == list(holder.experts.tokens_per_expert)
+
+
 @pytest.mark.parametrize("index", [-1, EXPERTS + 1, 1000], ids=["negative", "past no-expert", "far"])
 def test_calibration_refuses_an_expert_index_outside_the_experts_and_the_no_expert_index(index):
     holder = calibrated_experts([routed_batch(20, 0)], act_calibration="max", weight_scale="hessian_mse")

@@ -345,7 +345,7 @@ class NVFP4StaticExperts(torch.nn.Module):
                 f"nvfp4_static: experts '{self.layer_name}' take hidden states of size "
                 f"{self.gate_up_proj.in_features}, got shape {tuple(hidden_states.shape)}"
             )
-        check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name)
+        check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name, self.gate_up_proj.qdata.device)
         routing = route(top_k_index, self.num_experts)
         gate_up = self.gate_up_proj(hidden_states, routing.expert_offsets, routing.token_of_row())
         gate, up = gate_up.chunk(2, dim=-1)

@@ -62,7 +62,7 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         self.gate_up_proj[0].check_input(hidden_states)  # before the pooled calibrator sees it
-        check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name)
+        check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name, self.gate_up_proj[0].weight.device)
         outside = (top_k_index < 0) | (top_k_index > self.num_experts)
         if bool(outside.any()):
             bad = top_k_index[outside]

@@ -16,9 +16,12 @@ import torch
 __all__ = ["Routing", "check_routing", "route", "combine"]
 
 
-def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, name: str):
-    """Refuse routing tensors that do not describe ``T`` tokens' ``k`` experts each: ``route``
-    and ``combine`` would otherwise drop or mix up tokens without an error."""
+def check_routing(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, name: str, device: torch.device
+):
+    """Refuse routing tensors that do not describe ``T`` tokens' ``k`` experts each, or that are
+    not on ``device``, the experts' weights': ``route`` and ``combine`` would otherwise drop or mix
+    up tokens without an error, or fail inside torch without naming the layer."""
     tokens = hidden_states.shape[0] if hidden_states.dim() == 2 else None
     if (
         tokens is None
@@ -35,6 +38,14 @@ def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
             f"[tokens, k] and floating-point top_k_weights of the same shape; got hidden_states "
             f"{list(hidden_states.shape)}, top_k_index {list(top_k_index.shape)} {top_k_index.dtype}, "
             f"top_k_weights {list(top_k_weights.shape)} {top_k_weights.dtype}"
+        )
+    inputs = {"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights}
+    elsewhere = {label: tensor.device for label, tensor in inputs.items() if tensor.device != device}
+    if elsewhere:
+        where = ", ".join(f"{label} on {at}" for label, at in elsewhere.items())
+        raise ValueError(
+            f"nvfp4_static: experts '{name}' hold their weights on {device}, but got {where}; move the "
+            f"inputs (or the model) so that all are on one device"
         )
 
 
