@@ -5,18 +5,19 @@ The handlers that carry the steps out are in ``nvfp4_static.workflow``.
 
 import dataclasses
 import math
-import numbers
 from typing import Optional, Union
 
 import torchao.core.config
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.quantize_.common.quantization_step import QuantizationStep
 
+from nvfp4_static.arguments import check_flags
 from nvfp4_static.backends import BACKENDS
 from nvfp4_static.gptq import DEFAULT_DAMPENING
 from nvfp4_static.numerics import E4M3_DYNAMIC_RANGE
 from nvfp4_static.observers import MaxCalibrator, NVFP4BMinCalibrator, PercentileCalibrator
 from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
+from nvfp4_static.observers.base import check_numbers
 from nvfp4_static.observers.b_min import DEFAULT_B_MAX_PERCENTILE
 
 __all__ = ["NVFP4StaticActivationConfig"]
@@ -92,12 +93,13 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
     expert_min_tokens: int = 16
 
     def __post_init__(self):
+        typed = {kind: {} for kind in (float, bool)}
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.type in (float, "float") and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-                raise TypeError(f"NVFP4StaticActivationConfig: {field.name}={value!r} must be a number")
-            if field.type in (bool, "bool") and not isinstance(value, bool):
-                raise TypeError(f"NVFP4StaticActivationConfig: {field.name}={value!r} must be True or False")
+            kind = {"float": float, "bool": bool}.get(field.type, field.type)
+            if kind in typed:
+                typed[kind][field.name] = getattr(self, field.name)
+        check_numbers("NVFP4StaticActivationConfig", **typed[float])
+        check_flags("NVFP4StaticActivationConfig", **typed[bool])
         if isinstance(self.step, QuantizationStep):
             self.step = self.step.value
         _check_choice("step", self.step, STEPS)
