@@ -29,6 +29,16 @@ def check_numbers(who: str, **values) -> None:
             raise TypeError(f"{who}: {name}={value!r} must be a number")
 
 
+def check_whole_number(who: str, name: str, value, lowest: int, highest: Optional[int] = None) -> int:
+    """``value`` as an int, refusing what is not a whole number (a bool, a string, 2.5) or lies
+    outside ``[lowest, highest]``; ``who`` starts the message."""
+    whole = isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer()
+    if not (whole and lowest <= value and (highest is None or value <= highest)):
+        bounds = f">= {lowest}" if highest is None else f"from {lowest} to {highest}"
+        raise ValueError(f"{who}: {name} must be an integer {bounds}, got {value!r}")
+    return int(value)
+
+
 def check_axis(who: str, axis) -> None:
     """Refuse an ``axis`` that is neither None nor an integer (a bool reads as 1)."""
     if axis is not None and (isinstance(axis, bool) or not isinstance(axis, numbers.Integral)):

@@ -6,14 +6,13 @@ in bounded memory (``num_bins`` int64 counts) and merges by addition, across bat
 """
 
 import math
-import numbers
 from typing import NamedTuple, Optional
 
 import torch
 
 from nvfp4_static import kernels
 from nvfp4_static.messages import warn
-from nvfp4_static.observers.base import MergeableObserver, check_numbers
+from nvfp4_static.observers.base import MergeableObserver, check_numbers, check_whole_number
 from nvfp4_static.references import histogram_bin_centres, histogram_bin_edges
 
 __all__ = ["BlockAmaxHistogramObserver", "ALL_ZERO_FALLBACK_AMAX"]
@@ -82,11 +81,7 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         name: Optional[str] = None,
     ):
         super().__init__(name)
-        whole = isinstance(num_bins, numbers.Real) and not isinstance(num_bins, bool) and float(num_bins).is_integer()
-        if not (whole and 2 <= num_bins <= MAX_BINS):
-            raise ValueError(
-                f"{self.describe()}: num_bins must be an integer from 2 to {MAX_BINS}, got {num_bins!r}"
-            )
+        num_bins = check_whole_number(self.describe(), "num_bins", num_bins, 2, MAX_BINS)
         check_numbers(self.describe(), log2_min=log2_min, log2_max=log2_max)
         if not (math.isfinite(log2_min) and math.isfinite(log2_max) and log2_min < log2_max):
             raise ValueError(
@@ -100,7 +95,7 @@ class BlockAmaxHistogramObserver(MergeableObserver):
                 f"could be off by more than 2^{MAX_BIN_OCTAVES / 2:g}. Use at least "
                 f"{math.ceil((log2_max - log2_min) / MAX_BIN_OCTAVES)} bins, or a narrower range"
             )
-        self.num_bins = int(num_bins)
+        self.num_bins = num_bins
         self.log2_min = float(log2_min)
         self.log2_max = float(log2_max)
         self._bins = (self.num_bins, self.log2_min, self.log2_max)

@@ -1,13 +1,12 @@
 """The per-input-block Hessian that weights the weight-scale sweep."""
 
-import numbers
 from typing import Optional
 
 import torch
 
 from nvfp4_static import kernels
 from nvfp4_static.numerics import BLOCK_SIZE, pad_to_block_multiple
-from nvfp4_static.observers.base import MergeableObserver
+from nvfp4_static.observers.base import MergeableObserver, check_whole_number
 
 __all__ = ["BlockHessianAccumulator"]
 
@@ -33,10 +32,7 @@ class BlockHessianAccumulator(MergeableObserver):
 
     def __init__(self, in_features: int, *, name: Optional[str] = None):
         super().__init__(name)
-        whole = not isinstance(in_features, bool) and isinstance(in_features, numbers.Integral)
-        if not whole or in_features < 1:
-            raise ValueError(f"{self.describe()}: in_features must be an integer >= 1, got {in_features!r}")
-        self.in_features = int(in_features)
+        self.in_features = check_whole_number(self.describe(), "in_features", in_features, 1)
 
     def _merge_config(self) -> tuple:
         return (self.in_features,)
