@@ -482,6 +482,17 @@ def test_all_tokens_to_one_expert_and_tokens_routed_nowhere(converted_holder):
         assert torch.equal(experts(hidden[:0], one_expert[:0], weights[:0]), hidden[:0])
 
 
+@pytest.mark.parametrize("index", [-1, -100, EXPERTS + 1, 1000], ids=["negative", "far negative", "past no-expert", "far"])
+def test_converted_experts_on_a_cpu_refuse_an_index_outside_the_experts_and_the_no_expert_index(converted_holder, index):
+    """Taken as it was, the slot went to no expert (as transformers' no-expert index does),
+    where transformers' one_hot refuses it."""
+    hidden, top_k_index, weights = routed_batch(6, seed=3)
+    top_k_index[4, 0] = index
+    with pytest.raises(ValueError, match=rf"experts '.*experts': top_k_index holds 1 expert indices outside "
+                                         rf"0..{EXPERTS} \(first: {index}\); {EXPERTS} routes a slot to no expert$"):
+        converted_holder.experts(hidden, top_k_index, weights)
+
+
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_converted_model_stays_close_to_the_float_model(architecture):
     ids = token_ids(9)

@@ -7,7 +7,7 @@ import torch
 
 from nvfp4_static.backends import BACKEND_ENV_VAR, resolve_backend
 from nvfp4_static.experts.layouts import ExpertsLayout
-from nvfp4_static.experts.routing import check_routing, combine, route
+from nvfp4_static.experts.routing import check_expert_indices, check_routing, combine, route
 from nvfp4_static.kernels.ops import (
     grouped_static_nvfp4_linear,
     grouped_static_nvfp4_linear_reference,
@@ -346,6 +346,9 @@ class NVFP4StaticExperts(torch.nn.Module):
                 f"{self.gate_up_proj.in_features}, got shape {tuple(hidden_states.shape)}"
             )
         check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name, self.gate_up_proj.qdata.device)
+        if top_k_index.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Free on a CPU; on a GPU the read would stall every layer's launches, so unchecked.
+            check_expert_indices(top_k_index, self.num_experts, self.layer_name)
         routing = route(top_k_index, self.num_experts)
         gate_up = self.gate_up_proj(hidden_states, routing.expert_offsets, routing.token_of_row())
         gate, up = gate_up.chunk(2, dim=-1)

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 
 from nvfp4_static.experts.layouts import ExpertsLayout
-from nvfp4_static.experts.routing import check_routing, combine, route
+from nvfp4_static.experts.routing import check_expert_indices, check_routing, combine, route
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 
 __all__ = ["NVFP4StaticObservedExperts"]
@@ -63,14 +63,7 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
     ) -> torch.Tensor:
         self.gate_up_proj[0].check_input(hidden_states)  # before the pooled calibrator sees it
         check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name, self.gate_up_proj[0].weight.device)
-        outside = (top_k_index < 0) | (top_k_index > self.num_experts)
-        if bool(outside.any()):
-            bad = top_k_index[outside]
-            raise ValueError(
-                f"nvfp4_static: experts '{self.layer_name}': top_k_index holds {bad.numel()} expert indices "
-                f"outside 0..{self.num_experts} (first: {int(bad[0])}); {self.num_experts} routes a slot "
-                f"to no expert (the batch was not observed)"
-            )
+        check_expert_indices(top_k_index, self.num_experts, self.layer_name, " (the batch was not observed)")
         routing = route(top_k_index, self.num_experts)
         x = hidden_states[routing.token_of_row()]
         bounds = routing.expert_offsets.tolist()

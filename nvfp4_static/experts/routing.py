@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Routing", "check_routing", "route", "combine"]
+__all__ = ["Routing", "check_expert_indices", "check_routing", "route", "combine"]
 
 
 def check_routing(
@@ -46,6 +46,19 @@ def check_routing(
         raise ValueError(
             f"nvfp4_static: experts '{name}' hold their weights on {device}, but got {where}; move the "
             f"inputs (or the model) so that all are on one device"
+        )
+
+
+def check_expert_indices(top_k_index: torch.Tensor, num_experts: int, name: str, after: str = "") -> None:
+    """Refuse expert indices outside ``0..num_experts`` (``num_experts`` is transformers' index
+    for a slot routed to no expert; one_hot refuses any other there): ``route`` would send them
+    to no expert without a word. Reads the device; ``after`` ends the message."""
+    outside = (top_k_index < 0) | (top_k_index > num_experts)
+    if bool(outside.any()):
+        bad = top_k_index[outside]
+        raise ValueError(
+            f"nvfp4_static: experts '{name}': top_k_index holds {bad.numel()} expert indices outside "
+            f"0..{num_experts} (first: {int(bad[0])}); {num_experts} routes a slot to no expert{after}"
         )
 
 
