@@ -26,6 +26,7 @@ from nvfp4_static.observers import (
     PercentileCalibrator,
     nvfp4_fake_quantize_with_amax,
 )
+from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
 
 LAYER = "model.layers.3.mlp.down_proj"
 LOG2_MIN, LOG2_MAX, NUM_BINS = -40.0, 40.0, 512
@@ -708,6 +709,7 @@ OBSERVERS = {
     "percentile": lambda: PercentileCalibrator(name=LAYER),
     "max": lambda: MaxCalibrator(name=LAYER),
     "mse": lambda: MseCalibrator(torch.tensor(1.0), name=LAYER),
+    "mse_anchored_at_the_first_batch": lambda: FirstBatchMseCalibrator(name=LAYER),
     "nvfp4_mse": lambda: NVFP4MSECalibrator(torch.zeros(4, 2), torch.tensor(8.0), name=LAYER),
     "block_hessian": lambda: BlockHessianAccumulator(32, name=LAYER),
 }

@@ -51,12 +51,13 @@ class FirstBatchMseCalibrator(Observer):
         if x.numel() == 0:
             return
         batch_max = x.abs().amax().float()
+        self._raise_if_non_finite(x, batch_max)  # a NaN/Inf batch never becomes the anchor
         top = None if self.search is None else self.search.initial_amax * self.search.multipliers[-1]
         if top is not None and not bool(batch_max > top.to(batch_max.device)):
             self.search.collect(x)
             return
         search = MseCalibrator(batch_max, name=self.name, **self.search_args)
-        search.collect(x)  # raises for a NaN/Inf batch, before it can become the anchor
+        search.collect(x)
         if top is not None:
             self.restarts += 1
             warn(
