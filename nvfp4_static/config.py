@@ -93,13 +93,11 @@ class NVFP4StaticActivationConfig(AOBaseConfig):
     expert_min_tokens: int = 16
 
     def __post_init__(self):
-        typed = {kind: {} for kind in (float, bool)}
-        for field in dataclasses.fields(self):
-            kind = {"float": float, "bool": bool}.get(field.type, field.type)
-            if kind in typed:
-                typed[kind][field.name] = getattr(self, field.name)
-        check_numbers("NVFP4StaticActivationConfig", **typed[float])
-        check_flags("NVFP4StaticActivationConfig", **typed[bool])
+        fields = dataclasses.fields(self)
+        numbers = {f.name: getattr(self, f.name) for f in fields if f.type in (float, "float")}
+        flags = {f.name: getattr(self, f.name) for f in fields if f.type in (bool, "bool")}
+        check_numbers("NVFP4StaticActivationConfig", **numbers)
+        check_flags("NVFP4StaticActivationConfig", **flags)
         if isinstance(self.step, QuantizationStep):
             self.step = self.step.value
         _check_choice("step", self.step, STEPS)

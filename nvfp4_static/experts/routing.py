@@ -39,10 +39,9 @@ def check_routing(
             f"{list(hidden_states.shape)}, top_k_index {list(top_k_index.shape)} {top_k_index.dtype}, "
             f"top_k_weights {list(top_k_weights.shape)} {top_k_weights.dtype}"
         )
-    inputs = {"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights}
-    elsewhere = {label: tensor.device for label, tensor in inputs.items() if tensor.device != device}
-    if elsewhere:
-        where = ", ".join(f"{label} on {at}" for label, at in elsewhere.items())
+    if hidden_states.device != device or top_k_index.device != device or top_k_weights.device != device:
+        inputs = {"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights}
+        where = ", ".join(f"{label} on {x.device}" for label, x in inputs.items() if x.device != device)
         raise ValueError(
             f"nvfp4_static: experts '{name}' hold their weights on {device}, but got {where}; move the "
             f"inputs (or the model) so that all are on one device"
