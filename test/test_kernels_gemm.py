@@ -813,6 +813,41 @@ def assert_split_k_summed_in_the_gemm_like_the_epilogue_kernel(M, N, K, with_bia
     assert not tile_counts(x.device, 1).any()
 
 
+@requires_cuda
+def test_gpu_graphs_captured_on_one_stream_give_the_eager_output_whatever_the_kept_counters_hold():
+    """Two CUDA graphs of a GEMM that sums its K splits itself, captured one after the other on
+    one stream and replayed in the other order, after every counter buffer kept for a capture
+    was filled with 7s (what a graph pool's memory may hold): each graph zeroes counters of its
+    own, so each replay gives the eager output."""
+    M, N, K = 128, 4096, 14336
+    config = next(config for max_m, config in TRITON_ENTRIES if max_m == M and not config.warp_specialized)
+    assert split_k_for(config, N, K, torch.device("cuda")) > 1
+    operands = gemm_operands(M, N, K, seed=5, device="cuda", config=config)
+    eager = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    launch_nvfp4_gemm(*operands, eager, config, False, True)
+    reference = reference_gemm(*gemm_operands(M, N, K, seed=5, device="cuda"))
+    assert relative_error(eager, reference) <= gpu_tolerance(K, torch.bfloat16)
+    stream, graphs, outs, kept = torch.cuda.Stream(), [], [], []
+    for _ in range(2):
+        outs.append(torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda"))
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1], stream=stream):
+            launch_nvfp4_gemm(*operands, outs[-1], config, False, True)
+        kept += [counts for key, counts in gemm._TILE_COUNTS.items() if key[2] is not None]
+    assert kept, "no counters were made for a capture"
+    try:
+        for counts in kept:
+            counts.fill_(7)
+        for graph, out in zip(reversed(graphs), reversed(outs)):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), launches_apart([eager, out], reference)
+    finally:
+        for counts in kept:
+            counts.zero_()
+
+
 def test_quantizing_op_names_the_cpu_backend_for_cpu_tensors():
     with pytest.raises(ValueError, match="cpu"):
         quantizing_nvfp4_gemm(*raw_gemm_operands(1, 16, 32, seed=0))

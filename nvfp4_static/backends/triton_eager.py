@@ -9,10 +9,12 @@ later calls replay them (``kernels.launch.PreparedLaunch``) with that call's act
 output and the stream's scratch memory in place of the first call's: the same kernels with the
 same arguments, hence the same outputs bit for bit.
 
-A stream's launches are recorded at its first call: a layer called on a stream outside a CUDA
-graph capture and later captured on the same stream replays the tiles of eager calls, where a
-first call under capture records the graphs' (``kernels.gemm.captured_into_a_graph``); the
-outputs agree either way within the GEMM's tolerance.
+A stream's launches are recorded at its first call outside a CUDA graph capture. Under a
+capture nothing is recorded, and launches that keep tile counters (a GEMM summing its K splits)
+are not replayed: the route gives each capture its own counters (``kernels.gemm.tile_counts``).
+Other replays run under a capture too, with the tiles of eager calls, where the route would
+take the graphs' (``kernels.gemm.captured_into_a_graph``); the outputs agree either way within
+the GEMM's tolerance.
 
 Replayed: plain, contiguous, 16-byte aligned CUDA activations of at most the largest M that
 ``kernels.gemm.GEMM_CONFIGS`` serves with Triton tiles (run in Triton or, on Hopper, as the
@@ -96,9 +98,12 @@ class EagerTritonLaunches:
 
     def _record(self, key: tuple, x: torch.Tensor, weight, bias: Optional[torch.Tensor], stream) -> torch.Tensor:
         """Run the route for ``x`` and keep its launches' replay under ``key``, making room by
-        forgetting the oldest recorded key."""
+        forgetting the oldest recorded key; under a CUDA graph capture only run it. ``stream``
+        is None under Triton's interpreter."""
         from nvfp4_static.tensor import static_linear
 
+        if stream is not None and torch._C._cuda_isCurrentStreamCapturing():
+            return static_linear(x, weight, bias)
         with recording_launches() as calls:
             out = static_linear(x, weight, bias)
         if len(self._linears) >= REPLAYED_SHAPES:
@@ -213,7 +218,12 @@ class ReplayedLinear:
             return None
         return cls(out, calls, per_call, scratch, stream)
 
-    def __call__(self, x: torch.Tensor, stream: Optional[int]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, stream: Optional[int]) -> Optional[torch.Tensor]:
+        """The output for ``x``, or None under a CUDA graph capture where the launches keep
+        workspace (the capture needs its own, ``kernels.gemm.tile_counts``). ``stream`` is None
+        under Triton's interpreter."""
+        if self._workspace and stream is not None and torch._C._cuda_isCurrentStreamCapturing():
+            return None
         out = x.new_empty(self._out_shape, dtype=self._out_dtype)
         tensors = (x, out, *self._scratch)
         for launch in self._launches:

@@ -54,6 +54,7 @@ import triton.language as tl
 from nvfp4_static.kernels import gemm_decode_warp_specialized, gemm_warp_specialized
 from nvfp4_static.kernels.act_quantize import MMA_GROUP, in_mma_order, quantize_to_operand_halves
 from nvfp4_static.kernels.e2m1_ptx import E2M1_BYTES_TO_FP16_PTX
+from nvfp4_static.kernels.graph_capture import capture_id
 from nvfp4_static.kernels.launch import KernelCall, ceil_div, next_power_of_2, runs_eagerly, splits_hold_k_tiles, traced
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
@@ -1239,18 +1240,29 @@ def epilogue_as_ops(
     return total if bias is None else total + bias.to(torch.float32)
 
 
-_TILE_COUNTS: dict[tuple[int, int], torch.Tensor] = {}
+_TILE_COUNTS: dict[tuple, torch.Tensor] = {}
 
 
 def tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
     """At least ``tiles`` int32 counters, all zero, for a GEMM that sums its K splits itself
     (it leaves them zero again). On CUDA one buffer per device and stream, kept: the GEMMs of a
-    stream run one after another, so they can share it, and no launch waits on zeroing it."""
+    stream run one after another, so they can share it, and no launch waits on zeroing it.
+
+    Under a CUDA graph capture, one buffer per capture instead, made (and so zeroed) in the
+    graph: a graph replays on whatever stream is current, perhaps beside another graph, and a
+    buffer first made while capturing another graph would be that graph's memory, zeroed only
+    when that graph replays. The buffer of an earlier capture on the stream is let go; its
+    graph holds it as any memory it allocated, zeroing it at each replay."""
     if device.type != "cuda":
         return torch.zeros(tiles, dtype=torch.int32, device=device)
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    capture = capture_id(device)
+    key = (device.index, stream, capture)
     counts = _TILE_COUNTS.get(key)
     if counts is None or counts.numel() < tiles:
+        if capture is not None:
+            for earlier in [k for k in _TILE_COUNTS if k[:2] == key[:2] and k[2] not in (None, capture)]:
+                del _TILE_COUNTS[earlier]
         counts = _TILE_COUNTS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
     return counts
 
