@@ -37,6 +37,7 @@ from nvfp4_static import (
 from nvfp4_static.clip_monitor import clip_counts, disable_clip_monitor, enable_clip_monitor
 from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics, snr_db
 from nvfp4_static.backends.cpu import grouped_static_nvfp4_linear
+from nvfp4_static.experts.routing import route
 from nvfp4_static.kernels.grouped_gemm import GroupedGemmConfig
 from nvfp4_static.numerics import dequantize_nvfp4, fake_quantize_nvfp4, per_tensor_amax_to_scale, quantize_nvfp4
 from nvfp4_static.observers.full_hessian import block_diagonal
@@ -491,6 +492,20 @@ def test_converted_experts_on_a_cpu_refuse_an_index_outside_the_experts_and_the_
     with pytest.raises(ValueError, match=rf"experts '.*experts': top_k_index holds 1 expert indices outside "
                                          rf"0..{EXPERTS} \(first: {index}\); {EXPERTS} routes a slot to no expert$"):
         converted_holder.experts(hidden, top_k_index, weights)
+
+
+@pytest.mark.parametrize("indices", [[-1], [-100, EXPERTS + 1], [EXPERTS + 1, 1000, -2, -1], []], ids=str)
+def test_routing_counts_the_pairs_whose_index_is_an_expert_or_the_no_expert_index(indices):
+    """Each pair in ``indices`` replaces one routed pair; the no-expert index ``EXPERTS`` counts as
+    in range, and the rows of every pair outside it still go to no expert."""
+    _, top_k_index, _ = routed_batch(6, seed=3)
+    top_k_index[0, 1] = EXPERTS
+    for pair, index in enumerate(indices):
+        top_k_index[1 + pair, 0] = index
+    routing = route(top_k_index, EXPERTS)
+    assert routing.pairs_in_range.tolist() == [top_k_index.numel() - len(indices)]
+    assert routing.expert_offsets.shape == (EXPERTS + 1,)
+    assert int(routing.expert_offsets[-1]) == top_k_index.numel() - len(indices) - 1
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -1275,6 +1290,34 @@ def test_gpu_converted_experts_match_cpu_and_compile_without_recompiling():
             # move one of its E2M1 codes a step before the down projection: far below the 1e-1
             # a wrong expert or scale gives.
             assert relative_error(out.cpu(), reference) <= 2e-2
+
+
+@requires_cuda
+@pytest.mark.parametrize("indices", [[-1], [-100], [EXPERTS + 1], [1000, -1, EXPERTS + 1]], ids=str)
+def test_gpu_converted_experts_refuse_the_call_after_one_with_an_index_outside_the_experts(converted_holder, indices):
+    """On CUDA the count travels behind the call and is read at the next one (a read at the call
+    would stall every layer): the call after the bad one raises, naming the layer and the count,
+    and the call after that runs. Calls with the no-expert index never raise, nor do copies."""
+    experts = copy.deepcopy(converted_holder.experts).to("cuda")
+    good = [t.cuda() for t in routed_batch(6, seed=3)]
+    hidden, bad_index, weights = routed_batch(6, seed=4)
+    bad_index[0, 1] = EXPERTS
+    for pair, index in enumerate(indices):
+        bad_index[1 + pair, 0] = index
+    bad = [t.cuda() for t in (hidden, bad_index, weights)]
+    nowhere = good[1].clone()
+    nowhere[:, 1] = EXPERTS
+    with torch.no_grad():
+        expected = experts(*good)
+        experts(good[0], nowhere, good[2])
+        experts(*bad)
+        copied = copy.deepcopy(experts)
+        assert torch.equal(copied(*good), expected)
+        with pytest.raises(ValueError, match=rf"experts 'experts': the call before this one had {len(indices)} expert "
+                                             rf"indices outside 0..{EXPERTS} in its top_k_index \[6, {TOP_K}\]"):
+            experts(*good)
+        assert torch.equal(experts(*good), expected)
+        assert torch.equal(experts(*good), expected)
 
 
 @requires_cuda

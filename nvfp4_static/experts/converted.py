@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from nvfp4_static.backends import BACKEND_ENV_VAR, resolve_backend
+from nvfp4_static.deferred_read import DeferredRead
 from nvfp4_static.experts.layouts import ExpertsLayout
 from nvfp4_static.experts.routing import check_expert_indices, check_routing, combine, route
 from nvfp4_static.kernels.ops import (
@@ -244,6 +245,7 @@ class NVFP4StaticExperts(torch.nn.Module):
         self.calibration_stats = calibration_stats or {}
         self.loaded = True
         self.backend_override = backend_override
+        self._indices_in_range = DeferredRead()
         self._pick_backend()
 
     def _pick_backend(self) -> None:
@@ -346,15 +348,38 @@ class NVFP4StaticExperts(torch.nn.Module):
                 f"{self.gate_up_proj.in_features}, got shape {tuple(hidden_states.shape)}"
             )
         check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name, self.gate_up_proj.qdata.device)
-        if top_k_index.device.type == "cpu" and not torch.compiler.is_compiling():
-            # Free on a CPU; on a GPU the read would stall every layer's launches, so unchecked.
+        eager = not torch.compiler.is_compiling()
+        if eager and top_k_index.device.type == "cpu":
             check_expert_indices(top_k_index, self.num_experts, self.layer_name)
+        # On CUDA outside a graph capture: the count of indices in range, read at the next call.
+        deferred = eager and top_k_index.is_cuda and not torch.cuda.is_current_stream_capturing()
+        if deferred:
+            self._check_indices_of_the_call_before()
         routing = route(top_k_index, self.num_experts)
+        if deferred:
+            self._indices_in_range.send(routing.pairs_in_range, (top_k_index.numel(), tuple(top_k_index.shape)))
         gate_up = self.gate_up_proj(hidden_states, routing.expert_offsets, routing.token_of_row())
         gate, up = gate_up.chunk(2, dim=-1)
         expert_rows = self.down_proj(self.act_fn(gate) * up, routing.expert_offsets)
         out = combine(expert_rows, routing, top_k_weights, hidden_states.dtype)
         return _InferenceOnly.apply(out) if out.requires_grad else out
+
+    def _check_indices_of_the_call_before(self) -> None:
+        """Refuse to go on after a call on CUDA whose ``top_k_index`` held indices outside
+        ``0..E``: reading them at that call would have stalled every layer's launches, so the
+        count travels to the host behind the call (``DeferredRead``) and is read here. That
+        call's tokens got no output from the slots concerned; this call is not run."""
+        if self._indices_in_range.note is None:
+            return
+        (pairs, shape), in_range = self._indices_in_range.note, self._indices_in_range.read()
+        self._indices_in_range.clear()
+        if in_range != pairs:
+            raise ValueError(
+                f"nvfp4_static: experts '{self.layer_name}': the call before this one had "
+                f"{pairs - in_range} expert indices outside 0..{self.num_experts} in its top_k_index "
+                f"{list(shape)} ({self.num_experts} routes a slot to no expert); those slots added "
+                f"nothing to their tokens' outputs, so that call's output is wrong. Check the router"
+            )
 
     # The checkpoint record and its checks on load are a converted linear's.
     get_extra_state = NVFP4StaticLinear.get_extra_state

@@ -70,11 +70,14 @@ class Routing(NamedTuple):
         expert_offsets: ``[E + 1]`` int64: expert ``e`` owns rows ``expert_offsets[e]`` to
             ``expert_offsets[e + 1]``; rows from ``expert_offsets[E]`` on go to no expert.
         tokens: ``T``.
+        pairs_in_range: ``[1]`` int64: how many pairs hold an index in ``0..E`` (``E`` routes a
+            slot to no expert); each of the others is a router's error.
     """
 
     pair_of_row: torch.Tensor
     expert_offsets: torch.Tensor
     tokens: int
+    pairs_in_range: torch.Tensor
 
     def token_of_row(self) -> torch.Tensor:
         """``[T * k]``: the token whose hidden state row ``r`` takes."""
@@ -83,15 +86,16 @@ class Routing(NamedTuple):
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     """Group the pairs of ``top_k_index [T, k]`` by expert (an index outside ``[0, E)``: by no
-    expert, after all the others)."""
+    expert, after all the others), counting those in ``0..E``."""
     tokens = top_k_index.shape[0]
     # Slot-major pairs, so that a stable sort by expert orders each expert's pairs by slot, then
-    # by token. Clamping to [-1, E] and taking the remainder modulo E + 1 sends every index
-    # outside [0, E) to E.
-    expert = top_k_index.t().reshape(-1).clamp(-1, num_experts).remainder(num_experts + 1)
+    # by token. Clamping to [-1, E + 1] and taking the remainder modulo E + 2 keeps E and sends
+    # every index outside [0, E] to E + 1.
+    expert = top_k_index.t().reshape(-1).clamp(-1, num_experts + 1).remainder(num_experts + 2)
     sorted_expert, pair_of_row = torch.sort(expert, stable=True)
-    boundaries = torch.arange(num_experts + 1, dtype=sorted_expert.dtype, device=sorted_expert.device)
-    return Routing(pair_of_row, torch.searchsorted(sorted_expert, boundaries), tokens)
+    boundaries = torch.arange(num_experts + 2, dtype=sorted_expert.dtype, device=sorted_expert.device)
+    starts = torch.searchsorted(sorted_expert, boundaries)
+    return Routing(pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :])
 
 
 def combine(

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from nvfp4_static.deferred_read import DeferredRead
 from nvfp4_static.numerics import check_dtype, non_finite_summary
 
 __all__ = ["Observer", "MergeableObserver", "channel_reduce_dims"]
@@ -162,23 +163,20 @@ class MergeableObserver(Observer):
         self._state: Optional[dict[str, torch.Tensor]] = None
         # The state as it was before the last batch (same keys; refilled in place each batch).
         self._state_before_batch: Optional[dict[str, torch.Tensor]] = None
-        # (dtype, shape) of the batch whose finite test is in flight on CUDA, and the pinned
-        # value and event that test reports through (made once, on the first CUDA batch).
-        self._pending_check: Optional[tuple] = None
-        self._check_value: Optional[torch.Tensor] = None
-        self._check_event: Optional[torch.cuda.Event] = None
+        # The finite test of the last batch on CUDA, in flight with that batch's (dtype, shape).
+        self._health = DeferredRead()
 
     def __getstate__(self) -> dict:
         """For copies and pickles: settle the batch in flight; then neither the saved state
-        (needed only while a test is in flight) nor the event and pinned value go along."""
+        (needed only while a test is in flight) nor what the test reports through
+        (``DeferredRead`` copies start empty) go along."""
         self.settle()
-        dropped = ("_state_before_batch", "_check_value", "_check_event")
-        return {**self.__dict__, **dict.fromkeys(dropped)}
+        return {**self.__dict__, "_state_before_batch": None}
 
     def reset(self) -> None:
         self._state = None
         self._state_before_batch = None
-        self._pending_check = None
+        self._health.clear()
 
     def _update_refusing_non_finite(
         self, x: torch.Tensor, update: Callable[[], None], health: Callable[[], torch.Tensor]
@@ -208,12 +206,7 @@ class MergeableObserver(Observer):
                 self._restore_state_before_batch()
                 raise
             return
-        if self._check_event is None:
-            self._check_value = torch.empty((), dtype=value.dtype, pin_memory=True)
-            self._check_event = torch.cuda.Event()
-        self._check_value.copy_(value, non_blocking=True)
-        self._check_event.record()
-        self._pending_check = (x.dtype, tuple(x.shape))
+        self._health.send(value, (x.dtype, tuple(x.shape)))
 
     def _save_state_before_batch(self) -> None:
         """Copy the state into ``_state_before_batch``, in place after the first batch: the
@@ -228,25 +221,24 @@ class MergeableObserver(Observer):
     def _restore_state_before_batch(self) -> None:
         """Put the state back as it was before the last batch (the saved copy is used up)."""
         self._state, self._state_before_batch = self._state_before_batch, None
-        self._pending_check = None
+        self._health.clear()
 
     def has_refused_pending_batch(self) -> bool:
-        if self._pending_check is None or torch.compiler.is_compiling():
+        if self._health.note is None or torch.compiler.is_compiling():
             return False
-        self._check_event.synchronize()  # long done by now: later work is queued behind it
-        return not math.isfinite(float(self._check_value))
+        return not math.isfinite(self._health.read())  # long arrived: later work is queued behind it
 
     def discard_pending_batch(self) -> None:
-        if self._pending_check is not None:
+        if self._health.note is not None:
             self._restore_state_before_batch()
 
     def settle(self, refused: Optional[bool] = None) -> None:
-        if self._pending_check is None or torch.compiler.is_compiling():
+        if self._health.note is None or torch.compiler.is_compiling():
             return
         if refused is None:
             refused = self.has_refused_pending_batch()
-        dtype, shape = self._pending_check
-        self._pending_check = None
+        dtype, shape = self._health.note
+        self._health.clear()
         if refused:
             self._restore_state_before_batch()
             raise ValueError(
@@ -294,7 +286,7 @@ class MergeableObserver(Observer):
                     f"expected {tuple(shape)} (observers of different data or settings?)"
                 )
         self._check_state_values(state_dict)
-        self._pending_check = None  # whatever it was about is replaced
+        self._health.clear()  # whatever it was about is replaced
         self._state_before_batch = None
         self._state = {key: value.detach().clone() for key, value in state_dict.items()}
 
