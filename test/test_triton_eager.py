@@ -329,10 +329,10 @@ def test_gpu_replay_follows_new_weights_streams_and_falls_back_on_odd_activation
 @requires_cuda
 def test_gpu_a_layer_captured_twice_on_one_stream_gives_its_outputs_whatever_the_kept_counters_hold():
     """A layer called eagerly (its launches recorded and replayed), then captured into two CUDA
-    graphs on another stream, at several token counts: after the counters kept for the captures
-    are filled with 7s, the graphs replayed in the other order than captured both give the
-    route's output (the graphs' tiles may differ from eager calls', hence a tolerance), and the
-    eager call still gives it bit for bit."""
+    graphs on another stream, at several token counts: nothing is recorded for the capture
+    stream, and after the counters kept for the captures are filled with 7s, the graphs
+    replayed in the other order than captured both give the route's output (the graphs' tiles
+    may differ from eager calls', hence a tolerance); the eager call still gives it bit for bit."""
     layer = _layer(4096, 14336, torch.bfloat16, "cuda")
     stream, kept, checked = torch.cuda.Stream(), [], []
     with torch.no_grad():
@@ -360,6 +360,7 @@ def test_gpu_a_layer_captured_twice_on_one_stream_gives_its_outputs_whatever_the
     for counts in kept:
         counts.zero_()
     assert any(used for _, used in checked), f"no capture used tile counters: {checked}"
+    assert all(key[3] != stream.cuda_stream for key in layer._eager_launches._linears)
 
 
 @requires_cuda

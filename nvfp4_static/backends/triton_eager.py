@@ -9,12 +9,9 @@ later calls replay them (``kernels.launch.PreparedLaunch``) with that call's act
 output and the stream's scratch memory in place of the first call's: the same kernels with the
 same arguments, hence the same outputs bit for bit.
 
-A stream's launches are recorded at its first call outside a CUDA graph capture. Under a
-capture nothing is recorded, and launches that keep tile counters (a GEMM summing its K splits)
-are not replayed: the route gives each capture its own counters (``kernels.gemm.tile_counts``).
-Other replays run under a capture too, with the tiles of eager calls, where the route would
-take the graphs' (``kernels.gemm.captured_into_a_graph``); the outputs agree either way within
-the GEMM's tolerance.
+Under a CUDA graph capture nothing is recorded or replayed: the route runs, giving the graph
+its own scratch memory and tile counters (a replay's are the stream's, which two graphs
+replayed side by side would share) and the graphs' tiles (``kernels.gemm.captured_into_a_graph``).
 
 Replayed: plain, contiguous, 16-byte aligned CUDA activations of at most the largest M that
 ``kernels.gemm.GEMM_CONFIGS`` serves with Triton tiles (run in Triton or, on Hopper, as the
@@ -72,7 +69,12 @@ class EagerTritonLaunches:
 
     def __call__(self, x: torch.Tensor, weight, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``static_linear(x, weight, bias)``, or None where this call is not replayed."""
-        if type(x) is not torch.Tensor or not x.is_cuda or torch._C._len_torch_dispatch_stack():
+        if (
+            type(x) is not torch.Tensor
+            or not x.is_cuda
+            or torch._C._len_torch_dispatch_stack()
+            or torch._C._cuda_isCurrentStreamCapturing()
+        ):
             return None
         tensors = self._tensors
         if (
@@ -98,12 +100,9 @@ class EagerTritonLaunches:
 
     def _record(self, key: tuple, x: torch.Tensor, weight, bias: Optional[torch.Tensor], stream) -> torch.Tensor:
         """Run the route for ``x`` and keep its launches' replay under ``key``, making room by
-        forgetting the oldest recorded key; under a CUDA graph capture only run it. ``stream``
-        is None under Triton's interpreter."""
+        forgetting the oldest recorded key."""
         from nvfp4_static.tensor import static_linear
 
-        if stream is not None and torch._C._cuda_isCurrentStreamCapturing():
-            return static_linear(x, weight, bias)
         with recording_launches() as calls:
             out = static_linear(x, weight, bias)
         if len(self._linears) >= REPLAYED_SHAPES:
@@ -218,12 +217,7 @@ class ReplayedLinear:
             return None
         return cls(out, calls, per_call, scratch, stream)
 
-    def __call__(self, x: torch.Tensor, stream: Optional[int]) -> Optional[torch.Tensor]:
-        """The output for ``x``, or None under a CUDA graph capture where the launches keep
-        workspace (the capture needs its own, ``kernels.gemm.tile_counts``). ``stream`` is None
-        under Triton's interpreter."""
-        if self._workspace and stream is not None and torch._C._cuda_isCurrentStreamCapturing():
-            return None
+    def __call__(self, x: torch.Tensor, stream: Optional[int]) -> torch.Tensor:
         out = x.new_empty(self._out_shape, dtype=self._out_dtype)
         tensors = (x, out, *self._scratch)
         for launch in self._launches:
