@@ -37,15 +37,13 @@ from nvfp4_static import (
 from nvfp4_static.clip_monitor import clip_counts, disable_clip_monitor, enable_clip_monitor
 from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics, snr_db
 from nvfp4_static.backends.cpu import grouped_static_nvfp4_linear
-from nvfp4_static.experts.routing import route
+from nvfp4_static.experts.routing import combine, route
 from nvfp4_static.kernels.grouped_gemm import GroupedGemmConfig
 from nvfp4_static.numerics import dequantize_nvfp4, fake_quantize_nvfp4, per_tensor_amax_to_scale, quantize_nvfp4
 from nvfp4_static.observers.full_hessian import block_diagonal
 from nvfp4_static.references import block_hessian, fp8_scale_sweep
 from nvfp4_static.tensor import NVFP4StaticTensor
 
-compressed_tensors = pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor  # noqa: E402
 
 VOCAB = 128
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 32, 8, 2
@@ -626,6 +624,79 @@ def test_interpreted_grouped_gemm_equals_the_per_expert_torch_reference(interpre
     assert out[routed:].isnan().all()  # rows routed nowhere are not written
 
 
+# Routings for the route and combine kernels: (tokens, top_k, experts, indices put in, index dtype,
+# layout): the no-expert index and indices outside 0..E among them, one token, no token, a
+# transposed (non-contiguous) top_k_index, more pairs than one block of the kernel's count.
+ROUTE_CASES = {
+    "spread": (10, 2, EXPERTS, [], torch.int64, "contiguous"),
+    "no-expert-and-outside": (7, 3, 5, [5, -1, 6, 1000, -100], torch.int64, "contiguous"),
+    "one-token-int32": (1, 8, 128, [128], torch.int32, "contiguous"),
+    "transposed": (9, 4, 6, [-2, 6], torch.int64, "transposed"),
+    "two-blocks-all-to-one": (50, 2, 3, [1] * 60, torch.int64, "contiguous"),
+    "no-token": (0, 2, 4, [], torch.int64, "contiguous"),
+}
+ROUTE_LAUNCHER = "nvfp4_static.kernels.expert_routing:launch_route"
+COMBINE_LAUNCHER = "nvfp4_static.kernels.expert_routing:launch_combine"
+
+
+def routing_case(tokens, top_k, experts, put_in, dtype, layout, seed):
+    """``top_k_index [tokens, top_k]``: random experts with ``put_in`` written over its first
+    pairs (token-major), as ``dtype``, contiguous or a transposed view."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, experts, (tokens, top_k), generator=generator)
+    index.view(-1)[: len(put_in)] = torch.tensor(put_in, dtype=torch.int64)
+    index = index.to(dtype)
+    return index.t().contiguous().t() if layout == "transposed" else index
+
+
+@pytest.fixture(scope="module")
+def interpreted_routes_and_sums():
+    """Each routing through the route kernel, and the torch ops' routing of it summed by the
+    combine kernel in several dtypes (bf16 rows with fp32 weights too), with NaN in the rows
+    routed nowhere."""
+    launches, inputs = {}, {}
+    for seed, (name, (tokens, top_k, experts, put_in, dtype, layout)) in enumerate(ROUTE_CASES.items()):
+        index = routing_case(tokens, top_k, experts, put_in, dtype, layout, seed)
+        pairs = index.numel()
+        outputs = (torch.full((pairs,), -7), torch.full((pairs,), -7), torch.full((experts + 2,), -7))
+        launches[f"route-{name}"] = (ROUTE_LAUNCHER, (index, experts, *outputs))
+        inputs[f"route-{name}"] = (index, experts)
+        routing = route(index, experts)
+        generator = torch.Generator().manual_seed(100 + seed)
+        for rows_dtype, weights_dtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                          (torch.float16, torch.float16), (torch.float32, torch.bfloat16)):
+            rows = (torch.randn(pairs, 48, generator=generator) * 8).to(rows_dtype)
+            rows[int(routing.expert_offsets[-1]):] = float("nan")
+            weights = torch.rand(tokens, top_k, generator=generator).to(weights_dtype)
+            out = torch.full((tokens, 48), float("nan"), dtype=rows_dtype)
+            case = f"combine-{name}-{rows_dtype}-{weights_dtype}"
+            launches[case] = (COMBINE_LAUNCHER, (rows, routing.row_of_pair, routing.expert_offsets[-1:], weights, out))
+            inputs[case] = (rows, routing, weights)
+    results = run_interpreted(launches)
+    return {case: (inputs[case], results[case].args) for case in launches}
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES)
+def test_interpreted_route_kernel_equals_the_torch_ops_routing(interpreted_routes_and_sums, case):
+    (index, experts), (_, _, pair_of_row, row_of_pair, starts) = interpreted_routes_and_sums[f"route-{case}"]
+    expected = route(index, experts)
+    assert torch.equal(pair_of_row, expected.pair_of_row)
+    assert torch.equal(row_of_pair, expected.row_of_pair)
+    assert torch.equal(starts, torch.cat([expected.expert_offsets, expected.pairs_in_range]))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [f"{name}-{rows}-{weights}" for name in ROUTE_CASES for rows, weights in (
+        (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+        (torch.float32, torch.bfloat16))],
+)
+def test_interpreted_combine_kernel_equals_the_torch_ops_sum_bit_for_bit(interpreted_routes_and_sums, case):
+    (rows, routing, weights), launched = interpreted_routes_and_sums[f"combine-{case}"]
+    out = launched[4]
+    assert torch.equal(out, combine(rows, routing, weights, rows.dtype))
+
+
 @pytest.fixture(scope="module")
 def interpreted_routed_quantizations():
     """The quantize kernel alone on three routings, straight and through ``source_rows``: one
@@ -808,6 +879,9 @@ def test_export_writes_each_expert_under_the_names_save_pretrained_gives_its_flo
 
 
 def test_compressed_tensors_decompressor_reads_every_expert(served_models, tmp_path):
+    # Imported here, so that a machine without the test oracle (the GPU machines) runs the rest.
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
     from test_export import ct_scheme
 
     model = served_models["qwen3_moe"]
@@ -1318,6 +1392,48 @@ def test_gpu_converted_experts_refuse_the_call_after_one_with_an_index_outside_t
             experts(*good)
         assert torch.equal(experts(*good), expected)
         assert torch.equal(experts(*good), expected)
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows_dtype, weights_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                     (torch.float16, torch.float16)], ids=str)
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 128), (16, 8, 128), (64, 8, 128), (3, 2, 8), (200, 2, 60)], ids=str)
+def test_gpu_route_and_combine_kernels_equal_the_torch_ops_bit_for_bit(tokens, top_k, experts, rows_dtype, weights_dtype, monkeypatch):
+    """An eager call on CUDA routes and sums in one launch each (counted), with the torch ops'
+    integers and sums exactly, on Qwen3-MoE-sized routings with the no-expert index, an index
+    outside 0..E and NaN in the rows routed nowhere."""
+    from nvfp4_static.experts import routing as routing_module
+    from nvfp4_static.kernels.launch import recording_launches
+
+    index = routing_case(tokens, top_k, experts, [experts, -1], torch.int64, "contiguous", seed=tokens).cuda()
+    generator = torch.Generator("cuda").manual_seed(tokens)
+    rows = (torch.randn(tokens * top_k, 2048, generator=generator, device="cuda") * 8).to(rows_dtype)
+    weights = torch.rand(tokens, top_k, generator=generator, device="cuda").to(weights_dtype)
+    with recording_launches() as calls:
+        kernel_routing = route(index, experts)
+        rows[int(kernel_routing.expert_offsets[-1]):] = float("nan")
+        combined = combine(rows, kernel_routing, weights, rows_dtype)
+    assert len(calls) == 2
+    monkeypatch.setattr(routing_module, "HAS_TRITON", False)
+    ops_routing = route(index, experts)
+    for field in ("pair_of_row", "expert_offsets", "pairs_in_range", "row_of_pair"):
+        assert torch.equal(getattr(kernel_routing, field), getattr(ops_routing, field)), field
+    assert torch.equal(combined, combine(rows, ops_routing, weights, rows_dtype))
+
+
+@requires_cuda
+def test_gpu_converted_experts_give_the_torch_ops_routings_output_bit_for_bit(converted_holder, monkeypatch):
+    """The whole forward on CUDA with the route and combine kernels and with the torch ops."""
+    from nvfp4_static.experts import routing as routing_module
+
+    experts = copy.deepcopy(converted_holder.experts).to("cuda")
+    batches = [[t.cuda() for t in routed_batch(tokens, seed=tokens, **routing)] for tokens, routing in
+               ((1, {}), (10, ROUTINGS["some experts idle"]), (48, ROUTINGS["two experts take all"]))]
+    with torch.no_grad():
+        outputs = [experts(*batch) for batch in batches]
+        monkeypatch.setattr(routing_module, "HAS_TRITON", False)
+        for batch, out in zip(batches, outputs):
+            assert torch.equal(out, experts(*batch))
 
 
 @requires_cuda

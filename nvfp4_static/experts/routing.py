@@ -6,12 +6,19 @@ expert's linear sees exactly the rows it sees there. ``combine`` adds each token
 expert outputs in ascending expert order, the order of transformers' ``index_add_`` over experts,
 so the sums round as they do there. Both use only shape-static torch ops, few of them (each is a
 launch on the GPU, and an eager layer pays host time for every one): a compiled forward does not
-depend on how many tokens each expert gets.
+depend on how many tokens each expert gets. An eager call on CUDA runs each as one Triton launch
+instead (``kernels.expert_routing``), with the same results bit for bit.
 """
 
 from typing import NamedTuple
 
 import torch
+
+from nvfp4_static.kernels.launch import runs_eagerly
+from nvfp4_static.kernels.ops import HAS_TRITON
+
+if HAS_TRITON:
+    from nvfp4_static.kernels.expert_routing import COMBINED_DTYPES, MAX_ROUTED_PAIRS, launch_combine, launch_route
 
 __all__ = ["Routing", "check_expert_indices", "check_routing", "route", "combine"]
 
@@ -72,12 +79,14 @@ class Routing(NamedTuple):
         tokens: ``T``.
         pairs_in_range: ``[1]`` int64: how many pairs hold an index in ``0..E`` (``E`` routes a
             slot to no expert); each of the others is a router's error.
+        row_of_pair: ``[T * k]``: the inverse of ``pair_of_row``.
     """
 
     pair_of_row: torch.Tensor
     expert_offsets: torch.Tensor
     tokens: int
     pairs_in_range: torch.Tensor
+    row_of_pair: torch.Tensor
 
     def token_of_row(self) -> torch.Tensor:
         """``[T * k]``: the token whose hidden state row ``r`` takes."""
@@ -87,15 +96,22 @@ class Routing(NamedTuple):
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     """Group the pairs of ``top_k_index [T, k]`` by expert (an index outside ``[0, E)``: by no
     expert, after all the others), counting those in ``0..E``."""
-    tokens = top_k_index.shape[0]
-    # Slot-major pairs, so that a stable sort by expert orders each expert's pairs by slot, then
-    # by token. Clamping to [-1, E + 1] and taking the remainder modulo E + 2 keeps E and sends
-    # every index outside [0, E] to E + 1.
-    expert = top_k_index.t().reshape(-1).clamp(-1, num_experts + 1).remainder(num_experts + 2)
-    sorted_expert, pair_of_row = torch.sort(expert, stable=True)
-    boundaries = torch.arange(num_experts + 2, dtype=sorted_expert.dtype, device=sorted_expert.device)
-    starts = torch.searchsorted(sorted_expert, boundaries)
-    return Routing(pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :])
+    tokens, pairs = top_k_index.shape[0], top_k_index.numel()
+    if HAS_TRITON and top_k_index.is_cuda and pairs <= MAX_ROUTED_PAIRS and runs_eagerly(top_k_index):
+        index = torch.empty(2 * pairs + num_experts + 2, dtype=torch.int64, device=top_k_index.device)
+        pair_of_row, row_of_pair, starts = index.split([pairs, pairs, num_experts + 2])
+        launch_route(top_k_index, num_experts, pair_of_row, row_of_pair, starts)
+    else:
+        # Slot-major pairs, so that a stable sort by expert orders each expert's pairs by slot,
+        # then by token. Clamping to [-1, E + 1] and taking the remainder modulo E + 2 keeps E
+        # and sends every index outside [0, E] to E + 1.
+        expert = top_k_index.t().reshape(-1).clamp(-1, num_experts + 1).remainder(num_experts + 2)
+        sorted_expert, pair_of_row = torch.sort(expert, stable=True)
+        boundaries = torch.arange(num_experts + 2, dtype=sorted_expert.dtype, device=sorted_expert.device)
+        starts = torch.searchsorted(sorted_expert, boundaries)
+        row_of_pair = torch.empty_like(pair_of_row)
+        row_of_pair[pair_of_row] = torch.arange(pairs, device=row_of_pair.device)
+    return Routing(pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :], row_of_pair)
 
 
 def combine(
@@ -108,12 +124,19 @@ def combine(
     weights, summed in ascending expert order; rows that went to no expert add nothing (they
     may hold anything, even NaN)."""
     tokens, top_k = top_k_weights.shape
-    pairs = routing.pair_of_row.shape[0]
-    row_of_pair = torch.empty_like(routing.pair_of_row)
-    row_of_pair[routing.pair_of_row] = torch.arange(pairs, device=row_of_pair.device)
+    if (
+        HAS_TRITON
+        and expert_rows.is_cuda
+        and {dtype, expert_rows.dtype, top_k_weights.dtype} <= COMBINED_DTYPES
+        and expert_rows.stride(-1) == 1
+        and runs_eagerly(expert_rows, top_k_weights, routing.row_of_pair)
+    ):
+        out = torch.empty(tokens, expert_rows.shape[-1], dtype=dtype, device=expert_rows.device)
+        launch_combine(expert_rows, routing.row_of_pair, routing.expert_offsets[-1:], top_k_weights, out)
+        return out
     # Rows are sorted by expert (ties by slot), so each token's rows in ascending order are its
     # experts in ascending order, rows routed nowhere last.
-    rows, slots = row_of_pair.reshape(top_k, tokens).t().sort(dim=1)
+    rows, slots = routing.row_of_pair.reshape(top_k, tokens).t().sort(dim=1)
     weights = top_k_weights.gather(1, slots)
     contributions = (expert_rows[rows] * weights[..., None]).to(dtype)
     contributions = torch.where((rows < routing.expert_offsets[-1])[..., None], contributions, 0)

@@ -1,0 +1,213 @@
+"""A mixture-of-experts layer's routing and weighted sum, one Triton launch each, for eager calls.
+
+``experts.routing`` routes tokens with about 25 shape-static torch ops (a sort, searchsorted,
+gathers and a loop of adds); an eager decode step pays each op's host time in every layer, far
+more than their GPU time. These two kernels give the same integers and the same rounded sums
+as those ops, bit for bit:
+
+- ``launch_route``: the stable sort of the ``T * k`` (token, slot) pairs by expert, as
+  ``experts.routing.route`` sorts them (slot-major pairs, an index outside ``[0, E]`` taken as
+  ``E + 1``), in one program: each pair's row is the number of pairs before it in that order,
+  counted over all pairs, so the work grows with the square of the pairs (``MAX_ROUTED_PAIRS``
+  bounds it; longer batches take the torch ops, whose host time is small beside their GPU time).
+- ``launch_combine``: each token's weighted expert rows summed in ascending row order (its
+  experts in ascending order), each product rounded to the output dtype and each add rounded
+  to it, as ``experts.routing.combine``'s torch ops round them (the products in fp32: exact for
+  bf16 and fp16 operands, the one fp32 rounding of torch's own for an fp32 one).
+
+Both are launched on CUDA tensors outside tracing, and on CPU tensors under Triton's interpreter
+(the tests); a compiled graph keeps the torch ops, which Inductor fuses.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from nvfp4_static.kernels.launch import KernelCall, ceil_div, next_power_of_2
+
+__all__ = ["MAX_ROUTED_PAIRS", "COMBINED_DTYPES", "launch_route", "launch_combine"]
+
+# Above this many (token, slot) pairs the torch ops route: the one program's pair-by-pair count
+# grows with the square of the pairs, while the ops' host time no longer dominates.
+MAX_ROUTED_PAIRS = 512
+# Output and routing-weight dtypes whose products and sums the combine kernel rounds as torch.
+COMBINED_DTYPES = frozenset((torch.bfloat16, torch.float16, torch.float32))
+# Pairs compared at a time by the route kernel, and hidden columns per combine program.
+PAIR_BLOCK = 64
+HIDDEN_BLOCK = 256
+
+
+@triton.jit
+def _expert_of_pairs(index_ptr, stride_token, stride_slot, pairs, tokens, num_pairs, num_experts):
+    """The expert of each pair ``p = slot * tokens + token`` (``num_experts + 1`` for an index
+    outside ``[0, num_experts]``), and whether ``p`` is a pair."""
+    valid = pairs < num_pairs
+    index = tl.load(index_ptr + (pairs % tokens) * stride_token + (pairs // tokens) * stride_slot, mask=valid, other=0)
+    outside = (index < 0) | (index > num_experts)
+    return tl.where(outside, num_experts + 1, index).to(tl.int64), valid
+
+
+@triton.jit
+def _route_kernel(
+    index_ptr,
+    stride_token,
+    stride_slot,
+    pair_of_row_ptr,
+    row_of_pair_ptr,
+    starts_ptr,
+    tokens,
+    num_pairs,
+    num_experts,
+    BLOCK: tl.constexpr,
+    STARTS_BLOCK: tl.constexpr,
+):
+    """One program: ``row_of_pair[p]``, the rank of pair ``p`` by (expert, p); ``pair_of_row``,
+    its inverse; ``starts[e]`` for ``e`` in ``0..E+1``, the pairs of an expert below ``e``."""
+    for first in range(0, num_pairs, BLOCK):
+        pairs = first + tl.arange(0, BLOCK)
+        expert, valid = _expert_of_pairs(index_ptr, stride_token, stride_slot, pairs, tokens, num_pairs, num_experts)
+        rank = tl.zeros([BLOCK], tl.int64)
+        for other_first in range(0, num_pairs, BLOCK):
+            others = other_first + tl.arange(0, BLOCK)
+            other_expert, other_valid = _expert_of_pairs(
+                index_ptr, stride_token, stride_slot, others, tokens, num_pairs, num_experts
+            )
+            before = (other_expert[None, :] < expert[:, None]) | (
+                (other_expert[None, :] == expert[:, None]) & (others[None, :] < pairs[:, None])
+            )
+            rank += tl.sum((before & other_valid[None, :]).to(tl.int64), axis=1)
+        tl.store(row_of_pair_ptr + pairs, rank, mask=valid)
+        tl.store(pair_of_row_ptr + rank, pairs.to(tl.int64), mask=valid)
+    for first_expert in range(0, num_experts + 2, STARTS_BLOCK):
+        experts = first_expert + tl.arange(0, STARTS_BLOCK)
+        below = tl.zeros([STARTS_BLOCK], tl.int64)
+        for other_first in range(0, num_pairs, BLOCK):
+            others = other_first + tl.arange(0, BLOCK)
+            other_expert, other_valid = _expert_of_pairs(
+                index_ptr, stride_token, stride_slot, others, tokens, num_pairs, num_experts
+            )
+            counted = (other_expert[None, :] < experts[:, None]) & other_valid[None, :]
+            below += tl.sum(counted.to(tl.int64), axis=1)
+        tl.store(starts_ptr + experts, below, mask=experts < num_experts + 2)
+
+
+def launch_route(
+    top_k_index: torch.Tensor,
+    num_experts: int,
+    pair_of_row: torch.Tensor,
+    row_of_pair: torch.Tensor,
+    starts: torch.Tensor,
+) -> None:
+    """Fill ``pair_of_row`` and ``row_of_pair`` (int64 ``[T * k]``) and ``starts`` (int64
+    ``[E + 2]``) for the integer ``top_k_index [T, k]``, at most ``MAX_ROUTED_PAIRS`` pairs."""
+    tokens, top_k = top_k_index.shape
+    num_pairs = tokens * top_k
+    if num_pairs > MAX_ROUTED_PAIRS:
+        raise ValueError(f"nvfp4_static: the route kernel takes at most {MAX_ROUTED_PAIRS} pairs, got {num_pairs}")
+    KernelCall(
+        _route_kernel,
+        (1,),
+        (
+            top_k_index,
+            top_k_index.stride(0),
+            top_k_index.stride(1),
+            pair_of_row,
+            row_of_pair,
+            starts,
+            max(tokens, 1),
+            num_pairs,
+            num_experts,
+        ),
+        dict(BLOCK=PAIR_BLOCK, STARTS_BLOCK=min(next_power_of_2(num_experts + 2), 128), num_warps=4),
+    ).launch()
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype``, ties to even, as torch rounds. To bf16 by bit arithmetic
+    (the top 16 bits after adding half an ulp, ties to the even one, NaN kept), so that the
+    rounding is the same on the GPU and in Triton's interpreter, whose cast truncates."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    return x.to(dtype)
+
+
+@triton.jit
+def _combine_kernel(
+    rows_ptr,
+    stride_row,
+    row_of_pair_ptr,
+    routed_end_ptr,
+    weights_ptr,
+    stride_weight_token,
+    stride_weight_slot,
+    out_ptr,
+    stride_out,
+    tokens,
+    hidden,
+    TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One token's ``BLOCK_H`` output columns: its ``TOP_K`` expert rows in ascending order
+    (rows from ``routed_end`` on went to no expert and add zero), each times its slot's weight
+    rounded to the output dtype, added one by one with the output dtype's rounding."""
+    token = tl.program_id(0)
+    columns = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_hidden = columns < hidden
+    slots = tl.arange(0, SLOTS)
+    rows = tl.load(row_of_pair_ptr + slots * tokens + token, mask=slots < TOP_K, other=0)
+    # Sort the slots by row: rows are distinct, so the keys row * SLOTS + slot are too, and the
+    # slot comes back out of the key. Slots past TOP_K sort last.
+    keys = tl.where(slots < TOP_K, rows * SLOTS + slots, tl.cast(2**62, tl.int64))
+    keys = tl.sort(keys)
+    routed_end = tl.load(routed_end_ptr)
+    total = tl.zeros([BLOCK_H], tl.float32).to(out_ptr.dtype.element_ty)
+    for j in tl.static_range(TOP_K):
+        key = tl.sum(tl.where(slots == j, keys, 0))
+        row, slot = key // SLOTS, key % SLOTS
+        routed = (row + tl.zeros([BLOCK_H], tl.int64)) < routed_end
+        weight = tl.load(weights_ptr + token * stride_weight_token + slot * stride_weight_slot)
+        values = tl.load(rows_ptr + row * stride_row + columns, mask=in_hidden & routed, other=0.0)
+        product = _rounded(values.to(tl.float32) * weight.to(tl.float32), out_ptr.dtype.element_ty)
+        product = tl.where(routed, product, 0.0).to(out_ptr.dtype.element_ty)
+        total = _rounded(total.to(tl.float32) + product.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_out + columns, total, mask=in_hidden)
+
+
+def launch_combine(
+    expert_rows: torch.Tensor,
+    row_of_pair: torch.Tensor,
+    routed_end: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Write ``out [T, H]``: each token's rows of ``expert_rows [T * k, H]`` (``row_of_pair``
+    int64 ``[T * k]``, slot-major pairs; rows from ``routed_end`` (one element) on add nothing)
+    times their ``top_k_weights [T, k]``, summed in ascending row order. ``expert_rows``, the
+    weights and ``out`` in ``COMBINED_DTYPES``; ``expert_rows`` and ``out`` with unit column
+    stride."""
+    tokens, top_k = top_k_weights.shape
+    hidden = out.shape[1]
+    if tokens == 0 or hidden == 0:
+        return
+    KernelCall(
+        _combine_kernel,
+        (tokens, ceil_div(hidden, HIDDEN_BLOCK)),
+        (
+            expert_rows,
+            expert_rows.stride(0),
+            row_of_pair,
+            routed_end,
+            top_k_weights,
+            top_k_weights.stride(0),
+            top_k_weights.stride(1),
+            out,
+            out.stride(0),
+            tokens,
+            hidden,
+        ),
+        dict(TOP_K=top_k, SLOTS=next_power_of_2(max(top_k, 2)), BLOCK_H=HIDDEN_BLOCK, num_warps=4),
+    ).launch()
