@@ -17,7 +17,7 @@ import torch
 from conftest import PassThrough, gpu_tolerance, relative_error, requires_cuda
 from test_kernels_gemm import gemm_operands, reference_gemm
 
-from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized, nvfp4_gemm, ops
+from nvfp4_static.kernels import gemm, gemm_decode_warp_specialized, gemm_warp_specialized, launch, nvfp4_gemm, ops
 from nvfp4_static.kernels.gemm import (
     DECODE_TILE,
     DECODE_TILE_IN_TRITON,
@@ -264,13 +264,13 @@ def test_gpu_prepared_launches_keep_no_tensor_alive(monkeypatch):
     """The kernel's launches are prepared once per specialisation and kept; what is kept holds
     none of the first call's tensors (its TMA descriptors would): a weight launched with is
     freed once the caller drops it."""
-    monkeypatch.setattr(gemm_warp_specialized, "_PREPARED", {})
+    monkeypatch.setattr(launch, "_PREPARED", {})
     M, N, K = 300, 4096, 4096
     operand, qdata, *rest = gemm_operands(M, N, K, seed=7, device="cuda", config=TALL_TILE)
     launches = CountingLaunches(monkeypatch)
     out = torch.empty((M, N), dtype=torch.bfloat16, device="cuda")
     launch_nvfp4_gemm(operand, qdata, *rest, out, TALL_TILE)
-    assert launches.count == 1 and len(gemm_warp_specialized._PREPARED) == 1
+    assert launches.count == 1 and len(launch._PREPARED) == 1
     weight_alive = weakref.ref(qdata)
     operand_alive = weakref.ref(operand)
     del qdata, operand

@@ -15,15 +15,16 @@ as those ops, bit for bit:
   to it, as ``experts.routing.combine``'s torch ops round them (the products in fp32: exact for
   bf16 and fp16 operands, the one fp32 rounding of torch's own for an fp32 one).
 
-Both are launched on CUDA tensors outside tracing, and on CPU tensors under Triton's interpreter
-(the tests); a compiled graph keeps the torch ops, which Inductor fuses.
+Both are launched on CUDA tensors outside tracing, as prepared launches (``launch_prepared``:
+Triton's own launch path costs tens of microseconds of host time), and on CPU tensors under
+Triton's interpreter (the tests); a compiled graph keeps the torch ops, which Inductor fuses.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from nvfp4_static.kernels.launch import KernelCall, ceil_div, next_power_of_2
+from nvfp4_static.kernels.launch import KernelCall, ceil_div, launch_prepared, next_power_of_2
 
 __all__ = ["MAX_ROUTED_PAIRS", "COMBINED_DTYPES", "launch_route", "launch_combine"]
 
@@ -104,7 +105,7 @@ def launch_route(
     num_pairs = tokens * top_k
     if num_pairs > MAX_ROUTED_PAIRS:
         raise ValueError(f"nvfp4_static: the route kernel takes at most {MAX_ROUTED_PAIRS} pairs, got {num_pairs}")
-    KernelCall(
+    call = KernelCall(
         _route_kernel,
         (1,),
         (
@@ -119,7 +120,8 @@ def launch_route(
             num_experts,
         ),
         dict(BLOCK=PAIR_BLOCK, STARTS_BLOCK=min(next_power_of_2(num_experts + 2), 128), num_warps=4),
-    ).launch()
+    )
+    launch_prepared(call, top_k_index.device)
 
 
 @triton.jit
@@ -193,7 +195,7 @@ def launch_combine(
     hidden = out.shape[1]
     if tokens == 0 or hidden == 0:
         return
-    KernelCall(
+    call = KernelCall(
         _combine_kernel,
         (tokens, ceil_div(hidden, HIDDEN_BLOCK)),
         (
@@ -210,4 +212,5 @@ def launch_combine(
             hidden,
         ),
         dict(TOP_K=top_k, SLOTS=next_power_of_2(max(top_k, 2)), BLOCK_H=HIDDEN_BLOCK, num_warps=4),
-    ).launch()
+    )
+    launch_prepared(call, out.device)

@@ -47,7 +47,7 @@ import torch
 
 from nvfp4_static.kernels import gemm_warp_specialized
 from nvfp4_static.kernels.gemm_warp_specialized import HAS_GLUON_HOPPER
-from nvfp4_static.kernels.launch import KernelCall, ceil_div
+from nvfp4_static.kernels.launch import KernelCall, ceil_div, launch_prepared
 
 TOKENS = 16  # the most activation rows: the wgmma's N
 # The wgmma's N for up to this many rows: half the MMA work and half the operand's shared
@@ -504,4 +504,4 @@ def launch_decode_gemm(
         quantizes,
     )
     workspace = () if counts is None else (counts,)
-    gemm_warp_specialized.launch_prepared(KernelCall(_decode_gemm_kernel, grid, args, meta, workspace), a.device)
+    launch_prepared(KernelCall(_decode_gemm_kernel, grid, args, meta, workspace), a.device)

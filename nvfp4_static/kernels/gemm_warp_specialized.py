@@ -30,18 +30,9 @@ from typing import Optional
 
 import torch
 
-from nvfp4_static.kernels.launch import (
-    KernelCall,
-    PreparedLaunch,
-    ceil_div,
-    interpreting,
-    record_launch,
-    splits_hold_k_tiles,
-)
+from nvfp4_static.kernels.launch import KernelCall, ceil_div, interpreting, launch_prepared, splits_hold_k_tiles
 
 try:
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -378,29 +369,6 @@ def kernel_arguments(
     meta = dict(BLOCK_M=tokens, BK=BLOCK_K, NUM_STAGES=STAGES[tokens], HAS_BIAS=bias is not None,
                 WRITE_PARTIALS=partials is not None, REGISTERS=CONSUMER_REGISTERS, num_warps=4)
     return grid, args, meta
-
-
-# Compiled launches by kernel, device, launch constants and the specialisation of their other
-# arguments (Triton's, which decides the compiled kernel): a launch through the kernel's own
-# ``[grid](...)`` binds its arguments and looks the kernel up again each time, about 0.1 ms of
-# host work per call on an H200's host, as much as the product's GPU time at a few hundred rows.
-_PREPARED: dict[tuple, PreparedLaunch] = {}
-
-
-def launch_prepared(call: KernelCall, device: torch.device) -> None:
-    """Launch ``call`` of a Gluon kernel on ``device``'s current stream through a
-    ``PreparedLaunch`` kept per specialisation (that of its arguments other than TMA
-    descriptors, which every call of a kernel's tiles builds alike), and record it for an eager
-    layer's replay (``backends.triton_eager``)."""
-    arguments = (value for value in call.args if not isinstance(value, TensorDescriptor))
-    specialisation = (native_specialize_impl(BaseBackend, value, False, True, True) for value in arguments)
-    key = (call.kernel, device.index, *sorted(call.meta.items()), *specialisation)
-    prepared = _PREPARED.get(key)
-    if prepared is None:
-        prepared = _PREPARED[key] = PreparedLaunch(call, {}, keep_arguments=False)
-    values = [*call.args, *(call.meta[name] for name in call.kernel.arg_names[len(call.args):])]
-    prepared.launch_with(call.grid, torch._C._cuda_getCurrentRawStream(device.index), values)
-    record_launch(call)
 
 
 def launch_warp_specialized_gemm(

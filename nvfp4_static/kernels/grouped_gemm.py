@@ -37,7 +37,7 @@ import triton.language as tl
 
 from nvfp4_static.kernels.act_quantize import nvfp4_block_scale, pack_e2m1, round_to_e2m1
 from nvfp4_static.kernels.gemm import accumulate_halves, dequantize_weight_tile, use_ptx_dequant
-from nvfp4_static.kernels.launch import ceil_div, next_power_of_2, traceable
+from nvfp4_static.kernels.launch import KernelCall, ceil_div, launch_prepared, next_power_of_2
 from nvfp4_static.numerics import BLOCK_SIZE, check_dtype
 
 
@@ -263,21 +263,28 @@ def launch_routed_rows_quantize(
     E = act_per_tensor_scales.shape[0]
     if R == 0:
         return
-    traceable(_routed_rows_quantize_kernel)[(R, ceil_div(K, QUANTIZE_BLOCK_K))](
-        x,
-        x if source_rows is None else source_rows,
-        expert_offsets,
-        act_per_tensor_scales.to(torch.float32),
-        qdata,
-        block_scales.view(torch.uint8),
-        K,
-        x.stride(0),
-        NUM_EXPERTS=E,
-        EXPERTS_POW2=next_power_of_2(E),
-        BLOCK_K=min(QUANTIZE_BLOCK_K, next_power_of_2(K)),
-        GATHER=source_rows is not None,
-        num_warps=QUANTIZE_NUM_WARPS,
+    call = KernelCall(
+        _routed_rows_quantize_kernel,
+        (R, ceil_div(K, QUANTIZE_BLOCK_K)),
+        (
+            x,
+            x if source_rows is None else source_rows,
+            expert_offsets,
+            act_per_tensor_scales.to(torch.float32),
+            qdata,
+            block_scales.view(torch.uint8),
+            K,
+            x.stride(0),
+        ),
+        dict(
+            NUM_EXPERTS=E,
+            EXPERTS_POW2=next_power_of_2(E),
+            BLOCK_K=min(QUANTIZE_BLOCK_K, next_power_of_2(K)),
+            GATHER=source_rows is not None,
+            num_warps=QUANTIZE_NUM_WARPS,
+        ),
     )
+    launch_prepared(call, x.device)
 
 
 def launch_grouped_nvfp4_gemm(
@@ -309,26 +316,33 @@ def launch_grouped_nvfp4_gemm(
     launch_routed_rows_quantize(x, expert_offsets, act_per_tensor_scales, qdata, block_scales, source_rows)
     # Every expert with rows wastes less than one tile, and every tile holds at least one row.
     max_tiles = min(R, ceil_div(R, config.block_m) + E)
-    traceable(_grouped_nvfp4_gemm_kernel)[(max_tiles * ceil_div(N, config.block_n),)](
-        qdata,
-        block_scales,
-        expert_offsets,
-        weight_qdata.contiguous(),
-        weight_block_scales.contiguous().view(torch.uint8),
-        weight_per_tensor_scales.to(torch.float32),
-        act_per_tensor_scales.to(torch.float32),
-        out,
-        N,
-        K,
-        out.stride(0),
-        NUM_EXPERTS=E,
-        EXPERTS_POW2=next_power_of_2(E),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        EVEN_K=K % config.block_k == 0,
-        PTX=use_ptx_dequant(x.device),
-        WEIGHT_AS_A=config.weight_as_mma_a,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+    call = KernelCall(
+        _grouped_nvfp4_gemm_kernel,
+        (max_tiles * ceil_div(N, config.block_n),),
+        (
+            qdata,
+            block_scales,
+            expert_offsets,
+            weight_qdata.contiguous(),
+            weight_block_scales.contiguous().view(torch.uint8),
+            weight_per_tensor_scales.to(torch.float32),
+            act_per_tensor_scales.to(torch.float32),
+            out,
+            N,
+            K,
+            out.stride(0),
+        ),
+        dict(
+            NUM_EXPERTS=E,
+            EXPERTS_POW2=next_power_of_2(E),
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            EVEN_K=K % config.block_k == 0,
+            PTX=use_ptx_dequant(x.device),
+            WEIGHT_AS_A=config.weight_as_mma_a,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        ),
     )
+    launch_prepared(call, x.device)

@@ -16,6 +16,16 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch.library import wrap_triton
 
+try:  # Triton's own specialisation of an argument, which keys its compiled kernels
+    from triton._C.libtriton import native_specialize_impl as _native_specialize
+    from triton.backends.compiler import BaseBackend as _BaseBackend
+except ImportError:
+    _native_specialize = _BaseBackend = None
+try:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
+except ImportError:
+    _GluonTensorDescriptor = ()
+
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, CPU tensors)."""
@@ -190,6 +200,46 @@ class PreparedLaunch:
         if enter_hook is not None or exit_hook is not None:  # a profiler's hooks, as Triton calls them
             metadata = self._compiled.launch_metadata(grid, stream, *values)
         self._run(*grid, stream, self._function, self._packed_metadata, metadata, enter_hook, exit_hook, *values)
+
+
+# Compiled launches by kernel, device, launch constants and the specialisation of their other
+# arguments (Triton's, which decides the compiled kernel): a launch through the kernel's own
+# ``[grid](...)`` binds its arguments and looks the kernel up again each time, about 0.1 ms of
+# host work per Gluon launch on an H200's host, as much as a GEMM's GPU time at a few hundred
+# rows, and tens of microseconds per Triton launch.
+_PREPARED: dict[tuple, PreparedLaunch] = {}
+
+
+def launch_prepared(call: KernelCall, device: torch.device) -> None:
+    """Launch ``call`` on ``device``'s current stream through a ``PreparedLaunch`` kept per
+    specialisation (Triton's of its arguments other than Gluon's TMA descriptors, which every
+    call of a kernel's tiles builds alike; the values of its constexpr arguments), and record it
+    for an eager layer's replay (``backends.triton_eager``). Traced, or under Triton's
+    interpreter, ``call.launch()``."""
+    if _native_specialize is None or interpreting() or traced():
+        call.launch()
+        return
+    constants = _constexpr_positions(call.kernel)
+    specialisation = (
+        ("value", value) if position in constants else _native_specialize(_BaseBackend, value, False, True, True)
+        for position, value in enumerate(call.args)
+        if not isinstance(value, _GluonTensorDescriptor)
+    )
+    key = (call.kernel, device.index, *sorted(call.meta.items()), *specialisation)
+    prepared = _PREPARED.get(key)
+    if prepared is None:
+        prepared = _PREPARED[key] = PreparedLaunch(call, {}, keep_arguments=False)
+    values = [*call.args, *(call.meta[name] for name in call.kernel.arg_names[len(call.args):])]
+    grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
+    prepared.launch_with(grid, torch._C._cuda_getCurrentRawStream(device.index), values)
+    record_launch(call)
+
+
+@lru_cache(maxsize=None)
+def _constexpr_positions(kernel) -> frozenset:
+    """The positions of ``kernel``'s constexpr parameters: a value passed there is compiled into
+    the kernel, so it keys the launch itself, not by its specialisation."""
+    return frozenset(index for index, parameter in enumerate(kernel.params) if parameter.is_constexpr)
 
 
 def _calls_something(hook):
