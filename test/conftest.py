@@ -45,6 +45,32 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16
 DIM = 64
 
 
+def captured_twice_then_replayed_backwards(call, stream) -> tuple[list, int]:
+    """``call()`` (which returns its output) captured into two CUDA graphs one after the other on
+    ``stream``, then, once every tile counter buffer kept for a capture holds 7s (what a graph
+    pool's memory may hold) and the outputs NaN, replayed in the other order. Returns the two
+    outputs in capture order and how many counter buffers the captures kept (each zeroed again
+    after)."""
+    from nvfp4_static.kernels import gemm
+
+    graphs, outs, kept = [], [], []
+    for _ in range(2):
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1], stream=stream):
+            outs.append(call())
+        kept += [counts for key, counts in gemm._TILE_COUNTS.items() if key[2] is not None]
+    try:
+        for tensor in kept + outs:
+            tensor.fill_(7 if tensor.dtype == torch.int32 else float("nan"))
+        for graph in reversed(graphs):
+            graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        for counts in kept:
+            counts.zero_()
+    return outs, len(kept)
+
+
 def gpu_tolerance(K: int, dtype: torch.dtype) -> float:
     """Products of dequantized operands are exact; summing K of them in fp32 in any order errs by
     at most about K * 2^-24 relative; add one rounding of the output to ``dtype``, and allow 2x."""

@@ -12,7 +12,15 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import UNIT_ROUNDOFF, PassThrough, gpu_tolerance, linear_operands, relative_error, requires_cuda
+from conftest import (
+    UNIT_ROUNDOFF,
+    PassThrough,
+    captured_twice_then_replayed_backwards,
+    gpu_tolerance,
+    linear_operands,
+    relative_error,
+    requires_cuda,
+)
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.kernels import gemm
@@ -827,25 +835,16 @@ def test_gpu_graphs_captured_on_one_stream_give_the_eager_output_whatever_the_ke
     launch_nvfp4_gemm(*operands, eager, config, False, True)
     reference = reference_gemm(*gemm_operands(M, N, K, seed=5, device="cuda"))
     assert relative_error(eager, reference) <= gpu_tolerance(K, torch.bfloat16)
-    stream, graphs, outs, kept = torch.cuda.Stream(), [], [], []
-    for _ in range(2):
-        outs.append(torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda"))
-        graphs.append(torch.cuda.CUDAGraph())
-        with torch.cuda.graph(graphs[-1], stream=stream):
-            launch_nvfp4_gemm(*operands, outs[-1], config, False, True)
-        kept += [counts for key, counts in gemm._TILE_COUNTS.items() if key[2] is not None]
+
+    def call():
+        out = torch.empty((M, N), dtype=torch.bfloat16, device="cuda")
+        launch_nvfp4_gemm(*operands, out, config, False, True)
+        return out
+
+    outs, kept = captured_twice_then_replayed_backwards(call, torch.cuda.Stream())
     assert kept, "no counters were made for a capture"
-    try:
-        for counts in kept:
-            counts.fill_(7)
-        for graph, out in zip(reversed(graphs), reversed(outs)):
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, eager), launches_apart([eager, out], reference)
-    finally:
-        for counts in kept:
-            counts.zero_()
+    for out in outs:
+        assert torch.equal(out, eager), launches_apart([eager, out], reference)
 
 
 def test_quantizing_op_names_the_cpu_backend_for_cpu_tensors():

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from conftest import gpu_tolerance, linear_operands, relative_error, requires_cuda
+from conftest import captured_twice_then_replayed_backwards, gpu_tolerance, linear_operands, relative_error, requires_cuda
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchao.utils import unwrap_tensor_subclass
 from triton_interpreter import run_interpreted
@@ -334,32 +334,18 @@ def test_gpu_a_layer_captured_twice_on_one_stream_gives_its_outputs_whatever_the
     replayed in the other order than captured both give the route's output (the graphs' tiles
     may differ from eager calls', hence a tolerance); the eager call still gives it bit for bit."""
     layer = _layer(4096, 14336, torch.bfloat16, "cuda")
-    stream, kept, checked = torch.cuda.Stream(), [], []
+    stream, checked = torch.cuda.Stream(), []
     with torch.no_grad():
         for M in (1, 4, 64, 128):
             x = _activation((M, 14336), torch.bfloat16, seed=M)
             expected = static_linear(x, layer.weight, layer.bias)
             assert torch.equal(layer(x), expected) and torch.equal(layer(x), expected)
-            graphs, outs, counters = [], [], []
-            for _ in range(2):
-                graphs.append(torch.cuda.CUDAGraph())
-                with torch.cuda.graph(graphs[-1], stream=stream):
-                    outs.append(layer(x))
-                counters += [counts for key, counts in gemm._TILE_COUNTS.items() if key[2] is not None]
-            kept += counters
-            for counts in counters:
-                counts.fill_(7)
-            for graph, out in zip(reversed(graphs), reversed(outs)):
-                out.fill_(float("nan"))
-                graph.replay()
-            torch.cuda.synchronize()
+            outs, kept = captured_twice_then_replayed_backwards(lambda: layer(x), stream)
             assert torch.equal(outs[0], outs[1]), M
             assert relative_error(outs[0], expected) <= gpu_tolerance(14336, torch.bfloat16), M
             assert torch.equal(layer(x), expected), M
-            checked.append((M, bool(counters)))
-    for counts in kept:
-        counts.zero_()
-    assert any(used for _, used in checked), f"no capture used tile counters: {checked}"
+            checked.append((M, kept))
+    assert any(kept for _, kept in checked), f"no capture used tile counters: {checked}"
     assert all(key[3] != stream.cuda_stream for key in layer._eager_launches._linears)
 
 
