@@ -63,16 +63,6 @@ def recorded_gemm_launch(M: int, config: GemmConfig, sum_splits_in_gemm: bool, K
     return calls[0]
 
 
-class _LaunchRecorder:
-    """Stands for ``traceable(kernel)``: ``[grid](*args, **meta)`` records a ``KernelCall``."""
-
-    def __init__(self, kernel, calls: list):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **meta: self.calls.append(KernelCall(self.kernel, grid, args, meta))
-
-
 def recorded_grouped_gemm_launch(config: GroupedGemmConfig, K: int = K) -> KernelCall:
     """The grouped GEMM's launch for 8 experts of ``N x K`` weights and 512 routed rows, as
     ``launch_grouped_nvfp4_gemm`` makes it, without launching anything."""
@@ -84,7 +74,7 @@ def recorded_grouped_gemm_launch(config: GroupedGemmConfig, K: int = K) -> Kerne
     scales = torch.ones(experts)
     out = torch.empty(rows, N, dtype=torch.bfloat16)
     calls = []
-    with mock.patch.object(grouped_gemm, "traceable", lambda kernel: _LaunchRecorder(kernel, calls)):
+    with mock.patch.object(grouped_gemm, "launch_prepared", lambda call, device: calls.append(call)):
         launch_grouped_nvfp4_gemm(x, offsets, qdata, block_scales, scales, scales, out, config)
     (call,) = [call for call in calls if call.kernel is grouped_gemm._grouped_nvfp4_gemm_kernel]
     return call
