@@ -15,12 +15,21 @@ One Qwen3-30B-A3B-shaped experts layer (128 experts, top-8, hidden 2048, expert 
 Each is timed eagerly (triton.testing.do_bench median, L2 flushed between runs) and replayed
 from a CUDA graph (GPU time alone, as a served model runs). ``bf16/ours`` is the speedup of the
 graph replays. ``rel err`` is the layer output's relative distance from bf16 (the W4A4
-quantization error, about 0.1: a broken kernel gives order 1). Run:
+quantization error, about 0.1: a broken kernel gives order 1).
+
+A second table times the whole layer as an eager decode loop runs it, host-bound: 200 calls
+back to back, then one synchronize, microseconds per call, the median of 5 interleaved rounds,
+for the token counts whose pairs the route kernel takes (``kernels.expert_routing``): bf16, ours
+with the routing and the weighted sum as torch ops (as a compiled graph has them), and ours as
+an eager call runs (one launch each); the two outputs of ours are checked equal first. Run:
 
     python examples/benchmarks/bench_moe.py [--tokens 1 16 128 1024 4096]
 """
 
 import argparse
+import statistics
+import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +37,9 @@ from bench_linear import graph_ms
 from triton.testing import do_bench
 
 from nvfp4_static.experts import ExpertsLayout, NVFP4StaticExperts, NVFP4StaticGroupedLinear
+from nvfp4_static.experts import routing as experts_routing
 from nvfp4_static.experts.routing import route
+from nvfp4_static.kernels.expert_routing import MAX_ROUTED_PAIRS
 from nvfp4_static.numerics import per_tensor_amax_to_scale, quantize_nvfp4
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2048, 768
@@ -125,6 +136,46 @@ def main():
             print(
                 f"{tokens:>5} | " + " ".join(f"{ms[n]:12.4f}" for n in names) + "      | "
                 f"{ms['gemm bf16 g'] / ms['gemm ours g']:14.2f} {ms['layer bf16 g'] / ms['layer ours g']:15.2f} {rel_err:8.3f}"
+            )
+    print_eager_loop(bf16, ours, [tokens for tokens in tokens_to_run if tokens * TOP_K <= MAX_ROUTED_PAIRS])
+
+
+EAGER_LOOP_CALLS = 200
+
+
+def eager_loop_us(layer, hidden, top_k_index, top_k_weights, torch_ops_routing: bool = False) -> float:
+    """Microseconds per call of ``layer`` called ``EAGER_LOOP_CALLS`` times back to back, then
+    synchronized: the host time an eager decode loop pays, where it exceeds the GPU's. With
+    ``torch_ops_routing`` ours routes and sums with the torch ops instead of its two kernels."""
+    with mock.patch.object(experts_routing, "HAS_TRITON", not torch_ops_routing and experts_routing.HAS_TRITON):
+        layer(hidden, top_k_index, top_k_weights)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(EAGER_LOOP_CALLS):
+            layer(hidden, top_k_index, top_k_weights)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / EAGER_LOOP_CALLS * 1e6
+
+
+def print_eager_loop(bf16, ours, token_counts: list[int], rounds: int = 5) -> None:
+    """The eager loop table (module docstring) for ``token_counts``."""
+    print(f"\neager loop, us per call | {'T':>5} | {'bf16':>8} {'ours, ops':>10} {'ours':>8} | ops/ours bf16/ours")
+    with torch.no_grad():
+        for tokens in token_counts:
+            hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            top_k_weights, top_k_index = torch.topk(torch.randn(tokens, EXPERTS, device="cuda").softmax(-1), TOP_K)
+            batch = (hidden, top_k_index, top_k_weights.to(torch.bfloat16))
+            with mock.patch.object(experts_routing, "HAS_TRITON", False):
+                with_ops = ours(*batch)
+            assert torch.equal(ours(*batch), with_ops), "the route and combine kernels changed the output"
+            times = [
+                (eager_loop_us(bf16, *batch), eager_loop_us(ours, *batch, torch_ops_routing=True), eager_loop_us(ours, *batch))
+                for _ in range(rounds)
+            ]
+            bf16_us, ops_us, ours_us = (statistics.median(round_[i] for round_ in times) for i in range(3))
+            print(
+                f"{'':>23} | {tokens:>5} | {bf16_us:8.1f} {ops_us:10.1f} {ours_us:8.1f} | "
+                f"{ops_us / ours_us:8.2f} {bf16_us / ours_us:9.2f}"
             )
 
 
