@@ -1,5 +1,6 @@
 """The converted experts: every expert's two GEMMs in static NVFP4, run as grouped GEMMs."""
 
+import math
 import os
 from typing import Optional
 
@@ -357,7 +358,7 @@ class NVFP4StaticExperts(torch.nn.Module):
             self._check_indices_of_the_call_before()
         routing = route(top_k_index, self.num_experts)
         if deferred:
-            self._indices_in_range.send(routing.pairs_in_range, (top_k_index.numel(), tuple(top_k_index.shape)))
+            self._indices_in_range.send(routing.pairs_in_range, tuple(top_k_index.shape))
         gate_up = self.gate_up_proj(hidden_states, routing.expert_offsets, routing.token_of_row())
         gate, up = gate_up.chunk(2, dim=-1)
         expert_rows = self.down_proj(self.act_fn(gate) * up, routing.expert_offsets)
@@ -371,8 +372,9 @@ class NVFP4StaticExperts(torch.nn.Module):
         call's tokens got no output from the slots concerned; this call is not run."""
         if self._indices_in_range.note is None:
             return
-        (pairs, shape), in_range = self._indices_in_range.note, self._indices_in_range.read()
+        shape, in_range = self._indices_in_range.note, self._indices_in_range.read()
         self._indices_in_range.clear()
+        pairs = math.prod(shape)
         if in_range != pairs:
             raise ValueError(
                 f"nvfp4_static: experts '{self.layer_name}': the call before this one had "
