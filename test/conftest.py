@@ -1,6 +1,6 @@
-"""What several test files share: the GPU mark, the activation dtypes, error measures and bounds,
-numeric edges, the operands of a quantized linear, and the calibrate-then-convert flow on the
-small models of ``models.py``."""
+"""What several test files share: the GPU mark (and ``--gpu-only``, which runs only the tests
+needing a GPU), the activation dtypes, error measures and bounds, numeric edges, the operands of
+a quantized linear, and the calibrate-then-convert flow on the small models of ``models.py``."""
 
 import warnings
 from typing import NamedTuple, Optional
@@ -19,6 +19,29 @@ from nvfp4_static.numerics import (
 )
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# A test that needs a GPU says so in a skipif reason holding one of these words.
+GPU_REASON_WORDS = ("CUDA", "GPU", "accelerator")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--gpu-only",
+        action="store_true",
+        help="run only the tests that need a GPU (a skipif whose reason names CUDA, a GPU or an "
+        "accelerator): on a GPU machine, what CPU-only CI cannot run",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--gpu-only"):
+        return
+    kept, dropped = [], []
+    for item in items:
+        reasons = [str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif")]
+        (kept if any(word in reason for reason in reasons for word in GPU_REASON_WORDS) else dropped).append(item)
+    items[:] = kept
+    config.hook.pytest_deselected(items=dropped)
 
 
 def device_waits(fn) -> list[str]:
