@@ -28,11 +28,11 @@ an eager call runs (one launch each); the two outputs of ours are checked equal 
 
 import argparse
 import statistics
-import time
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from bench_compile_guards import ms_per_call
 from bench_linear import graph_ms
 from triton.testing import do_bench
 
@@ -149,12 +149,7 @@ def eager_loop_us(layer, hidden, top_k_index, top_k_weights, torch_ops_routing: 
     ``torch_ops_routing`` ours routes and sums with the torch ops instead of its two kernels."""
     with mock.patch.object(experts_routing, "HAS_TRITON", not torch_ops_routing and experts_routing.HAS_TRITON):
         layer(hidden, top_k_index, top_k_weights)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(EAGER_LOOP_CALLS):
-            layer(hidden, top_k_index, top_k_weights)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / EAGER_LOOP_CALLS * 1e6
+        return 1e3 * ms_per_call(lambda: layer(hidden, top_k_index, top_k_weights), EAGER_LOOP_CALLS, rounds=1)
 
 
 def print_eager_loop(bf16, ours, token_counts: list[int], rounds: int = 5) -> None:
