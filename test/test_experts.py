@@ -658,7 +658,7 @@ def interpreted_routes_and_sums():
     for seed, (name, (tokens, top_k, experts, put_in, dtype, layout)) in enumerate(ROUTE_CASES.items()):
         index = routing_case(tokens, top_k, experts, put_in, dtype, layout, seed)
         pairs = index.numel()
-        outputs = (torch.full((pairs,), -7), torch.full((pairs,), -7), torch.full((experts + 2,), -7))
+        outputs = (*(torch.full((pairs,), -7) for _ in range(3)), torch.full((experts + 2,), -7))
         launches[f"route-{name}"] = (ROUTE_LAUNCHER, (index, experts, *outputs))
         inputs[f"route-{name}"] = (index, experts)
         routing = route(index, experts)
@@ -678,10 +678,11 @@ def interpreted_routes_and_sums():
 
 @pytest.mark.parametrize("case", ROUTE_CASES)
 def test_interpreted_route_kernel_equals_the_torch_ops_routing(interpreted_routes_and_sums, case):
-    (index, experts), (_, _, pair_of_row, row_of_pair, starts) = interpreted_routes_and_sums[f"route-{case}"]
+    (index, experts), (_, _, pair_of_row, row_of_pair, token_of_row, starts) = interpreted_routes_and_sums[f"route-{case}"]
     expected = route(index, experts)
     assert torch.equal(pair_of_row, expected.pair_of_row)
     assert torch.equal(row_of_pair, expected.row_of_pair)
+    assert torch.equal(token_of_row, expected.token_of_row)
     assert torch.equal(starts, torch.cat([expected.expert_offsets, expected.pairs_in_range]))
 
 
@@ -1416,7 +1417,7 @@ def test_gpu_route_and_combine_kernels_equal_the_torch_ops_bit_for_bit(tokens, t
     assert len(calls) == 2
     monkeypatch.setattr(routing_module, "HAS_TRITON", False)
     ops_routing = route(index, experts)
-    for field in ("pair_of_row", "expert_offsets", "pairs_in_range", "row_of_pair"):
+    for field in ("pair_of_row", "expert_offsets", "pairs_in_range", "row_of_pair", "token_of_row"):
         assert torch.equal(getattr(kernel_routing, field), getattr(ops_routing, field)), field
     assert torch.equal(combined, combine(rows, ops_routing, weights, rows_dtype))
 

@@ -20,13 +20,16 @@ quantization error, about 0.1: a broken kernel gives order 1).
 A second table times the whole layer as an eager decode loop runs it, host-bound: 200 calls
 back to back, then one synchronize, microseconds per call, the median of 5 interleaved rounds,
 for the token counts whose pairs the route kernel takes (``kernels.expert_routing``): bf16, ours
-with the routing and the weighted sum as torch ops (as a compiled graph has them), and ours as
-an eager call runs (one launch each); the two outputs of ours are checked equal first. Run:
+with the routing and the weighted sum as torch ops (as a compiled graph has them), ours with
+them as one launch each but every call through the forward, and ours as an eager call runs
+(its kernels' launches replayed, ``experts.eager``); the three outputs of ours are checked
+equal first. Run:
 
     python examples/benchmarks/bench_moe.py [--tokens 1 16 128 1024 4096]
 """
 
 import argparse
+import contextlib
 import statistics
 from unittest import mock
 
@@ -38,6 +41,7 @@ from triton.testing import do_bench
 
 from nvfp4_static.experts import ExpertsLayout, NVFP4StaticExperts, NVFP4StaticGroupedLinear
 from nvfp4_static.experts import routing as experts_routing
+from nvfp4_static.experts.eager import EagerExpertsLaunches
 from nvfp4_static.experts.routing import route
 from nvfp4_static.kernels.expert_routing import MAX_ROUTED_PAIRS
 from nvfp4_static.numerics import per_tensor_amax_to_scale, quantize_nvfp4
@@ -107,7 +111,7 @@ def main():
             top_k_weights, top_k_index = torch.topk(torch.randn(tokens, EXPERTS, device="cuda").softmax(-1), TOP_K)
             top_k_weights = top_k_weights.to(torch.bfloat16)
             routing = route(top_k_index, EXPERTS)
-            rows = hidden[routing.token_of_row()]
+            rows = hidden[routing.token_of_row]
             ends = routing.expert_offsets[1:].to(torch.int32)
             intermediate = torch.randn(rows.shape[0], INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
 
@@ -143,34 +147,49 @@ def main():
 EAGER_LOOP_CALLS = 200
 
 
-def eager_loop_us(layer, hidden, top_k_index, top_k_weights, torch_ops_routing: bool = False) -> float:
+def eager_loop_us(layer, hidden, top_k_index, top_k_weights, path: str = "replayed") -> float:
     """Microseconds per call of ``layer`` called ``EAGER_LOOP_CALLS`` times back to back, then
-    synchronized: the host time an eager decode loop pays, where it exceeds the GPU's. With
-    ``torch_ops_routing`` ours routes and sums with the torch ops instead of its two kernels."""
-    with mock.patch.object(experts_routing, "HAS_TRITON", not torch_ops_routing and experts_routing.HAS_TRITON):
+    synchronized: the host time an eager decode loop pays, where it exceeds the GPU's. ``path``
+    (ours): ``"torch ops"`` routes and sums with torch ops, ``"forward"`` with the two kernels
+    but without the replay, ``"replayed"`` as an eager call runs."""
+    with ours_through(path):
         layer(hidden, top_k_index, top_k_weights)
         return 1e3 * ms_per_call(lambda: layer(hidden, top_k_index, top_k_weights), EAGER_LOOP_CALLS, rounds=1)
 
 
+@contextlib.contextmanager
+def ours_through(path: str):
+    """Run our experts through ``path`` (``eager_loop_us``) inside the block."""
+    with contextlib.ExitStack() as stack:
+        if path == "torch ops":
+            stack.enter_context(mock.patch.object(experts_routing, "HAS_TRITON", False))
+        if path in ("torch ops", "forward"):
+            stack.enter_context(mock.patch.object(EagerExpertsLaunches, "__call__", lambda *args: None))
+        yield
+
+
 def print_eager_loop(bf16, ours, token_counts: list[int], rounds: int = 5) -> None:
     """The eager loop table (module docstring) for ``token_counts``."""
-    print(f"\neager loop, us per call | {'T':>5} | {'bf16':>8} {'ours, ops':>10} {'ours':>8} | ops/ours bf16/ours")
+    paths = ("torch ops", "forward", "replayed")
+    print(f"\neager loop, us per call | {'T':>5} | {'bf16':>8} " + " ".join(f"{'ours, ' + p:>16}" for p in paths) + " | bf16/ours")
     with torch.no_grad():
         for tokens in token_counts:
             hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
             top_k_weights, top_k_index = torch.topk(torch.randn(tokens, EXPERTS, device="cuda").softmax(-1), TOP_K)
             batch = (hidden, top_k_index, top_k_weights.to(torch.bfloat16))
-            with mock.patch.object(experts_routing, "HAS_TRITON", False):
-                with_ops = ours(*batch)
-            assert torch.equal(ours(*batch), with_ops), "the route and combine kernels changed the output"
+            outputs = []
+            for path in paths:
+                with ours_through(path):
+                    outputs += [ours(*batch), ours(*batch)]  # the replay's first call records
+            assert all(torch.equal(out, outputs[0]) for out in outputs), "the paths of ours differ"
             times = [
-                (eager_loop_us(bf16, *batch), eager_loop_us(ours, *batch, torch_ops_routing=True), eager_loop_us(ours, *batch))
+                (eager_loop_us(bf16, *batch), *(eager_loop_us(ours, *batch, path) for path in paths))
                 for _ in range(rounds)
             ]
-            bf16_us, ops_us, ours_us = (statistics.median(round_[i] for round_ in times) for i in range(3))
+            bf16_us, *ours_us = (statistics.median(round_[i] for round_ in times) for i in range(1 + len(paths)))
             print(
-                f"{'':>23} | {tokens:>5} | {bf16_us:8.1f} {ops_us:10.1f} {ours_us:8.1f} | "
-                f"{ops_us / ours_us:8.2f} {bf16_us / ours_us:9.2f}"
+                f"{'':>23} | {tokens:>5} | {bf16_us:8.1f} " + " ".join(f"{us:16.1f}" for us in ours_us)
+                + f" | {bf16_us / ours_us[-1]:9.2f}"
             )
 
 

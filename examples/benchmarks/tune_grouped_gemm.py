@@ -57,7 +57,7 @@ def main():
         hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
         top_k_index = torch.topk(torch.randn(tokens, EXPERTS, device="cuda"), TOP_K).indices
         routing = route(top_k_index, EXPERTS)
-        token_of_row = routing.token_of_row()
+        token_of_row = routing.token_of_row
         rows = token_of_row.shape[0]
         intermediate = torch.randn(rows, INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
         outs = (torch.empty(rows, 2 * INTERMEDIATE, device="cuda", dtype=torch.bfloat16),

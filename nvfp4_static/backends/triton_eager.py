@@ -5,7 +5,7 @@ through the general route (``backends.triton_route``: the tile choice, the ops' 
 argument binding and kernel lookup per launch) costs several times that on the host, so an eager
 model waits on Python. Here the first call for an activation shape, dtype, device and stream runs
 the general route while recording its kernel launches (``kernels.launch.recording_launches``);
-later calls replay them (``kernels.launch.PreparedLaunch``) with that call's activation, a new
+later calls replay them (``kernels.replay.ReplayedLaunches``) with that call's activation, a new
 output and the stream's scratch memory in place of the first call's: the same kernels with the
 same arguments, hence the same outputs bit for bit.
 
@@ -21,12 +21,12 @@ mode, with the weight's tensors in the layout convert makes. Every other call re
 the layer takes the general route.
 """
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
 
-from nvfp4_static.kernels.launch import KernelCall, PreparedLaunch, ceil_div, recording_launches
+from nvfp4_static.kernels.launch import KernelCall, recording_launches
+from nvfp4_static.kernels.replay import ReplayedLaunches
 
 __all__ = ["EagerTritonLaunches"]
 
@@ -133,111 +133,31 @@ class EagerTritonLaunches:
         self._largest_rows = max(max_m for max_m, _ in triton_entries())
 
 
-def _described(argument):
-    """The tensor a TMA descriptor argument describes (its ``base``), else the argument."""
-    base = getattr(argument, "base", None)
-    return base if isinstance(base, torch.Tensor) else argument
-
-
-def _describing(call: KernelCall, per_call: dict[int, int], scratch: tuple) -> KernelCall:
-    """``call`` with each TMA descriptor of a scratch buffer describing that buffer's place in
-    the arena instead (``scratch[i - 2]`` for the buffer ``per_call`` numbers ``i``)."""
-    args = []
-    for argument in call.args:
-        described = _described(argument)
-        if described is not argument and described.data_ptr() in per_call:
-            argument = replace(argument, base=scratch[per_call[described.data_ptr()] - 2])
-        args.append(argument)
-    return call._replace(args=tuple(args))
-
-
 def _not_replayed(x: torch.Tensor, stream: Optional[int]) -> None:
     """Stands for a shape whose launches cannot be replayed: the layer takes the general route."""
     return None
 
 
 class ReplayedLinear:
-    """The kernel launches one call of the Triton route made, replayable with a new activation.
+    """The kernel launches one call of the Triton route made, replayable with a new activation
+    (``kernels.replay.ReplayedLaunches``, the activation and the output given at each call; a
+    replay allocates the output)."""
 
-    Each tensor argument of the recorded launches is the activation, the output, a weight
-    tensor or a kernel's workspace (both kept as they are), or else a scratch buffer the route
-    allocated (the activation operand, a split K's partial products). A replay allocates a new
-    output, takes its scratch buffers from the stream's ``scratch_arena`` and launches the same
-    kernels in the same order. A TMA descriptor argument (``gemm_warp_specialized``'s kernel
-    reads the operand and the weight through them) may describe a weight tensor or a scratch
-    buffer, whose place in the arena is the same at every replay: it is built once, over that.
-    """
-
-    def __init__(
-        self, out: torch.Tensor, calls: list[KernelCall], per_call: dict[int, int], scratch: list, stream: Optional[int]
-    ):
-        self._workspace = [t for call in calls for t in call.workspace]  # passed to every replay as it is
+    def __init__(self, launches: ReplayedLaunches, out: torch.Tensor):
+        self._launches = launches
         self._out_shape, self._out_dtype = tuple(out.shape), out.dtype
-        offsets, end = [], 0
-        for shape, dtype in scratch:
-            offsets.append(end)
-            end += ceil_div(shape.numel() * dtype.itemsize, _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
-        arena = scratch_arena(out.device, stream, end)
-        self._scratch = tuple(
-            arena[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-            for offset, (shape, dtype) in zip(offsets, scratch)
-        )
-        self._launches = [PreparedLaunch(_describing(call, per_call, self._scratch), per_call) for call in calls]
 
     @classmethod
     def of(
         cls, x: torch.Tensor, out: torch.Tensor, calls: list[KernelCall], weight_tensors: tuple, stream: Optional[int]
     ) -> Optional["ReplayedLinear"]:
         """The replay on the raw CUDA ``stream`` of the launches ``calls`` that computed ``out``
-        from ``x``, or None if they are not all a replay can redo: no launch, an output no
-        launch wrote, a scratch buffer that is not contiguous or is used under two shapes, or a
-        TMA descriptor of the activation or the output (new tensors at every call)."""
-        workspace = [t for call in calls for t in call.workspace]
-        fixed = {t.data_ptr() for t in (*weight_tensors, *workspace) if t is not None}
-        per_call = {x.data_ptr(): 0, out.data_ptr(): 1}
-        written_out = False
-        scratch = []
-        for call in calls:
-            for argument in call.args:
-                value = _described(argument)
-                if not isinstance(value, torch.Tensor) or value.data_ptr() in fixed:
-                    continue
-                address = value.data_ptr()
-                if value is not argument and address in (x.data_ptr(), out.data_ptr()):
-                    return None  # a descriptor would have to be rebuilt for each call's tensor
-                written_out = written_out or address == out.data_ptr()
-                if address not in per_call:
-                    if not value.is_contiguous():
-                        return None
-                    per_call[address] = 2 + len(scratch)
-                    scratch.append((value.shape, value.dtype))
-                elif per_call[address] >= 2 and scratch[per_call[address] - 2] != (value.shape, value.dtype):
-                    return None
-        if not calls or not written_out or not out.is_contiguous():
-            return None
-        return cls(out, calls, per_call, scratch, stream)
+        from ``x``, or None where ``ReplayedLaunches.of`` refuses them or ``out`` is not
+        contiguous."""
+        launches = ReplayedLaunches.of((x, out), (1,), calls, weight_tensors, out.device, stream)
+        return cls(launches, out) if launches is not None and out.is_contiguous() else None
 
     def __call__(self, x: torch.Tensor, stream: Optional[int]) -> torch.Tensor:
         out = x.new_empty(self._out_shape, dtype=self._out_dtype)
-        tensors = (x, out, *self._scratch)
-        for launch in self._launches:
-            launch(stream, tensors)
+        self._launches((x, out), stream)
         return out
-
-
-# Scratch buffers start on this boundary (the caching allocator's, more than any kernel needs).
-_SCRATCH_ALIGNMENT = 512
-_SCRATCH_ARENAS: dict[tuple, torch.Tensor] = {}
-
-
-def scratch_arena(device: torch.device, stream: Optional[int], nbytes: int) -> torch.Tensor:
-    """At least ``nbytes`` bytes of scratch memory shared by the replays on one device and
-    stream: a stream runs one linear's kernels after another's, so each can use the same bytes
-    for its short-lived buffers, and a replay allocates none. A larger need gets a new, larger
-    buffer; the replays holding the old one keep it."""
-    key = (device, stream)
-    arena = _SCRATCH_ARENAS.get(key)
-    if arena is None or arena.numel() < nbytes:
-        size = max(nbytes, 2 * arena.numel() if arena is not None else 0)
-        arena = _SCRATCH_ARENAS[key] = torch.empty(size, dtype=torch.uint8, device=device)
-    return arena

@@ -8,6 +8,7 @@ import torch
 
 from nvfp4_static.backends import BACKEND_ENV_VAR, resolve_backend
 from nvfp4_static.deferred_read import DeferredRead
+from nvfp4_static.experts.eager import EagerExpertsLaunches
 from nvfp4_static.experts.layouts import ExpertsLayout
 from nvfp4_static.experts.routing import check_expert_indices, check_routing, combine, route
 from nvfp4_static.kernels.ops import (
@@ -247,6 +248,7 @@ class NVFP4StaticExperts(torch.nn.Module):
         self.loaded = True
         self.backend_override = backend_override
         self._indices_in_range = DeferredRead()
+        self._eager_launches = EagerExpertsLaunches()
         self._pick_backend()
 
     def _pick_backend(self) -> None:
@@ -356,14 +358,32 @@ class NVFP4StaticExperts(torch.nn.Module):
         deferred = eager and top_k_index.is_cuda and not torch.cuda.is_current_stream_capturing()
         if deferred:
             self._check_indices_of_the_call_before()
-        routing = route(top_k_index, self.num_experts)
+        replayed = self._eager_launches(self, hidden_states, top_k_index, top_k_weights) if deferred else None
+        if replayed is None:
+            routing, gate_up = self._route_and_gate_up(hidden_states, top_k_index)
+            out = self._down_and_combine(self._activated(gate_up), routing, top_k_weights, hidden_states.dtype)
+        else:
+            out, routing = replayed
         if deferred:
             self._indices_in_range.send(routing.pairs_in_range, tuple(top_k_index.shape))
-        gate_up = self.gate_up_proj(hidden_states, routing.expert_offsets, routing.token_of_row())
-        gate, up = gate_up.chunk(2, dim=-1)
-        expert_rows = self.down_proj(self.act_fn(gate) * up, routing.expert_offsets)
-        out = combine(expert_rows, routing, top_k_weights, hidden_states.dtype)
         return _InferenceOnly.apply(out) if out.requires_grad else out
+
+    # The forward in three parts: kernels, the activation (the float module's own, a torch
+    # op), kernels. An eager call on CUDA may replay the launches of the first and the last
+    # (``experts.eager``).
+
+    def _route_and_gate_up(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
+        """The routing of ``top_k_index`` and the gate/up projection of the routed rows."""
+        routing = route(top_k_index, self.num_experts)
+        return routing, self.gate_up_proj(hidden_states, routing.expert_offsets, routing.token_of_row)
+
+    def _activated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def _down_and_combine(self, intermediate: torch.Tensor, routing, top_k_weights: torch.Tensor, dtype) -> torch.Tensor:
+        """The down projection of each routed row and each token's weighted sum of its rows."""
+        return combine(self.down_proj(intermediate, routing.expert_offsets), routing, top_k_weights, dtype)
 
     def _check_indices_of_the_call_before(self) -> None:
         """Refuse to go on after a call on CUDA whose ``top_k_index`` held indices outside

@@ -65,7 +65,7 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
         check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name, self.gate_up_proj[0].weight.device)
         check_expert_indices(top_k_index, self.num_experts, self.layer_name, " (the batch was not observed)")
         routing = route(top_k_index, self.num_experts)
-        x = hidden_states[routing.token_of_row()]
+        x = hidden_states[routing.token_of_row]
         bounds = routing.expert_offsets.tolist()
         expert_rows = x.new_zeros(x.shape[0], hidden_states.shape[-1])
         if bounds[-1]:

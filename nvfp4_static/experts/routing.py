@@ -80,6 +80,7 @@ class Routing(NamedTuple):
         pairs_in_range: ``[1]`` int64: how many pairs hold an index in ``0..E`` (``E`` routes a
             slot to no expert); each of the others is a router's error.
         row_of_pair: ``[T * k]``: the inverse of ``pair_of_row``.
+        token_of_row: ``[T * k]``: the token whose hidden state row ``r`` takes.
     """
 
     pair_of_row: torch.Tensor
@@ -87,31 +88,51 @@ class Routing(NamedTuple):
     tokens: int
     pairs_in_range: torch.Tensor
     row_of_pair: torch.Tensor
+    token_of_row: torch.Tensor
 
-    def token_of_row(self) -> torch.Tensor:
-        """``[T * k]``: the token whose hidden state row ``r`` takes."""
-        return self.pair_of_row % self.tokens
+
+def routed_by_kernel(top_k_index: torch.Tensor) -> bool:
+    """Whether ``route`` runs the route kernel on ``top_k_index`` (an eager call on CUDA of at
+    most ``MAX_ROUTED_PAIRS`` pairs) rather than the torch ops."""
+    return (
+        HAS_TRITON and top_k_index.is_cuda and top_k_index.numel() <= MAX_ROUTED_PAIRS and runs_eagerly(top_k_index)
+    )
+
+
+def routing_buffer(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The int64 memory the route kernel fills for ``top_k_index``, new and unfilled
+    (``routing_in`` reads it)."""
+    return torch.empty(3 * top_k_index.numel() + num_experts + 2, dtype=torch.int64, device=top_k_index.device)
+
+
+def routing_in(buffer: torch.Tensor, tokens: int, num_experts: int) -> Routing:
+    """The ``Routing`` the route kernel wrote into ``buffer`` for ``tokens`` tokens: views of it,
+    ``pair_of_row``, ``row_of_pair``, ``token_of_row``, then the kernel's ``[E + 2]`` starts."""
+    pairs = (buffer.numel() - num_experts - 2) // 3
+    pair_of_row, row_of_pair, token_of_row, starts = buffer.split([pairs, pairs, pairs, num_experts + 2])
+    return Routing(pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :], row_of_pair, token_of_row)
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     """Group the pairs of ``top_k_index [T, k]`` by expert (an index outside ``[0, E)``: by no
     expert, after all the others), counting those in ``0..E``."""
     tokens, pairs = top_k_index.shape[0], top_k_index.numel()
-    if HAS_TRITON and top_k_index.is_cuda and pairs <= MAX_ROUTED_PAIRS and runs_eagerly(top_k_index):
-        index = torch.empty(2 * pairs + num_experts + 2, dtype=torch.int64, device=top_k_index.device)
-        pair_of_row, row_of_pair, starts = index.split([pairs, pairs, num_experts + 2])
-        launch_route(top_k_index, num_experts, pair_of_row, row_of_pair, starts)
-    else:
-        # Slot-major pairs, so that a stable sort by expert orders each expert's pairs by slot,
-        # then by token. Clamping to [-1, E + 1] and taking the remainder modulo E + 2 keeps E
-        # and sends every index outside [0, E] to E + 1.
-        expert = top_k_index.t().reshape(-1).clamp(-1, num_experts + 1).remainder(num_experts + 2)
-        sorted_expert, pair_of_row = torch.sort(expert, stable=True)
-        boundaries = torch.arange(num_experts + 2, dtype=sorted_expert.dtype, device=sorted_expert.device)
-        starts = torch.searchsorted(sorted_expert, boundaries)
-        row_of_pair = torch.empty_like(pair_of_row)
-        row_of_pair[pair_of_row] = torch.arange(pairs, device=row_of_pair.device)
-    return Routing(pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :], row_of_pair)
+    if routed_by_kernel(top_k_index):
+        buffer = routing_buffer(top_k_index, num_experts)
+        launch_route(top_k_index, num_experts, *buffer.split([pairs, pairs, pairs, num_experts + 2]))
+        return routing_in(buffer, tokens, num_experts)
+    # Slot-major pairs, so that a stable sort by expert orders each expert's pairs by slot,
+    # then by token. Clamping to [-1, E + 1] and taking the remainder modulo E + 2 keeps E
+    # and sends every index outside [0, E] to E + 1.
+    expert = top_k_index.t().reshape(-1).clamp(-1, num_experts + 1).remainder(num_experts + 2)
+    sorted_expert, pair_of_row = torch.sort(expert, stable=True)
+    boundaries = torch.arange(num_experts + 2, dtype=sorted_expert.dtype, device=sorted_expert.device)
+    starts = torch.searchsorted(sorted_expert, boundaries)
+    row_of_pair = torch.empty_like(pair_of_row)
+    row_of_pair[pair_of_row] = torch.arange(pairs, device=row_of_pair.device)
+    return Routing(
+        pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :], row_of_pair, pair_of_row % tokens
+    )
 
 
 def combine(

@@ -55,6 +55,7 @@ def _route_kernel(
     stride_slot,
     pair_of_row_ptr,
     row_of_pair_ptr,
+    token_of_row_ptr,
     starts_ptr,
     tokens,
     num_pairs,
@@ -63,7 +64,8 @@ def _route_kernel(
     STARTS_BLOCK: tl.constexpr,
 ):
     """One program: ``row_of_pair[p]``, the rank of pair ``p`` by (expert, p); ``pair_of_row``,
-    its inverse; ``starts[e]`` for ``e`` in ``0..E+1``, the pairs of an expert below ``e``."""
+    its inverse; ``token_of_row``, the token of each row's pair; ``starts[e]`` for ``e`` in
+    ``0..E+1``, the pairs of an expert below ``e``."""
     for first in range(0, num_pairs, BLOCK):
         pairs = first + tl.arange(0, BLOCK)
         expert, valid = _expert_of_pairs(index_ptr, stride_token, stride_slot, pairs, tokens, num_pairs, num_experts)
@@ -79,6 +81,7 @@ def _route_kernel(
             rank += tl.sum((before & other_valid[None, :]).to(tl.int64), axis=1)
         tl.store(row_of_pair_ptr + pairs, rank, mask=valid)
         tl.store(pair_of_row_ptr + rank, pairs.to(tl.int64), mask=valid)
+        tl.store(token_of_row_ptr + rank, (pairs % tokens).to(tl.int64), mask=valid)
     for first_expert in range(0, num_experts + 2, STARTS_BLOCK):
         experts = first_expert + tl.arange(0, STARTS_BLOCK)
         below = tl.zeros([STARTS_BLOCK], tl.int64)
@@ -97,10 +100,12 @@ def launch_route(
     num_experts: int,
     pair_of_row: torch.Tensor,
     row_of_pair: torch.Tensor,
+    token_of_row: torch.Tensor,
     starts: torch.Tensor,
 ) -> None:
-    """Fill ``pair_of_row`` and ``row_of_pair`` (int64 ``[T * k]``) and ``starts`` (int64
-    ``[E + 2]``) for the integer ``top_k_index [T, k]``, at most ``MAX_ROUTED_PAIRS`` pairs."""
+    """Fill ``pair_of_row``, ``row_of_pair`` and ``token_of_row`` (int64 ``[T * k]``) and
+    ``starts`` (int64 ``[E + 2]``) for the integer ``top_k_index [T, k]``, at most
+    ``MAX_ROUTED_PAIRS`` pairs."""
     tokens, top_k = top_k_index.shape
     num_pairs = tokens * top_k
     if num_pairs > MAX_ROUTED_PAIRS:
@@ -114,6 +119,7 @@ def launch_route(
             top_k_index.stride(1),
             pair_of_row,
             row_of_pair,
+            token_of_row,
             starts,
             max(tokens, 1),
             num_pairs,

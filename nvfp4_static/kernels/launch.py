@@ -139,23 +139,29 @@ class PreparedLaunch:
     Triton's launch binds the arguments, computes their specialisation key and looks the
     compiled kernel up on every call; here that is done once, and each call hands the compiled
     kernel's launcher the arguments in the kernel's order, every tensor as its address.
-    ``per_call`` maps the address of each tensor argument that changes per call to its index in
-    the tensors a call is given. A replacement must share the dtype and the 16-byte alignment of
-    the tensor it replaces (the compiled kernel is specialised on both); every other tensor
-    argument must outlive this object. Under Triton's interpreter a call goes through
-    ``kernel[grid]`` with the tensors themselves.
+    ``per_call`` maps the address of each tensor argument that changes per call to where it is
+    in the tensors a call is given: ``(index, byte offset)`` (an argument may be a view inside
+    one of them). A replacement must share the dtype and the 16-byte alignment of the tensor it
+    replaces (the compiled kernel is specialised on both); every other tensor argument must
+    outlive this object. Under Triton's interpreter a call goes through ``kernel[grid]`` with the
+    tensors themselves (an argument at an offset: the view of the given tensor there).
     """
 
-    def __init__(self, call: KernelCall, per_call: dict[int, int], keep_arguments: bool = True):
+    def __init__(self, call: KernelCall, per_call: dict[int, tuple[int, int]], keep_arguments: bool = True):
         names = call.kernel.arg_names
         parameters = dict(zip(names, call.args))
         parameters.update((name, value) for name, value in call.meta.items() if name in names)
         values = [parameters[name] for name in names]
         self._slots = [
-            (argument, per_call[value.data_ptr()])
+            (argument, *per_call[value.data_ptr()])
             for argument, value in enumerate(values)
             if isinstance(value, torch.Tensor) and value.data_ptr() in per_call
         ]
+        # Under the interpreter, the layout each per-call argument is viewed with.
+        self._layouts = {
+            argument: (values[argument].dtype, values[argument].shape, values[argument].stride())
+            for argument, _, _ in self._slots
+        }
         self._options = {name: value for name, value in call.meta.items() if name not in names}
         self._kernel = call.kernel
         self._grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
@@ -181,12 +187,12 @@ class PreparedLaunch:
         """Launch on the raw CUDA ``stream`` (None under the interpreter) with ``tensors``."""
         values = self._values.copy()
         if self._interpreted:
-            for argument, tensor in self._slots:
-                values[argument] = tensors[tensor]
+            for argument, tensor, offset in self._slots:
+                values[argument] = _view_at(tensors[tensor], offset, *self._layouts[argument])
             self._kernel[self._grid](*values, **self._options)
             return
-        for argument, tensor in self._slots:
-            values[argument] = tensors[tensor].data_ptr()
+        for argument, tensor, offset in self._slots:
+            values[argument] = tensors[tensor].data_ptr() + offset
         self.launch_with(self._grid, stream, values)
 
     def launch_with(self, grid: tuple, stream: int, values: list) -> None:
@@ -200,6 +206,17 @@ class PreparedLaunch:
         if enter_hook is not None or exit_hook is not None:  # a profiler's hooks, as Triton calls them
             metadata = self._compiled.launch_metadata(grid, stream, *values)
         self._run(*grid, stream, self._function, self._packed_metadata, metadata, enter_hook, exit_hook, *values)
+
+
+def _view_at(tensor: torch.Tensor, offset: int, dtype: torch.dtype, shape, stride) -> torch.Tensor:
+    """The view of ``tensor``'s memory ``offset`` bytes in, of ``dtype``, ``shape`` and
+    ``stride``: a per-call argument as a kernel under the interpreter takes it."""
+    if offset == 0 and (tensor.dtype, tensor.shape, tensor.stride()) == (dtype, shape, stride):
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size() + offset
+    return torch.empty(0, dtype=dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), start // dtype.itemsize, shape, stride
+    )
 
 
 # Compiled launches by kernel, device, launch constants and the specialisation of their other
