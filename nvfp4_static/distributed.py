@@ -53,6 +53,7 @@ from typing import Any, Optional
 import torch
 
 from nvfp4_static.experts.observed import NVFP4StaticObservedExperts
+from nvfp4_static.numerics import non_finite_summary
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers.anchored_mse import FirstBatchMseCalibrator
 from nvfp4_static.observers.base import _REDUCE, MergeableObserver
@@ -115,7 +116,7 @@ class _ExpertTokenCounts:
     def settle(self) -> None:
         pass
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, values_checked: bool = False) -> None:
         self.experts.tokens_per_expert = state["tokens_per_expert"].tolist()
 
     def reset(self) -> None:
@@ -367,6 +368,9 @@ def _unpack(layout: _Layout, flat: torch.Tensor) -> list[dict]:
 
 
 def _apply(model: torch.nn.Module, folded: list[dict]) -> None:
+    """Load each observer's folded state, once every state is known to be finite (a sum that
+    overflowed is refused, naming its layer, before any observer changes)."""
+    _refuse_non_finite(folded)
     for (name, role, observer, layer), slot in zip(_observers(model), folded):
         if slot["state"] is None:
             continue  # no rank saw data: convert says so, naming the layer
@@ -374,11 +378,32 @@ def _apply(model: torch.nn.Module, folded: list[dict]) -> None:
             device = _device(layer)
             if observer.search is None or not torch.equal(observer.search.initial_amax.cpu(), slot["anchor"]):
                 _adopt_anchor(observer, slot["anchor"], device)
-            observer.search.load_state_dict({k: v.to(device) for k, v in slot["state"].items()})
+            observer.search.load_state_dict({k: v.to(device) for k, v in slot["state"].items()}, values_checked=True)
             observer.restarts = slot["restarts"]
             continue
         device = _device(layer) if observer._state is None else next(iter(observer._state.values())).device
-        observer.load_state_dict({k: v.to(device) for k, v in slot["state"].items()})
+        observer.load_state_dict({k: v.to(device) for k, v in slot["state"].items()}, values_checked=True)
+
+
+def _refuse_non_finite(folded: list[dict]) -> None:
+    """Refuse folded states holding NaN or Inf with one wait for the device for them all. Each
+    rank's states passed their observers' checks, and folding non-negative ones (sums, maxima)
+    keeps them non-negative, so finiteness is what is left to check."""
+    floating = [
+        (slot, key, value)
+        for slot in folded
+        if slot["state"] is not None
+        for key, value in slot["state"].items()
+        if value.is_floating_point()
+    ]
+    if not floating or bool(torch.stack([torch.isfinite(value).all() for _, _, value in floating]).all()):
+        return
+    slot, key, value = next(item for item in floating if not bool(torch.isfinite(item[2]).all()))
+    raise ValueError(
+        f"nvfp4_static: the ranks' statistics of layer '{slot['layer']}' ({slot['role']}) fold "
+        f"into a state '{key}' of shape {tuple(value.shape)} holding {non_finite_summary(value)}; "
+        f"no observer's state was changed"
+    )
 
 
 # --- across processes ----------------------------------------------------------------------------

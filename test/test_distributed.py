@@ -479,6 +479,32 @@ def test_sync_without_a_process_group_says_what_is_missing():
         sync_calibration(model)
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("layer, key", [("model.layers.1.mlp.down_proj", "hessian"), ("model.layers.0.self_attn.q_proj", "hessian")])
+def test_a_fold_that_is_not_finite_is_refused_naming_the_layer_and_changes_no_observer(value, layer, key):
+    """What an overflowed sum across ranks would give, put in one rank's state (the check a
+    load would make is skipped: the fold checks every state at once)."""
+    import torch.distributed as dist
+
+    model = prepared("b_min", "hessian_mse")
+    with torch.no_grad():
+        for batch in batches(SHARDS[0]):
+            model(batch)
+    accumulator = model.get_submodule(layer).hessian_accumulator
+    accumulator.settle()
+    accumulator._state[key][1, 2] = value
+    before = [{k: v.clone() for k, v in slot["state"].items()} for slot in _snapshot(model)]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=f"layer '{layer}' .*state '{key}'.*no observer's state was changed"):
+            sync_calibration(model)
+    finally:
+        dist.destroy_process_group()
+    after = [slot["state"] for slot in _snapshot(model)]
+    for ours, theirs in zip(before, after, strict=True):
+        assert all(same_bits(ours[k], theirs[k]) for k in ours)
+
+
 def test_calibrate_in_shards_leaves_an_unseen_layer_unconverted_with_the_usual_error():
     model = prepared("b_min", "mse")
     calibrate_in_shards(model, [[], []])

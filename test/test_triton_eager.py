@@ -406,6 +406,6 @@ def test_gpu_replay_redoes_the_warp_specialized_launch(M, N, K, tile):
     assert not torch.equal(outs[1], outs[2])
     linear = layer._eager_launches._linears[next(iter(layer._eager_launches._linears))]
     assert isinstance(linear, ReplayedLinear)
-    kernels = [launch._kernel for launch in linear._launches]
+    kernels = [launch._kernel for launch in linear._launches._launches]
     assert kernels.count(kernel) == 1
     assert (_epilogue_kernel in kernels) == tile.startswith("split-")

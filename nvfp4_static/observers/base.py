@@ -268,8 +268,10 @@ class MergeableObserver(Observer):
         first batch does (a per-channel statistic)."""
         return None
 
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Replace the state with copies of ``state_dict`` (e.g. after an all-reduce)."""
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], values_checked: bool = False) -> None:
+        """Replace the state with copies of ``state_dict`` (e.g. after an all-reduce).
+        ``values_checked``: the caller has refused NaN, Inf and negative values itself (reading
+        each state's check here makes the host wait for the device once per state)."""
         if set(state_dict) != set(self.STATE_REDUCTIONS):
             raise ValueError(
                 f"{self.describe()}: state_dict keys {sorted(state_dict)} do not match the "
@@ -285,7 +287,8 @@ class MergeableObserver(Observer):
                     f"{self.describe()}: state '{key}' has shape {tuple(state_dict[key].shape)}, "
                     f"expected {tuple(shape)} (observers of different data or settings?)"
                 )
-        self._check_state_values(state_dict)
+        if not values_checked:
+            self._check_state_values(state_dict)
         self._health.clear()  # whatever it was about is replaced
         self._state_before_batch = None
         self._state = {key: value.detach().clone() for key, value in state_dict.items()}
