@@ -634,6 +634,7 @@ ROUTE_CASES = {
     "transposed": (9, 4, 6, [-2, 6], torch.int64, "transposed"),
     "two-blocks-all-to-one": (50, 2, 3, [1] * 60, torch.int64, "contiguous"),
     "no-token": (0, 2, 4, [], torch.int64, "contiguous"),
+    "eight-warps-transposed": (300, 4, 16, [16, 17, -5] * 20, torch.int32, "transposed"),
 }
 ROUTE_LAUNCHER = "nvfp4_static.kernels.expert_routing:launch_route"
 COMBINE_LAUNCHER = "nvfp4_static.kernels.expert_routing:launch_combine"

@@ -7,9 +7,9 @@ as those ops, bit for bit:
 
 - ``launch_route``: the stable sort of the ``T * k`` (token, slot) pairs by expert, as
   ``experts.routing.route`` sorts them (slot-major pairs, an index outside ``[0, E]`` taken as
-  ``E + 1``), in one program: each pair's row is the number of pairs before it in that order,
-  counted over all pairs, so the work grows with the square of the pairs (``MAX_ROUTED_PAIRS``
-  bounds it; longer batches take the torch ops, whose host time is small beside their GPU time).
+  ``E + 1``), in one program: every pair's (expert, pair) key sorted in registers, the experts'
+  first rows from a histogram of the experts. ``MAX_ROUTED_PAIRS`` bounds the pairs one program
+  holds; longer batches take the torch ops, whose host time is small beside their GPU time.
 - ``launch_combine``: each token's weighted expert rows summed in ascending row order (its
   experts in ascending order), each product rounded to the output dtype and each add rounded
   to it, as ``experts.routing.combine``'s torch ops round them (the products in fp32: exact for
@@ -28,24 +28,13 @@ from nvfp4_static.kernels.launch import KernelCall, ceil_div, launch_prepared, n
 
 __all__ = ["MAX_ROUTED_PAIRS", "COMBINED_DTYPES", "launch_route", "launch_combine"]
 
-# Above this many (token, slot) pairs the torch ops route: the one program's pair-by-pair count
-# grows with the square of the pairs, while the ops' host time no longer dominates.
-MAX_ROUTED_PAIRS = 512
+# Above this many (token, slot) pairs the torch ops route: the route kernel's one program holds
+# every pair's key, and the ops' host time no longer dominates.
+MAX_ROUTED_PAIRS = 4096
 # Output and routing-weight dtypes whose products and sums the combine kernel rounds as torch.
 COMBINED_DTYPES = frozenset((torch.bfloat16, torch.float16, torch.float32))
-# Pairs compared at a time by the route kernel, and hidden columns per combine program.
-PAIR_BLOCK = 64
+# Hidden columns per combine program.
 HIDDEN_BLOCK = 256
-
-
-@triton.jit
-def _expert_of_pairs(index_ptr, stride_token, stride_slot, pairs, tokens, num_pairs, num_experts):
-    """The expert of each pair ``p = slot * tokens + token`` (``num_experts + 1`` for an index
-    outside ``[0, num_experts]``), and whether ``p`` is a pair."""
-    valid = pairs < num_pairs
-    index = tl.load(index_ptr + (pairs % tokens) * stride_token + (pairs // tokens) * stride_slot, mask=valid, other=0)
-    outside = (index < 0) | (index > num_experts)
-    return tl.where(outside, num_experts + 1, index).to(tl.int64), valid
 
 
 @triton.jit
@@ -60,39 +49,29 @@ def _route_kernel(
     tokens,
     num_pairs,
     num_experts,
-    BLOCK: tl.constexpr,
-    STARTS_BLOCK: tl.constexpr,
+    PAIRS: tl.constexpr,
+    BINS: tl.constexpr,
 ):
-    """One program: ``row_of_pair[p]``, the rank of pair ``p`` by (expert, p); ``pair_of_row``,
-    its inverse; ``token_of_row``, the token of each row's pair; ``starts[e]`` for ``e`` in
-    ``0..E+1``, the pairs of an expert below ``e``."""
-    for first in range(0, num_pairs, BLOCK):
-        pairs = first + tl.arange(0, BLOCK)
-        expert, valid = _expert_of_pairs(index_ptr, stride_token, stride_slot, pairs, tokens, num_pairs, num_experts)
-        rank = tl.zeros([BLOCK], tl.int64)
-        for other_first in range(0, num_pairs, BLOCK):
-            others = other_first + tl.arange(0, BLOCK)
-            other_expert, other_valid = _expert_of_pairs(
-                index_ptr, stride_token, stride_slot, others, tokens, num_pairs, num_experts
-            )
-            before = (other_expert[None, :] < expert[:, None]) | (
-                (other_expert[None, :] == expert[:, None]) & (others[None, :] < pairs[:, None])
-            )
-            rank += tl.sum((before & other_valid[None, :]).to(tl.int64), axis=1)
-        tl.store(row_of_pair_ptr + pairs, rank, mask=valid)
-        tl.store(pair_of_row_ptr + rank, pairs.to(tl.int64), mask=valid)
-        tl.store(token_of_row_ptr + rank, (pairs % tokens).to(tl.int64), mask=valid)
-    for first_expert in range(0, num_experts + 2, STARTS_BLOCK):
-        experts = first_expert + tl.arange(0, STARTS_BLOCK)
-        below = tl.zeros([STARTS_BLOCK], tl.int64)
-        for other_first in range(0, num_pairs, BLOCK):
-            others = other_first + tl.arange(0, BLOCK)
-            other_expert, other_valid = _expert_of_pairs(
-                index_ptr, stride_token, stride_slot, others, tokens, num_pairs, num_experts
-            )
-            counted = (other_expert[None, :] < experts[:, None]) & other_valid[None, :]
-            below += tl.sum(counted.to(tl.int64), axis=1)
-        tl.store(starts_ptr + experts, below, mask=experts < num_experts + 2)
+    """One program: the pairs ``p = slot * tokens + token`` sorted by (expert, p), an index
+    outside ``[0, num_experts]`` taken as expert ``num_experts + 1``: ``pair_of_row`` (the pair
+    at each row), its inverse ``row_of_pair``, ``token_of_row``, and ``starts[e]`` for ``e`` in
+    ``0..E+1``, the pairs of an expert below ``e``. ``PAIRS`` (a power of 2, at least
+    ``num_pairs``) and ``BINS`` (a power of 2, above ``E + 2``) size the blocks."""
+    pairs = tl.arange(0, PAIRS)
+    valid = pairs < num_pairs
+    index = tl.load(index_ptr + (pairs % tokens) * stride_token + (pairs // tokens) * stride_slot, mask=valid, other=0)
+    expert = tl.where((index < 0) | (index > num_experts), num_experts + 1, index).to(tl.int64)
+    expert = tl.where(valid, expert, num_experts + 2)  # past every pair, in a bin of its own
+    # Distinct keys, so the sort's order is (expert, p) whatever its algorithm.
+    pair_at_row = tl.sort(expert * PAIRS + pairs) % PAIRS
+    rows = tl.arange(0, PAIRS)
+    routed = rows < num_pairs  # the padding sorts after every pair
+    tl.store(pair_of_row_ptr + rows, pair_at_row, mask=routed)
+    tl.store(token_of_row_ptr + rows, pair_at_row % tokens, mask=routed)
+    tl.store(row_of_pair_ptr + pair_at_row, rows.to(tl.int64), mask=routed)
+    counts = tl.histogram(expert.to(tl.int32), BINS).to(tl.int64)
+    bins = tl.arange(0, BINS)
+    tl.store(starts_ptr + bins, tl.cumsum(counts, axis=0) - counts, mask=bins < num_experts + 2)
 
 
 def launch_route(
@@ -125,7 +104,11 @@ def launch_route(
             num_pairs,
             num_experts,
         ),
-        dict(BLOCK=PAIR_BLOCK, STARTS_BLOCK=min(next_power_of_2(num_experts + 2), 128), num_warps=4),
+        dict(
+            PAIRS=max(next_power_of_2(num_pairs), 16),
+            BINS=next_power_of_2(num_experts + 3),
+            num_warps=4 if num_pairs <= 1024 else 8,
+        ),
     )
     launch_prepared(call, top_k_index.device)
 
