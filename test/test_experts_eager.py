@@ -8,6 +8,7 @@ turned off.
 
 import copy
 import io
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -17,18 +18,20 @@ from conftest import convert, requires_cuda
 from test_experts import EXPERTS, HIDDEN, ROUTINGS, TOP_K, calibrated_experts, routed_batch
 from triton_interpreter import run_interpreted
 
-from nvfp4_static.experts.eager import EagerExpertsLaunches, ReplayedExperts
+from nvfp4_static.experts.eager import _WEIGHT_TENSORS as WEIGHT_TENSORS
+from nvfp4_static.experts.eager import EagerExpertsLaunches, ReplayedExperts, _Recording
 from nvfp4_static.numerics import per_tensor_amax_to_scale, quantize_nvfp4
 
 REPLAYER = "test_experts_eager:record_then_replay"
 
 
 class LaunchingExperts:
-    """The converted experts' three forward parts on CPU tensors, each kernel launched directly
+    """The converted experts' two kernel parts on CPU tensors, each kernel launched directly
     (the layer itself takes the torch reference on CPU): what ``EagerExpertsLaunches`` records."""
 
     def __init__(self, gate_up: tuple, down: tuple):
         self.gate_up, self.down = gate_up, down
+        self.gate_up_proj, self.down_proj = (SimpleNamespace(**dict(zip(WEIGHT_TENSORS, w))) for w in (gate_up, down))
         self.num_experts = gate_up[0].shape[0]
 
     def _route_and_gate_up(self, hidden_states, top_k_index):
@@ -73,19 +76,21 @@ def grouped_weights(E, N, K, seed):
 
 def record_then_replay(first, second, gate_up, down):
     """In the interpreted child: record the layer's kernels on the inputs ``first``, replay them
-    on ``second``; returns (first output, replayed output and routing, the parts' own output and
-    routing on ``second``, launches recorded in each run)."""
+    on ``second``, calling the parts in the forward's order; returns (first output, replayed
+    output and routing, the layer's own output and routing on ``second``, launches recorded)."""
     layer = LaunchingExperts(gate_up, down)
-    launches = EagerExpertsLaunches()
-    launches._tensors = (*gate_up, *down)
-    first_out, _ = launches._record("key", layer, *first, stream=None)
-    replay = launches._replays["key"]
+
+    def forward(parts, hidden_states, top_k_index, top_k_weights):
+        routing, gate_up_rows = parts._route_and_gate_up(hidden_states, top_k_index)
+        out = parts._down_and_combine(layer._activated(gate_up_rows), routing, top_k_weights, hidden_states.dtype)
+        return out, tuple(routing)
+
+    replays = {}
+    first_out, _ = forward(_Recording(replays, "key", layer, None), *first)
+    replay = replays["key"]
     assert isinstance(replay, ReplayedExperts)
-    replayed, replayed_routing = replay(layer, *second, stream=None)
-    routing, gate_up_rows = layer._route_and_gate_up(*second[:2])
-    expected = layer._down_and_combine(layer._activated(gate_up_rows), routing, second[2], second[0].dtype)
     recorded = len(replay._first._launches) + len(replay._second._launches)
-    return first_out, (replayed, tuple(replayed_routing)), (expected, tuple(routing)), recorded
+    return first_out, forward(replay, *second), forward(layer, *second), recorded
 
 
 def experts_inputs(tokens, seed, dtype, put_in=()):
@@ -149,8 +154,8 @@ def test_copies_of_the_layer_start_without_its_launches(converted_experts):
             assert torch.equal(other(*batch), converted_experts(*batch))
 
 
-def test_cpu_inputs_take_the_forward(converted_experts):
-    assert converted_experts._eager_launches(converted_experts, *routed_batch(5, seed=3)) is None
+def test_cpu_inputs_take_the_layers_own_parts(converted_experts):
+    assert converted_experts._eager_launches.parts(converted_experts, *routed_batch(5, seed=3)) is converted_experts
 
 
 def _replayed_keys(experts) -> list:
@@ -158,7 +163,7 @@ def _replayed_keys(experts) -> list:
 
 
 def _without_replay(experts, batch):
-    with mock.patch.object(EagerExpertsLaunches, "__call__", lambda *args: None):
+    with mock.patch.object(EagerExpertsLaunches, "parts", lambda self, experts, *inputs: experts):
         return experts(*batch)
 
 
@@ -177,6 +182,34 @@ def test_gpu_replayed_experts_equal_the_forward_on_new_routings(converted_expert
                 out = experts(*batch)
                 assert torch.equal(out, _without_replay(experts, batch))
         assert {key[0][0] for key in _replayed_keys(experts)} == {(1, HIDDEN), (3, HIDDEN), (16, HIDDEN), (64, HIDDEN)}
+
+
+@requires_cuda
+def test_gpu_inputs_laid_out_otherwise_get_replays_of_their_own():
+    """A transposed top_k_index, strided top_k_weights, int32 indices and hidden states off the
+    16-byte boundary each record their own replay (their strides and alignment are compiled
+    into the kernels), which equals the forward on new values; float64 routing weights, which
+    the weighted-sum kernel does not take, run the forward."""
+    experts = copy.deepcopy(convert(calibrated_experts([routed_batch(48, seed) for seed in range(2)])).experts).cuda()
+
+    def layouts(seed):
+        hidden, index, weights = (t.cuda() for t in routed_batch(6, seed=seed))
+        spare = torch.cat([hidden.new_zeros(1, HIDDEN), hidden]).view(-1)[2:2 + 6 * HIDDEN].view(6, HIDDEN)
+        spare.copy_(hidden)
+        wide_weights = torch.stack([weights, weights], dim=-1)[..., 0]
+        return {
+            "transposed index": (hidden, index.t().contiguous().t(), weights),
+            "strided weights": (hidden, index, wide_weights),
+            "int32 index": (hidden, index.to(torch.int32), weights),
+            "unaligned hidden": (spare, index, weights),
+            "float64 weights": (hidden, index, weights.double()),
+        }
+
+    with torch.no_grad():
+        for seed in (1, 2, 3):
+            for name, batch in layouts(seed).items():
+                assert torch.equal(experts(*batch), _without_replay(experts, batch)), (name, seed)
+    assert len(_replayed_keys(experts)) == 4
 
 
 @requires_cuda

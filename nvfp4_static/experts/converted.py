@@ -358,19 +358,15 @@ class NVFP4StaticExperts(torch.nn.Module):
         deferred = eager and top_k_index.is_cuda and not torch.cuda.is_current_stream_capturing()
         if deferred:
             self._check_indices_of_the_call_before()
-        replayed = self._eager_launches(self, hidden_states, top_k_index, top_k_weights) if deferred else None
-        if replayed is None:
-            routing, gate_up = self._route_and_gate_up(hidden_states, top_k_index)
-            out = self._down_and_combine(self._activated(gate_up), routing, top_k_weights, hidden_states.dtype)
-        else:
-            out, routing = replayed
-        if deferred:
+        parts = self._eager_launches.parts(self, hidden_states, top_k_index, top_k_weights) if deferred else self
+        routing, gate_up = parts._route_and_gate_up(hidden_states, top_k_index)
+        if deferred:  # queued before the GEMMs, so that the next call's read need not wait for them
             self._indices_in_range.send(routing.pairs_in_range, tuple(top_k_index.shape))
+        out = parts._down_and_combine(self._activated(gate_up), routing, top_k_weights, hidden_states.dtype)
         return _InferenceOnly.apply(out) if out.requires_grad else out
 
-    # The forward in three parts: kernels, the activation (the float module's own, a torch
-    # op), kernels. An eager call on CUDA may replay the launches of the first and the last
-    # (``experts.eager``).
+    # The forward's two kernel parts, with the activation (the float module's own) between them.
+    # An eager call on CUDA may record or replay their launches instead (``experts.eager``).
 
     def _route_and_gate_up(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
         """The routing of ``top_k_index`` and the gate/up projection of the routed rows."""

@@ -5,17 +5,19 @@ quantize and the grouped GEMM, and the weighted sum. Their GPU time at decode si
 microseconds each, while reaching them (the operands' checks, the tile choice, the buffers,
 binding each launch's arguments) costs the host several times that in every layer. Here the
 first call for a routing shape (``T``, ``k``, the inputs' dtypes, strides and alignment, device
-and stream) runs the forward while recording the launches of its two runs of kernels (the route
-and the gate/up projection; the down projection and the weighted sum); later calls replay them
+and stream) records the launches of the forward's two runs of kernels (the route and the gate/up
+projection; the down projection and the weighted sum); later calls replay them
 (``kernels.replay.ReplayedLaunches``) with the call's inputs, new outputs and routing buffers and
-the stream's scratch memory, and the float module's activation runs between them as in the
-forward. The same kernels with the same arguments: the same outputs bit for bit.
+the stream's scratch memory. The forward calls the parts ``parts`` gives it, recording,
+replayed or its own, and runs the rest (the float module's activation, queueing the expert
+indices' check) between them as always. The same kernels with the same arguments: the same
+outputs bit for bit.
 
 Replayed: plain CUDA inputs outside any tracing, dispatch mode or graph capture (a capture
 gets buffers of its own from the forward), on the Triton route, at most ``MAX_ROUTED_PAIRS``
 token-expert pairs (the route kernel's), hidden states with unit column stride, while no clip
 monitor counts the inputs, with the weights' tensors in the layout convert makes. Every other
-call returns None and the layer runs its forward.
+call runs the layer's own parts.
 """
 
 from typing import Optional
@@ -51,11 +53,11 @@ class EagerExpertsLaunches:
     def __reduce__(self):
         return (type(self), ())
 
-    def __call__(
-        self, experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> Optional[tuple[torch.Tensor, Routing]]:
-        """``experts``' output and routing for these inputs, or None where this call is not
-        replayed. ``experts`` is the ``NVFP4StaticExperts`` this object belongs to."""
+    def parts(self, experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The forward's kernel parts for this call of ``experts`` (the ``NVFP4StaticExperts``
+        this object belongs to): ``_route_and_gate_up(hidden_states, top_k_index)`` and
+        ``_down_and_combine(intermediate, routing, top_k_weights, dtype)``, replayed, recording,
+        or ``experts`` itself where this call is not replayed."""
         inputs = (hidden_states, top_k_index, top_k_weights)
         if (
             any(type(t) is not torch.Tensor for t in inputs)
@@ -68,14 +70,14 @@ class EagerExpertsLaunches:
             or hidden_states.stride(-1) != 1
             or not routed_by_kernel(top_k_index)
         ):
-            return None
+            return experts
         projections = (experts.gate_up_proj, experts.down_proj)
         tensors = tuple(getattr(projection, name) for projection in projections for name in _WEIGHT_TENSORS)
         if len(tensors) != len(self._tensors) or any(a is not b for a, b in zip(tensors, self._tensors)):
             self._tensors, self._replays = tensors, {}
         device = hidden_states.get_device()
         if device != torch._C._cuda_getDevice() or not _in_convert_layout(tensors):
-            return None
+            return experts
         stream = torch._C._cuda_getCurrentRawStream(device)
         key = (
             *((t.shape, t.dtype, t.stride(), t.data_ptr() % 16 == 0) for t in inputs),
@@ -84,38 +86,39 @@ class EagerExpertsLaunches:
         )
         replay = self._replays.get(key)
         if replay is None:
-            return self._record(key, experts, hidden_states, top_k_index, top_k_weights, stream)
-        return replay(experts, hidden_states, top_k_index, top_k_weights, stream)
+            if len(self._replays) >= REPLAYED_SHAPES:
+                del self._replays[next(iter(self._replays))]
+            return _Recording(self._replays, key, experts, stream)
+        return replay
 
-    def _record(self, key: tuple, experts, hidden_states, top_k_index, top_k_weights, stream):
-        """Run the forward's parts for these inputs and keep their launches' replay under
-        ``key``, making room by forgetting the oldest recorded key."""
-        with recording_launches() as first_calls:
-            routing, gate_up = experts._route_and_gate_up(hidden_states, top_k_index)
-        intermediate = experts._activated(gate_up)
+
+class _Recording:
+    """The layer's own parts, their launches recorded; after the second, the call's replay
+    (or ``experts`` itself, where they cannot be replayed) is kept under ``key``."""
+
+    def __init__(self, replays: dict, key: tuple, experts, stream: Optional[int]):
+        self._replays, self._key, self._experts, self._stream = replays, key, experts, stream
+
+    def _route_and_gate_up(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
+        with recording_launches() as self._first_calls:
+            routing, gate_up = self._experts._route_and_gate_up(hidden_states, top_k_index)
+        self._first = (hidden_states, top_k_index, *_routing_tensors(routing), gate_up)
+        return routing, gate_up
+
+    def _down_and_combine(self, intermediate, routing: Routing, top_k_weights, dtype) -> torch.Tensor:
         with recording_launches() as second_calls:
-            out = experts._down_and_combine(intermediate, routing, top_k_weights, hidden_states.dtype)
-        if len(self._replays) >= REPLAYED_SHAPES:
-            del self._replays[next(iter(self._replays))]
-        first = ReplayedLaunches.of(
-            (hidden_states, top_k_index, *_routing_tensors(routing), gate_up),
-            (2, 3, 4, 5, 6),
-            first_calls,
-            self._tensors,
-            out.device,
-            stream,
-        )
-        second = ReplayedLaunches.of(
-            (intermediate, top_k_weights, routing.row_of_pair, routing.expert_offsets, out),
-            (4,),
-            second_calls,
-            self._tensors,
-            out.device,
-            stream,
-        )
+            out = self._experts._down_and_combine(intermediate, routing, top_k_weights, dtype)
+        experts = self._experts
+        fixed = tuple(getattr(p, name) for p in (experts.gate_up_proj, experts.down_proj) for name in _WEIGHT_TENSORS)
+        first = ReplayedLaunches.of(self._first, (2, 3, 4, 5, 6), self._first_calls, fixed, out.device, self._stream)
+        second_given = (intermediate, top_k_weights, routing.row_of_pair, routing.expert_offsets, out)
+        second = ReplayedLaunches.of(second_given, (4,), second_calls, fixed, out.device, self._stream)
+        gate_up = self._first[-1]
         replayed = first is not None and second is not None and gate_up.is_contiguous() and out.is_contiguous()
-        self._replays[key] = ReplayedExperts(first, second, gate_up, out) if replayed else _not_replayed
-        return out, routing
+        self._replays[self._key] = (
+            ReplayedExperts(first, second, gate_up, out, experts.num_experts, self._stream) if replayed else experts
+        )
+        return out
 
 
 def _routing_tensors(routing: Routing) -> tuple:
@@ -132,24 +135,30 @@ def _in_convert_layout(tensors: tuple) -> bool:
     )
 
 
-def _not_replayed(experts, hidden_states, top_k_index, top_k_weights, stream) -> None:
-    """Stands for a routing shape whose launches cannot be replayed: the layer runs its forward."""
-    return None
-
-
 class ReplayedExperts:
-    """The two recorded runs of an experts call's kernels, with the activation between them."""
+    """The two recorded runs of an experts call's kernels, as the forward's two kernel parts."""
 
-    def __init__(self, first: ReplayedLaunches, second: ReplayedLaunches, gate_up: torch.Tensor, out: torch.Tensor):
+    def __init__(
+        self,
+        first: ReplayedLaunches,
+        second: ReplayedLaunches,
+        gate_up: torch.Tensor,
+        out: torch.Tensor,
+        num_experts: int,
+        stream: Optional[int],
+    ):
         self._first, self._second = first, second
         self._gate_up = (tuple(gate_up.shape), gate_up.dtype)
         self._out = (tuple(out.shape), out.dtype)
+        self._num_experts, self._stream = num_experts, stream
 
-    def __call__(self, experts, hidden_states, top_k_index, top_k_weights, stream) -> tuple[torch.Tensor, Routing]:
-        routing = routing_in(routing_buffer(top_k_index, experts.num_experts), top_k_index.shape[0], experts.num_experts)
+    def _route_and_gate_up(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
+        routing = routing_in(routing_buffer(top_k_index, self._num_experts), top_k_index.shape[0], self._num_experts)
         gate_up = hidden_states.new_empty(self._gate_up[0], dtype=self._gate_up[1])
-        self._first((hidden_states, top_k_index, *_routing_tensors(routing), gate_up), stream)
-        intermediate = experts._activated(gate_up)
-        out = hidden_states.new_empty(self._out[0], dtype=self._out[1])
-        self._second((intermediate, top_k_weights, routing.row_of_pair, routing.expert_offsets, out), stream)
-        return out, routing
+        self._first((hidden_states, top_k_index, *_routing_tensors(routing), gate_up), self._stream)
+        return routing, gate_up
+
+    def _down_and_combine(self, intermediate, routing: Routing, top_k_weights, dtype) -> torch.Tensor:
+        out = intermediate.new_empty(self._out[0], dtype=self._out[1])
+        self._second((intermediate, top_k_weights, routing.row_of_pair, routing.expert_offsets, out), self._stream)
+        return out
