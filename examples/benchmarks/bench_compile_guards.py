@@ -55,7 +55,8 @@ def ms_per_call(fn, calls: int = 100, rounds: int = 5) -> float:
 
 def host_and_gpu_us(fn, calls: int = 100, rounds: int = 5) -> tuple[float, float]:
     """Host and GPU time per call of ``fn``, apart: the calls are issued behind a sleep kernel
-    long enough that the host issues all of them before the GPU starts the first."""
+    long enough that the host issues all of them before the GPU starts the first. Raises where
+    the GPU had started them before the host finished (the launch queue full: fewer calls)."""
     host = gpu = float("inf")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(rounds):
@@ -66,6 +67,11 @@ def host_and_gpu_us(fn, calls: int = 100, rounds: int = 5) -> tuple[float, float
         for _ in range(calls):
             fn()
         issued = time.perf_counter()
+        if start.query():
+            raise RuntimeError(
+                f"host_and_gpu_us: the GPU reached the calls before the host had issued all {calls} "
+                f"(a full launch queue blocks the host); time fewer calls"
+            )
         end.record()
         torch.cuda.synchronize()
         host = min(host, (issued - began) / calls * 1e6)
