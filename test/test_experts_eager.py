@@ -262,3 +262,37 @@ def test_gpu_calls_the_replay_cannot_redo_take_the_forward(converted_experts):
         many = tuple(t.cuda() for t in many)
         assert torch.equal(experts(*many), _without_replay(experts, many))
         assert {key[0][0][0] for key in _replayed_keys(experts)} == {6}
+
+
+@requires_cuda
+def test_gpu_the_index_count_is_queued_between_the_kernel_parts(converted_experts, monkeypatch):
+    """The copy of the in-range count goes behind the routing, not behind the whole call, so
+    that the next call's read of it does not wait for this call's GEMMs: recorded and replayed."""
+    from nvfp4_static.deferred_read import DeferredRead
+
+    experts = copy.deepcopy(converted_experts).to("cuda")
+    order = []
+    real_parts, real_send = EagerExpertsLaunches.parts, DeferredRead.send
+
+    class LoggedParts:
+        def __init__(self, parts):
+            self.parts = parts
+
+        def _route_and_gate_up(self, *args):
+            order.append(("routing", type(self.parts).__name__))
+            return self.parts._route_and_gate_up(*args)
+
+        def _down_and_combine(self, *args):
+            order.append(("sum", type(self.parts).__name__))
+            return self.parts._down_and_combine(*args)
+
+    monkeypatch.setattr(EagerExpertsLaunches, "parts", lambda *args: LoggedParts(real_parts(*args)))
+    monkeypatch.setattr(DeferredRead, "send", lambda self, *args: (order.append(("send",)), real_send(self, *args)))
+    batch = tuple(t.cuda() for t in routed_batch(4, seed=9))
+    with torch.no_grad():
+        for _ in range(2):
+            experts(*batch)
+    assert order == [
+        ("routing", "_Recording"), ("send",), ("sum", "_Recording"),
+        ("routing", "ReplayedExperts"), ("send",), ("sum", "ReplayedExperts"),
+    ]
