@@ -15,7 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import convert, requires_cuda
-from test_experts import EXPERTS, HIDDEN, ROUTINGS, TOP_K, calibrated_experts, routed_batch
+from test_experts import (
+    ARCHITECTURES,
+    EXPERTS,
+    HIDDEN,
+    ROUTINGS,
+    TOP_K,
+    calibrated_experts,
+    quantized_model,
+    routed_batch,
+    token_ids,
+)
 from triton_interpreter import run_interpreted
 
 from nvfp4_static.experts.eager import _WEIGHT_TENSORS as WEIGHT_TENSORS
@@ -296,3 +306,23 @@ def test_gpu_the_index_count_is_queued_between_the_kernel_parts(converted_expert
         ("routing", "_Recording"), ("send",), ("sum", "_Recording"),
         ("routing", "ReplayedExperts"), ("send",), ("sum", "ReplayedExperts"),
     ]
+
+
+@requires_cuda
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_gpu_a_converted_models_eager_forward_replays_its_experts_and_gives_the_same_logits(architecture):
+    """A whole model in bf16: the routers' own top-k (int64 indices, their dtype's weights)
+    reach the replay, each layer's experts record at the first batch and replay at the next."""
+    model = quantized_model(architecture, weight_scale="max").to("cuda", torch.bfloat16)
+    layers = [layer.mlp.experts for layer in model.model.layers]
+    with torch.no_grad():
+        for seed in (1, 2, 3):
+            ids = token_ids(seed).cuda()
+            logits = model(ids).logits
+            assert torch.equal(logits, _without_replay_in(model, ids))
+    assert all(len(_replayed_keys(experts)) == 1 for experts in layers)
+
+
+def _without_replay_in(model, ids):
+    with mock.patch.object(EagerExpertsLaunches, "parts", lambda self, experts, *inputs: experts):
+        return model(ids).logits
