@@ -8,7 +8,6 @@ turned off.
 
 import copy
 import io
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -28,7 +27,6 @@ from test_experts import (
 )
 from triton_interpreter import run_interpreted
 
-from nvfp4_static.experts.eager import _WEIGHT_TENSORS as WEIGHT_TENSORS
 from nvfp4_static.experts.eager import EagerExpertsLaunches, ReplayedExperts, _Recording
 from nvfp4_static.numerics import per_tensor_amax_to_scale, quantize_nvfp4
 
@@ -41,7 +39,6 @@ class LaunchingExperts:
 
     def __init__(self, gate_up: tuple, down: tuple):
         self.gate_up, self.down = gate_up, down
-        self.gate_up_proj, self.down_proj = (SimpleNamespace(**dict(zip(WEIGHT_TENSORS, w))) for w in (gate_up, down))
         self.num_experts = gate_up[0].shape[0]
 
     def _route_and_gate_up(self, hidden_states, top_k_index):
@@ -96,7 +93,7 @@ def record_then_replay(first, second, gate_up, down):
         return out, tuple(routing)
 
     replays = {}
-    first_out, _ = forward(_Recording(replays, "key", layer, None), *first)
+    first_out, _ = forward(_Recording(replays, "key", layer, (*gate_up, *down), None), *first)
     replay = replays["key"]
     assert isinstance(replay, ReplayedExperts)
     recorded = len(replay._first._launches) + len(replay._second._launches)

@@ -365,6 +365,10 @@ class NVFP4StaticExperts(torch.nn.Module):
         out = parts._down_and_combine(self._activated(gate_up), routing, top_k_weights, hidden_states.dtype)
         return _InferenceOnly.apply(out) if out.requires_grad else out
 
+    def _weight_tensors(self) -> tuple:
+        """Both projections' buffers, gate/up's then down's, each in ``_BUFFERS`` order."""
+        return tuple(getattr(projection, name) for projection in (self.gate_up_proj, self.down_proj) for name in _BUFFERS)
+
     # The forward's two kernel parts, with the activation (the float module's own) between them.
     # An eager call on CUDA may record or replay their launches instead (``experts.eager``).
 

@@ -31,9 +31,6 @@ from nvfp4_static.kernels.replay import ReplayedLaunches
 
 __all__ = ["EagerExpertsLaunches"]
 
-_WEIGHT_TENSORS = ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale")
-
-
 class EagerExpertsLaunches:
     """One experts layer's replayable calls, one per routing shape (module docstring), for the
     ``REPLAYED_SHAPES`` most recently recorded.
@@ -45,6 +42,7 @@ class EagerExpertsLaunches:
 
     def __init__(self):
         self._tensors: tuple = ()
+        self._in_convert_layout = False
         self._replays: dict = {}
 
     def __deepcopy__(self, memo) -> "EagerExpertsLaunches":
@@ -57,13 +55,13 @@ class EagerExpertsLaunches:
         """The forward's kernel parts for this call of ``experts`` (the ``NVFP4StaticExperts``
         this object belongs to): ``_route_and_gate_up(hidden_states, top_k_index)`` and
         ``_down_and_combine(intermediate, routing, top_k_weights, dtype)``, replayed, recording,
-        or ``experts`` itself where this call is not replayed."""
+        or ``experts`` itself where this call is not replayed. The forward asks only for an
+        eager call on CUDA outside a graph capture."""
         inputs = (hidden_states, top_k_index, top_k_weights)
         if (
             any(type(t) is not torch.Tensor for t in inputs)
             or not hidden_states.is_cuda
             or torch._C._len_torch_dispatch_stack()
-            or torch._C._cuda_isCurrentStreamCapturing()
             or experts.backend != "triton"
             or experts.gate_up_proj.clip_counters is not None
             or experts.down_proj.clip_counters is not None
@@ -71,12 +69,11 @@ class EagerExpertsLaunches:
             or not routed_by_kernel(top_k_index)
         ):
             return experts
-        projections = (experts.gate_up_proj, experts.down_proj)
-        tensors = tuple(getattr(projection, name) for projection in projections for name in _WEIGHT_TENSORS)
+        tensors = experts._weight_tensors()
         if len(tensors) != len(self._tensors) or any(a is not b for a, b in zip(tensors, self._tensors)):
-            self._tensors, self._replays = tensors, {}
+            self._tensors, self._in_convert_layout, self._replays = tensors, _in_convert_layout(tensors), {}
         device = hidden_states.get_device()
-        if device != torch._C._cuda_getDevice() or not _in_convert_layout(tensors):
+        if device != torch._C._cuda_getDevice() or not self._in_convert_layout:
             return experts
         stream = torch._C._cuda_getCurrentRawStream(device)
         key = (
@@ -88,7 +85,7 @@ class EagerExpertsLaunches:
         if replay is None:
             if len(self._replays) >= REPLAYED_SHAPES:
                 del self._replays[next(iter(self._replays))]
-            return _Recording(self._replays, key, experts, stream)
+            return _Recording(self._replays, key, experts, self._tensors, stream)
         return replay
 
 
@@ -96,8 +93,9 @@ class _Recording:
     """The layer's own parts, their launches recorded; after the second, the call's replay
     (or ``experts`` itself, where they cannot be replayed) is kept under ``key``."""
 
-    def __init__(self, replays: dict, key: tuple, experts, stream: Optional[int]):
+    def __init__(self, replays: dict, key: tuple, experts, weight_tensors: tuple, stream: Optional[int]):
         self._replays, self._key, self._experts, self._stream = replays, key, experts, stream
+        self._weight_tensors = weight_tensors
 
     def _route_and_gate_up(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
         with recording_launches() as self._first_calls:
@@ -108,8 +106,7 @@ class _Recording:
     def _down_and_combine(self, intermediate, routing: Routing, top_k_weights, dtype) -> torch.Tensor:
         with recording_launches() as second_calls:
             out = self._experts._down_and_combine(intermediate, routing, top_k_weights, dtype)
-        experts = self._experts
-        fixed = tuple(getattr(p, name) for p in (experts.gate_up_proj, experts.down_proj) for name in _WEIGHT_TENSORS)
+        experts, fixed = self._experts, self._weight_tensors
         first = ReplayedLaunches.of(self._first, (2, 3, 4, 5, 6), self._first_calls, fixed, out.device, self._stream)
         second_given = (intermediate, top_k_weights, routing.row_of_pair, routing.expert_offsets, out)
         second = ReplayedLaunches.of(second_given, (4,), second_calls, fixed, out.device, self._stream)

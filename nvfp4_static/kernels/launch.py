@@ -157,17 +157,17 @@ class PreparedLaunch:
             for argument, value in enumerate(values)
             if isinstance(value, torch.Tensor) and value.data_ptr() in per_call
         ]
-        # Under the interpreter, the layout each per-call argument is viewed with.
-        self._layouts = {
-            argument: (values[argument].dtype, values[argument].shape, values[argument].stride())
-            for argument, _, _ in self._slots
-        }
         self._options = {name: value for name, value in call.meta.items() if name not in names}
         self._kernel = call.kernel
-        self._grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
+        self._grid = _three_dimensional(call.grid)
         self._interpreted = interpreting()
         if self._interpreted:
             self._values = values
+            # The layout each per-call argument is viewed with.
+            self._layouts = {
+                argument: (values[argument].dtype, values[argument].shape, values[argument].stride())
+                for argument, _, _ in self._slots
+            }
             return
         from triton import knobs
 
@@ -206,6 +206,11 @@ class PreparedLaunch:
         if enter_hook is not None or exit_hook is not None:  # a profiler's hooks, as Triton calls them
             metadata = self._compiled.launch_metadata(grid, stream, *values)
         self._run(*grid, stream, self._function, self._packed_metadata, metadata, enter_hook, exit_hook, *values)
+
+
+def _three_dimensional(grid) -> tuple:
+    """``grid`` with the unnamed dimensions as 1, as a compiled kernel's launcher takes it."""
+    return tuple(grid) + (1,) * (3 - len(grid))
 
 
 def _view_at(tensor: torch.Tensor, offset: int, dtype: torch.dtype, shape, stride) -> torch.Tensor:
@@ -247,8 +252,7 @@ def launch_prepared(call: KernelCall, device: torch.device) -> None:
     if prepared is None:
         prepared = _PREPARED[key] = PreparedLaunch(call, {}, keep_arguments=False)
     values = [*call.args, *(call.meta[name] for name in call.kernel.arg_names[len(call.args):])]
-    grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
-    prepared.launch_with(grid, torch._C._cuda_getCurrentRawStream(device.index), values)
+    prepared.launch_with(_three_dimensional(call.grid), torch._C._cuda_getCurrentRawStream(device.index), values)
     record_launch(call)
 
 
