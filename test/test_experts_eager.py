@@ -8,6 +8,7 @@ turned off.
 
 import copy
 import io
+import warnings
 from unittest import mock
 
 import pytest
@@ -27,7 +28,7 @@ from test_experts import (
 )
 from triton_interpreter import run_interpreted
 
-from nvfp4_static.experts.eager import EagerExpertsLaunches, ReplayedExperts, _Recording
+from nvfp4_static.experts.eager import EagerExpertsLaunches, ReplayedExperts, _FirstReplay, _Recording
 from nvfp4_static.numerics import per_tensor_amax_to_scale, quantize_nvfp4
 
 REPLAYER = "test_experts_eager:record_then_replay"
@@ -37,9 +38,12 @@ class LaunchingExperts:
     """The converted experts' two kernel parts on CPU tensors, each kernel launched directly
     (the layer itself takes the torch reference on CPU): what ``EagerExpertsLaunches`` records."""
 
-    def __init__(self, gate_up: tuple, down: tuple):
+    def __init__(self, gate_up: tuple, down: tuple, copies_rows: bool = False):
         self.gate_up, self.down = gate_up, down
         self.num_experts = gate_up[0].shape[0]
+        # A torch op between the down projection and the weighted sum, which a recording does
+        # not see: the replayed sum reads a scratch buffer no replayed launch writes.
+        self.copies_rows = copies_rows
 
     def _route_and_gate_up(self, hidden_states, top_k_index):
         from nvfp4_static.experts.routing import routing_buffer, routing_in
@@ -67,6 +71,7 @@ class LaunchingExperts:
         rows = torch.empty(intermediate.shape[0], self.down[0].shape[1], dtype=intermediate.dtype)
         launch_grouped_nvfp4_gemm(intermediate, routing.expert_offsets, *self.down, rows)
         out = torch.empty(routing.tokens, rows.shape[1], dtype=dtype)
+        rows = rows.clone() if self.copies_rows else rows
         launch_combine(rows, routing.row_of_pair, routing.expert_offsets[-1:], top_k_weights, out)
         return out
 
@@ -81,11 +86,13 @@ def grouped_weights(E, N, K, seed):
     return torch.stack([p[0] for p in packed]), torch.stack([p[1] for p in packed]), weight_scales, act_scales
 
 
-def record_then_replay(first, second, gate_up, down):
-    """In the interpreted child: record the layer's kernels on the inputs ``first``, replay them
-    on ``second``, calling the parts in the forward's order; returns (first output, replayed
-    output and routing, the layer's own output and routing on ``second``, launches recorded)."""
-    layer = LaunchingExperts(gate_up, down)
+def record_then_replay(first, second, gate_up, down, copies_rows=False):
+    """In the interpreted child: record the layer's kernels on the inputs ``first``, check their
+    first replay on ``second`` (``_FirstReplay``), then replay them on ``second``, calling the
+    parts in the forward's order; returns (first output, replayed output and routing, the
+    layer's own output and routing on ``second``, launches recorded, the checking call's
+    output, what the layer keeps after it, the warnings' messages)."""
+    layer = LaunchingExperts(gate_up, down, copies_rows)
 
     def forward(parts, hidden_states, top_k_index, top_k_weights):
         routing, gate_up_rows = parts._route_and_gate_up(hidden_states, top_k_index)
@@ -97,7 +104,12 @@ def record_then_replay(first, second, gate_up, down):
     replay = replays["key"]
     assert isinstance(replay, ReplayedExperts)
     recorded = len(replay._first._launches) + len(replay._second._launches)
-    return first_out, forward(replay, *second), forward(layer, *second), recorded
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        checking_out, _ = forward(_FirstReplay(replays, "key", layer, replay), *second)
+    kept = "replay, checked" if replays["key"] is replay and replay.checked else type(replays["key"]).__name__
+    messages = [f"{w.category.__name__}: {w.message}" for w in warned]
+    return first_out, forward(replay, *second), forward(layer, *second), recorded, checking_out, kept, messages
 
 
 def experts_inputs(tokens, seed, dtype, put_in=()):
@@ -124,18 +136,37 @@ def interpreted_replays():
         name: (REPLAYER, (experts_inputs(3, 0, dtype), experts_inputs(3, 1, dtype, put_in), gate_up, down))
         for name, (dtype, put_in) in INTERPRETER_CASES.items()
     }
+    copied = (experts_inputs(3, 0, torch.float32), experts_inputs(3, 1, torch.float32), gate_up, down, True)
+    launches["rows-copied-by-torch"] = (REPLAYER, copied)
     return run_interpreted(launches)
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES)
 def test_interpreted_replay_equals_the_layers_own_kernels_on_new_inputs(interpreted_replays, case):
-    first, (replayed, replayed_routing), (expected, routing), launches = interpreted_replays[case].returned
+    """The first replay, over scratch memory of 0xFF bytes, agrees with the layer's own parts
+    and is kept; the next replays equal them too."""
+    returned = interpreted_replays[case].returned
+    first, (replayed, replayed_routing), (expected, routing), launches, checking_out, kept, messages = returned
     assert launches == 6  # the route, two quantize + grouped GEMM pairs, the weighted sum
     assert not expected.isnan().any()
     assert torch.equal(replayed, expected)
     assert not torch.equal(replayed, first)  # the new inputs, not the recorded ones
     for replayed_tensor, tensor in zip(replayed_routing, routing):
         assert torch.equal(torch.as_tensor(replayed_tensor), torch.as_tensor(tensor))
+    assert torch.equal(checking_out, expected)
+    assert kept == "replay, checked" and messages == []
+
+
+def test_interpreted_first_replay_of_parts_with_a_torch_op_inside_is_dropped_with_a_warning(interpreted_replays):
+    """The down projection's rows copied by torch before the weighted sum: the first replay's sum
+    reads the poisoned copy, so the call returns the layer's own output, warns naming the call,
+    and the layer keeps itself for that shape."""
+    _, _, (expected, _), _, checking_out, kept, messages = interpreted_replays["rows-copied-by-torch"].returned
+    assert not expected.isnan().any()
+    assert torch.equal(checking_out, expected)
+    assert kept == "LaunchingExperts"
+    assert len(messages) == 1 and messages[0].startswith("RuntimeWarning: nvfp4_static: experts 'LaunchingExperts'")
+    assert "3 tokens of torch.float32, top 2" in messages[0]
 
 
 # --- the converted layer ---------------------------------------------------------------------
@@ -177,8 +208,9 @@ def _without_replay(experts, batch):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_replayed_experts_equal_the_forward_on_new_routings(converted_experts, dtype):
-    """Several routings of each token count after the first call recorded it: spread, some
-    experts idle, two experts taking all, a slot routed to no expert."""
+    """Several routings of each token count after the first call recorded it (the second call
+    checks the first replay, the next ones replay): spread, some experts idle, two experts
+    taking all, a slot routed to no expert."""
     experts = copy.deepcopy(converted_experts).to("cuda")
     with torch.no_grad():
         for tokens in (1, 3, 16, 64):
@@ -189,6 +221,7 @@ def test_gpu_replayed_experts_equal_the_forward_on_new_routings(converted_expert
                 out = experts(*batch)
                 assert torch.equal(out, _without_replay(experts, batch))
         assert {key[0][0] for key in _replayed_keys(experts)} == {(1, HIDDEN), (3, HIDDEN), (16, HIDDEN), (64, HIDDEN)}
+    assert all(replay.checked for replay in experts._eager_launches._replays.values())
 
 
 @requires_cuda
@@ -297,10 +330,11 @@ def test_gpu_the_index_count_is_queued_between_the_kernel_parts(converted_expert
     monkeypatch.setattr(DeferredRead, "send", lambda self, *args: (order.append(("send",)), real_send(self, *args)))
     batch = tuple(t.cuda() for t in routed_batch(4, seed=9))
     with torch.no_grad():
-        for _ in range(2):
+        for _ in range(3):
             experts(*batch)
     assert order == [
         ("routing", "_Recording"), ("send",), ("sum", "_Recording"),
+        ("routing", "_FirstReplay"), ("send",), ("sum", "_FirstReplay"),
         ("routing", "ReplayedExperts"), ("send",), ("sum", "ReplayedExperts"),
     ]
 
@@ -309,7 +343,8 @@ def test_gpu_the_index_count_is_queued_between_the_kernel_parts(converted_expert
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_gpu_a_converted_models_eager_forward_replays_its_experts_and_gives_the_same_logits(architecture):
     """A whole model in bf16: the routers' own top-k (int64 indices, their dtype's weights)
-    reach the replay, each layer's experts record at the first batch and replay at the next."""
+    reach the replay, each layer's experts record at the first batch, check their first replay
+    at the second and replay at the third."""
     model = quantized_model(architecture, weight_scale="max").to("cuda", torch.bfloat16)
     layers = [layer.mlp.experts for layer in model.model.layers]
     with torch.no_grad():
@@ -318,6 +353,7 @@ def test_gpu_a_converted_models_eager_forward_replays_its_experts_and_gives_the_
             logits = model(ids).logits
             assert torch.equal(logits, _without_replay_in(model, ids))
     assert all(len(_replayed_keys(experts)) == 1 for experts in layers)
+    assert all(replay.checked for experts in layers for replay in experts._eager_launches._replays.values())
 
 
 def _without_replay_in(model, ids):

@@ -9,7 +9,7 @@ import torch
 from test_triton_eager import Descriptor, SeenKernel
 
 from nvfp4_static.kernels.launch import KernelCall
-from nvfp4_static.kernels.replay import ReplayedLaunches
+from nvfp4_static.kernels.replay import ReplayedLaunches, reproduces
 
 
 def _call(kernel, *args):
@@ -62,3 +62,40 @@ def test_launches_a_replay_cannot_redo_are_refused():
     for calls in refused:
         assert ReplayedLaunches.of((x, out), (1,), calls, (weight,), "cpu", None) is None, calls
     assert ReplayedLaunches.of((x, out), (1,), [_call(kernel, x, weight, out)], (weight,), "cpu", None) is not None
+
+
+def test_poisoning_fills_the_replays_scratch_with_0xff_bytes_and_leaves_the_given_tensors():
+    x, out, scratch = torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(4, 3, dtype=torch.float16)
+    first, second = SeenKernel("x", "scratch"), SeenKernel("scratch", "out")
+    launches = ReplayedLaunches.of((x, out), (1,), [_call(first, x, scratch), _call(second, scratch, out)], (), "cpu", None)
+    new_x, new_out = torch.ones(2, 8), torch.ones(2, 8)
+    launches.poison_scratch()
+    launches((new_x, new_out), None)
+    arena_buffer = first.seen[0][1]
+    assert arena_buffer.isnan().all()
+    assert torch.equal(arena_buffer.view(torch.uint8), torch.full((4, 6), 0xFF, dtype=torch.uint8))
+    assert torch.equal(new_x, torch.ones(2, 8)) and torch.equal(new_out, torch.ones(2, 8))
+
+
+def test_reproduces_asks_for_the_same_bits():
+    """NaNs with the same bits agree; each of a sign of zero, a NaN's payload, one bit of one
+    value, a dtype, a shape and an index disagrees."""
+    values = torch.tensor([1.5, float("nan"), 0.0, -2.25], dtype=torch.bfloat16)
+    assert reproduces((values, torch.arange(3)), (values.clone(), torch.arange(3)))
+    other_nan = values.clone()
+    other_nan.view(torch.int16)[1] += 1  # still a NaN, another payload
+    assert other_nan[1].isnan()
+    one_bit = values.clone()
+    one_bit.view(torch.int16)[3] += 1
+    negative_zero = values.clone()
+    negative_zero[2] = -0.0
+    disagreeing = [
+        ((negative_zero,), (values,)),
+        ((other_nan,), (values,)),
+        ((one_bit,), (values,)),
+        ((values.float(),), (values,)),
+        ((values[:3],), (values[:3].reshape(3, 1),)),
+        ((values, torch.tensor([0, 1, 3])), (values, torch.arange(3))),
+    ]
+    for replayed, own in disagreeing:
+        assert not reproduces(replayed, own), (replayed, own)

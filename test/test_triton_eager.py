@@ -7,6 +7,7 @@ the real kernels through Triton's compiled launchers, against the general route.
 
 import copy
 import io
+import warnings
 from dataclasses import dataclass, replace
 
 import pytest
@@ -30,17 +31,20 @@ from nvfp4_static.kernels.gemm import (
     triton_entries,
 )
 from nvfp4_static.kernels.launch import KernelCall, recording_launches
+from nvfp4_static.kernels.replay import reproduces
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.tensor import NVFP4StaticTensor, static_linear
 
 REPLAYER = "test_triton_eager:record_then_replay"
 
 
-def _route(x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, config):
+def _route(x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, config, copies_operand=False):
     """The Triton route's launches for one bucket, called as the ops call them: the activation
     kernel then the GEMM, or the GEMM alone where ``config`` quantizes the activation itself.
     A split K is summed in the GEMM, whose tile counters a replay reuses: a replay that left
-    them wrong would leave tiles unsummed."""
+    them wrong would leave tiles unsummed. ``copies_operand``: a torch op copies the operand
+    between the two kernels, which a recording does not see (the GEMM's operand is then a
+    buffer no replayed launch writes)."""
     from nvfp4_static.kernels.act_quantize import launch_activation_quantize
     from nvfp4_static.kernels.gemm import launch_nvfp4_gemm
 
@@ -51,19 +55,23 @@ def _route(x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, 
     else:
         operand = torch.empty(x.shape, dtype=torch.float16)
         launch_activation_quantize(x, act_scale, None, None, operand)
-        launch_nvfp4_gemm(operand, *weights)
+        launch_nvfp4_gemm(operand.clone() if copies_operand else operand, *weights)
     return out
 
 
-def record_then_replay(first_x, second_x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, config):
-    """In the interpreted child: record the route on ``first_x``, replay it on ``second_x``;
-    returns (first output, replayed output, the route's output on ``second_x``, launches)."""
+def record_then_replay(first_x, second_x, weight_qdata, weight_block_scales, act_scale, weight_scale, bias, config,
+                       copies_operand):
+    """In the interpreted child: record the route on ``first_x``, replay it on ``second_x`` over
+    scratch memory of 0xFF bytes; returns (first output, replayed output, the route's output on
+    ``second_x``, launches, whether the replay reproduces the route's output)."""
     weights = (weight_qdata, weight_block_scales, act_scale, weight_scale, bias)
     with recording_launches() as calls:
-        first = _route(first_x, *weights, config)
+        first = _route(first_x, *weights, config, copies_operand)
     replay = ReplayedLinear.of(first_x, first, calls, (weight_qdata, weight_block_scales, weight_scale, act_scale, bias), None)
+    replay.poison_scratch()
     replayed = replay(second_x, None)
-    return first, replayed, _route(second_x, *weights, config), len(calls)
+    expected = _route(second_x, *weights, config, copies_operand)
+    return first, replayed, expected, len(calls), reproduces((replayed,), (expected,))
 
 
 def _interpreter_configs():
@@ -72,10 +80,12 @@ def _interpreter_configs():
     # Small tiles so that the interpreter sees several tiles and a split K (programs_per_sm is
     # large against the CPU's one "SM").
     split_k = GemmConfig(16, 32, 32, num_warps=4, num_stages=1, programs_per_sm=64)
-    return {
-        "operand-then-gemm": (GemmConfig(16, 16, 32, num_warps=4, num_stages=1), 2),
-        "operand-then-split-k": (split_k, 2),  # the GEMM sums its splits itself
-        "quantizing-split-k": (replace(split_k, activation_rows=2), 1),
+    operand_then_gemm = GemmConfig(16, 16, 32, num_warps=4, num_stages=1)
+    return {  # name: (config, launches, whether a torch op copies the operand)
+        "operand-then-gemm": (operand_then_gemm, 2, False),
+        "operand-then-split-k": (split_k, 2, False),  # the GEMM sums its splits itself
+        "quantizing-split-k": (replace(split_k, activation_rows=2), 1, False),
+        "operand-copied-by-torch": (operand_then_gemm, 2, True),
     }
 
 
@@ -85,21 +95,32 @@ INTERPRETER_CASES = ["operand-then-gemm", "operand-then-split-k", "quantizing-sp
 @pytest.fixture(scope="module")
 def replays():
     launches = {}
-    for seed, (name, (config, _)) in enumerate(_interpreter_configs().items()):
+    for seed, (name, (config, _, copies_operand)) in enumerate(_interpreter_configs().items()):
         first = linear_operands(3, 40, 224, seed, block_gains=True)
         second = linear_operands(3, 40, 224, seed + 10, block_gains=True)
         weights = (first.weight_qdata, first.weight_block_scales, first.act_scale, first.weight_scale, first.bias)
-        launches[name] = (f"{REPLAYER}", (first.x, second.x, *weights, config))
+        launches[name] = (f"{REPLAYER}", (first.x, second.x, *weights, config, copies_operand))
     return run_interpreted(launches)
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES)
 def test_interpreted_replay_equals_the_route_on_a_new_activation(replays, case):
-    first, replayed, expected, launches = replays[case].returned
+    """Over scratch memory of 0xFF bytes: every buffer a replayed launch reads, one wrote."""
+    first, replayed, expected, launches, reproduced = replays[case].returned
     assert launches == _interpreter_configs()[case][1]
     assert not expected.isnan().any()
-    assert torch.equal(replayed, expected)
+    assert torch.equal(replayed, expected) and reproduced
     assert not torch.equal(replayed, first)  # the new activation, not the recorded one
+
+
+def test_interpreted_replay_of_a_route_with_a_torch_op_inside_reads_the_poisoned_scratch(replays):
+    """The operand copied by torch between the kernels: the replayed GEMM reads a scratch buffer
+    of 0xFF bytes (fp16 NaNs), and the check says the replay does not reproduce the route."""
+    _, replayed, expected, launches, reproduced = replays["operand-copied-by-torch"].returned
+    assert launches == 2
+    assert not expected.isnan().any()
+    assert replayed.isnan().all()
+    assert not reproduced
 
 
 def _call(kernel_args):
@@ -220,6 +241,54 @@ def test_a_layer_with_unwrapped_weights_asks_for_the_replay_with_its_inner_tenso
     assert asked[0][2] is layer.bias
 
 
+class StandInReplay:
+    """Stands for a recorded linear whose replay gives ``out``; notes what it was asked, in order."""
+
+    def __init__(self, out):
+        self.out, self.asked, self.checked = out, [], False
+
+    def poison_scratch(self):
+        self.asked.append("poison")
+
+    def __call__(self, x, stream):
+        self.asked.append("replay")
+        return self.out
+
+
+def _wrong_outputs(expected):
+    """Replayed outputs that are not the route's: NaNs, one value one bit off, the sign of one
+    value flipped, the route's output for another activation."""
+    one_bit = expected.clone()
+    one_bit.view(torch.int32)[1, 5] += 1
+    flipped = expected.clone()
+    flipped[2, 0] = -flipped[2, 0]
+    return {"nan": torch.full_like(expected, float("nan")), "one-bit": one_bit, "sign": flipped, "other": expected + 1}
+
+
+def test_a_first_replay_is_kept_only_where_it_gives_the_routes_output_bit_for_bit():
+    """Each first replay runs over poisoned scratch, beside the route; the call returns the
+    route's output either way. A replay agreeing is kept, marked checked; each wrong one is
+    dropped (the shape is not replayed from then on) with a warning naming the weight's and the
+    activation's shapes."""
+    layer = _layer(32, 64, torch.float32, "cpu")
+    launches = layer._eager_launches
+    x = torch.randn(3, 64)
+    expected = static_linear(x, layer.weight, layer.bias)
+    good = StandInReplay(expected.clone())
+    launches._linears = {"good": good}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(launches._first_replay("good", good, x, layer.weight, layer.bias, None), expected)
+    assert good.checked and good.asked == ["poison", "replay"] and launches._linears["good"] is good
+    for name, wrong in _wrong_outputs(expected).items():
+        replay = StandInReplay(wrong)
+        launches._linears = {name: replay}
+        with pytest.warns(RuntimeWarning, match=r"weight \[32, 64\] called on a torch.float32 activation of shape \[3, 64\]"):
+            out = launches._first_replay(name, replay, x, layer.weight, layer.bias, None)
+        assert torch.equal(out, expected), name
+        assert launches._linears == {name: None} and not replay.checked, name
+
+
 def test_a_layer_keeps_replays_for_its_most_recently_recorded_shapes(monkeypatch):
     """At most ``REPLAYED_SHAPES`` (3 here): each new shape's recording forgets the oldest one,
     and every recording call gives the route's output. On CPU the route launches nothing, so
@@ -247,8 +316,9 @@ def _activation(shape, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 def test_gpu_replayed_forward_equals_the_route_at_every_bucket(dtype, with_bias):
-    """Each M twice with new values (the first call records, the second replays), every tile
-    bucket up to the last replayed one (the Triton entries') and past it, and leading dims."""
+    """Each M three times with new values (the first call records, the second checks the first
+    replay, the third replays), every tile bucket up to the last replayed one (the Triton
+    entries') and past it, and leading dims."""
     layer = _layer(1024, 2048, dtype, "cuda", with_bias)
     last_replayed = max(max_m for max_m, _ in triton_entries())  # then the general route
     past = (last_replayed + 1, 2048)
@@ -256,28 +326,32 @@ def test_gpu_replayed_forward_equals_the_route_at_every_bucket(dtype, with_bias)
                                  (last_replayed, 2048), past, (2, 3, 2048), (1, 1, 2048)]))
     with torch.no_grad():
         for seed, shape in enumerate(shapes):
-            for call in range(2):
+            for call in range(3):
                 x = _activation(shape, dtype, seed=10 * seed + call)
                 assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias)), (shape, call)
-    replayed = {key[0] for key, linear in layer._eager_launches._linears.items() if isinstance(linear, ReplayedLinear)}
+    replayed = {key[0] for key, linear in layer._eager_launches._linears.items() if _checked_replay(linear)}
     assert replayed == {torch.Size(shape) for shape in shapes if shape != past}
+
+
+def _checked_replay(linear) -> bool:
+    return isinstance(linear, ReplayedLinear) and linear.checked
 
 
 @requires_cuda
 def test_gpu_a_layer_replays_its_most_recent_shapes_and_records_a_forgotten_one_again(monkeypatch):
-    """With room for 3 shapes, 5 token counts called twice each: the second call of each
-    replays, the layer keeps the last 3, and the first count, called again, is recorded again;
-    every output is the route's."""
+    """With room for 3 shapes, 5 token counts called three times each: the second and third
+    calls of each replay, the layer keeps the last 3, and the first count, called again, is
+    recorded again; every output is the route's."""
     monkeypatch.setattr(triton_eager, "REPLAYED_SHAPES", 3)
     layer = _layer(512, 1024, torch.bfloat16, "cuda")
     with torch.no_grad():
         for seed, M in enumerate((1, 4, 16, 64, 200, 1)):
-            for call in range(2):
+            for call in range(3):
                 x = _activation((M, 1024), torch.bfloat16, seed=10 * seed + call)
                 assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias)), (M, call)
     kept = [key[0] for key in layer._eager_launches._linears]
     assert kept == [torch.Size((M, 1024)) for M in (64, 200, 1)]
-    assert all(isinstance(linear, ReplayedLinear) for linear in layer._eager_launches._linears.values())
+    assert all(_checked_replay(linear) for linear in layer._eager_launches._linears.values())
 
 
 @requires_cuda
@@ -293,7 +367,7 @@ def test_gpu_replay_follows_new_weights_streams_and_falls_back_on_odd_activation
         return static_linear(x, layer.weight, layer.bias)
 
     with torch.no_grad():
-        layer(x)
+        layer(x), layer(x)  # recorded, then its first replay checked
         layer.load_state_dict(other.state_dict())
         assert torch.equal(layer(x), static_linear(x, other.weight, other.bias))
         third = _layer(512, 1024, torch.bfloat16, "cuda", seed=2)
@@ -352,16 +426,16 @@ def test_gpu_a_layer_captured_twice_on_one_stream_gives_its_outputs_whatever_the
 @requires_cuda
 def test_gpu_a_layer_with_unwrapped_weights_replays_its_launches():
     """The weight rebuilt at each read (torchao's unwrap_tensor_subclass) shares its inner
-    tensors, so the second call of each shape replays, with the route's outputs."""
+    tensors, so the second and third calls of each shape replay, with the route's outputs."""
     layer = _layer(1024, 2048, torch.bfloat16, "cuda")
     unwrap_tensor_subclass(torch.nn.Sequential(layer))
     shapes = [(1, 2048), (16, 2048), (64, 2048)]
     with torch.no_grad():
         for seed, shape in enumerate(shapes):
-            for call in range(2):
+            for call in range(3):
                 x = _activation(shape, torch.bfloat16, seed=10 * seed + call)
                 assert torch.equal(layer(x), static_linear(x, layer.weight, layer.bias)), (shape, call)
-    replayed = {key[0] for key, linear in layer._eager_launches._linears.items() if isinstance(linear, ReplayedLinear)}
+    replayed = {key[0] for key, linear in layer._eager_launches._linears.items() if _checked_replay(linear)}
     assert replayed == {torch.Size(shape) for shape in shapes}
 
 
@@ -405,7 +479,7 @@ def test_gpu_replay_redoes_the_warp_specialized_launch(M, N, K, tile):
             assert torch.equal(outs[-1], static_linear(x, layer.weight, layer.bias)), call
     assert not torch.equal(outs[1], outs[2])
     linear = layer._eager_launches._linears[next(iter(layer._eager_launches._linears))]
-    assert isinstance(linear, ReplayedLinear)
+    assert _checked_replay(linear)
     kernels = [launch._kernel for launch in linear._launches._launches]
     assert kernels.count(kernel) == 1
     assert (_epilogue_kernel in kernels) == tile.startswith("split-")

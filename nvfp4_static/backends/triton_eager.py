@@ -7,7 +7,8 @@ model waits on Python. Here the first call for an activation shape, dtype, devic
 the general route while recording its kernel launches (``kernels.launch.recording_launches``);
 later calls replay them (``kernels.replay.ReplayedLaunches``) with that call's activation, a new
 output and the stream's scratch memory in place of the first call's: the same kernels with the
-same arguments, hence the same outputs bit for bit.
+same arguments, hence the same outputs bit for bit. The first replay of each recording is
+checked against the route (``kernels.replay.reproduces``).
 
 Under a CUDA graph capture nothing is recorded or replayed: the route runs, giving the graph
 its own scratch memory and tile counters (a replay's are the stream's, which two graphs
@@ -26,7 +27,7 @@ from typing import Optional
 import torch
 
 from nvfp4_static.kernels.launch import KernelCall, recording_launches
-from nvfp4_static.kernels.replay import ReplayedLaunches
+from nvfp4_static.kernels.replay import ReplayedLaunches, reproduces, warn_not_reproduced
 
 __all__ = ["EagerTritonLaunches"]
 
@@ -91,12 +92,16 @@ class EagerTritonLaunches:
             return None
         stream = torch._C._cuda_getCurrentRawStream(device)
         key = (x.shape, x.dtype, device, stream)
-        linear = self._linears.get(key)
-        if linear is not None:
-            return linear(x, stream) if x.is_contiguous() and x.data_ptr() % 16 == 0 else None
-        if not (0 < x.numel() <= self._largest_rows * x.shape[-1] and x.is_contiguous() and x.data_ptr() % 16 == 0):
+        linear = self._linears.get(key, _UNRECORDED)
+        if not (x.is_contiguous() and x.data_ptr() % 16 == 0) or linear is None:
             return None
-        return self._record(key, x, weight, bias, stream)
+        if linear is _UNRECORDED:
+            if not 0 < x.numel() <= self._largest_rows * x.shape[-1]:
+                return None
+            return self._record(key, x, weight, bias, stream)
+        if linear.checked:
+            return linear(x, stream)
+        return self._first_replay(key, linear, x, weight, bias, stream)
 
     def _record(self, key: tuple, x: torch.Tensor, weight, bias: Optional[torch.Tensor], stream) -> torch.Tensor:
         """Run the route for ``x`` and keep its launches' replay under ``key``, making room by
@@ -107,7 +112,26 @@ class EagerTritonLaunches:
             out = static_linear(x, weight, bias)
         if len(self._linears) >= REPLAYED_SHAPES:
             del self._linears[next(iter(self._linears))]
-        self._linears[key] = ReplayedLinear.of(x, out, calls, self._tensors, stream) or _not_replayed
+        self._linears[key] = ReplayedLinear.of(x, out, calls, self._tensors, stream)
+        return out
+
+    def _first_replay(
+        self, key: tuple, linear: "ReplayedLinear", x: torch.Tensor, weight, bias: Optional[torch.Tensor], stream
+    ) -> torch.Tensor:
+        """The route's output for ``x``, and the replay's on scratch memory of 0xFF bytes beside
+        it: the replay is kept if the two agree bit for bit, else the shape is not replayed."""
+        from nvfp4_static.tensor import static_linear
+
+        linear.poison_scratch()
+        replayed = linear(x, stream)
+        out = static_linear(x, weight, bias)
+        if reproduces((replayed,), (out,)):
+            linear.checked = True
+        else:
+            self._linears[key] = None
+            warn_not_reproduced(
+                f"a linear of weight {list(weight.shape)} called on a {x.dtype} activation of shape {list(x.shape)}"
+            )
         return out
 
     def _hold(self, weight, bias: Optional[torch.Tensor]) -> None:
@@ -133,19 +157,19 @@ class EagerTritonLaunches:
         self._largest_rows = max(max_m for max_m, _ in triton_entries())
 
 
-def _not_replayed(x: torch.Tensor, stream: Optional[int]) -> None:
-    """Stands for a shape whose launches cannot be replayed: the layer takes the general route."""
-    return None
+# A key with no entry: that shape's first call records it. An entry of None: not replayed.
+_UNRECORDED = object()
 
 
 class ReplayedLinear:
     """The kernel launches one call of the Triton route made, replayable with a new activation
     (``kernels.replay.ReplayedLaunches``, the activation and the output given at each call; a
-    replay allocates the output)."""
+    replay allocates the output). ``checked``: whether its first replay agreed with the route."""
 
     def __init__(self, launches: ReplayedLaunches, out: torch.Tensor):
         self._launches = launches
         self._out_shape, self._out_dtype = tuple(out.shape), out.dtype
+        self.checked = False
 
     @classmethod
     def of(
@@ -161,3 +185,6 @@ class ReplayedLinear:
         out = x.new_empty(self._out_shape, dtype=self._out_dtype)
         self._launches((x, out), stream)
         return out
+
+    def poison_scratch(self) -> None:
+        self._launches.poison_scratch()

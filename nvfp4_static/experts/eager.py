@@ -11,7 +11,8 @@ projection; the down projection and the weighted sum); later calls replay them
 the stream's scratch memory. The forward calls the parts ``parts`` gives it, recording,
 replayed or its own, and runs the rest (the float module's activation, queueing the expert
 indices' check) between them as always. The same kernels with the same arguments: the same
-outputs bit for bit.
+outputs bit for bit. The first replay of each recording is checked against the layer's own
+parts (``kernels.replay.reproduces``).
 
 Replayed: plain CUDA inputs outside any tracing, dispatch mode or graph capture (a capture
 gets buffers of its own from the forward), on the Triton route, at most ``MAX_ROUTED_PAIRS``
@@ -27,7 +28,7 @@ import torch
 from nvfp4_static.backends.triton_eager import REPLAYED_SHAPES
 from nvfp4_static.experts.routing import Routing, routed_by_kernel, routing_buffer, routing_in
 from nvfp4_static.kernels.launch import recording_launches
-from nvfp4_static.kernels.replay import ReplayedLaunches
+from nvfp4_static.kernels.replay import ReplayedLaunches, reproduces, warn_not_reproduced
 
 __all__ = ["EagerExpertsLaunches"]
 
@@ -86,6 +87,8 @@ class EagerExpertsLaunches:
             if len(self._replays) >= REPLAYED_SHAPES:
                 del self._replays[next(iter(self._replays))]
             return _Recording(self._replays, key, experts, self._tensors, stream)
+        if isinstance(replay, ReplayedExperts) and not replay.checked:
+            return _FirstReplay(self._replays, key, experts, replay)
         return replay
 
 
@@ -118,6 +121,37 @@ class _Recording:
         return out
 
 
+class _FirstReplay:
+    """The layer's own parts, and beside them the replay's on scratch memory of 0xFF bytes: the
+    replay is kept under ``key`` if the two outputs and the routings' starts agree bit for bit,
+    else ``experts`` itself is. The forward gets the layer's own routing and output."""
+
+    def __init__(self, replays: dict, key: tuple, experts, replay: "ReplayedExperts"):
+        self._replays, self._key, self._experts, self._replay = replays, key, experts, replay
+
+    def _route_and_gate_up(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
+        self._replay.poison_scratch()
+        self._replayed = self._replay._route_and_gate_up(hidden_states, top_k_index)
+        return self._experts._route_and_gate_up(hidden_states, top_k_index)
+
+    def _down_and_combine(self, intermediate, routing: Routing, top_k_weights, dtype) -> torch.Tensor:
+        out = self._experts._down_and_combine(intermediate, routing, top_k_weights, dtype)
+        replayed_routing, replayed_gate_up = self._replayed
+        self._replay.poison_scratch()
+        replayed = self._replay._down_and_combine(
+            self._experts._activated(replayed_gate_up), replayed_routing, top_k_weights, dtype
+        )
+        starts = (replayed_routing.expert_offsets, replayed_routing.pairs_in_range)
+        if reproduces((replayed, *starts), (out, routing.expert_offsets, routing.pairs_in_range)):
+            self._replay.checked = True
+        else:
+            self._replays[self._key] = self._experts
+            tokens, k = routing.tokens, top_k_weights.shape[-1]
+            name = getattr(self._experts, "layer_name", None) or type(self._experts).__name__
+            warn_not_reproduced(f"experts '{name}' called on {tokens} tokens of {dtype}, top {k}")
+        return out
+
+
 def _routing_tensors(routing: Routing) -> tuple:
     """The routing's tensors the kernels take (``pairs_in_range`` is written with the expert
     offsets, as the route kernel's one ``starts``)."""
@@ -133,7 +167,8 @@ def _in_convert_layout(tensors: tuple) -> bool:
 
 
 class ReplayedExperts:
-    """The two recorded runs of an experts call's kernels, as the forward's two kernel parts."""
+    """The two recorded runs of an experts call's kernels, as the forward's two kernel parts.
+    ``checked``: whether its first replay agreed with the layer's own parts."""
 
     def __init__(
         self,
@@ -148,6 +183,12 @@ class ReplayedExperts:
         self._gate_up = (tuple(gate_up.shape), gate_up.dtype)
         self._out = (tuple(out.shape), out.dtype)
         self._num_experts, self._stream = num_experts, stream
+        self.checked = False
+
+    def poison_scratch(self) -> None:
+        """Both parts' scratch memory filled with 0xFF bytes (``ReplayedLaunches.poison_scratch``)."""
+        self._first.poison_scratch()
+        self._second.poison_scratch()
 
     def _route_and_gate_up(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
         routing = routing_in(routing_buffer(top_k_index, self._num_experts), top_k_index.shape[0], self._num_experts)

@@ -7,6 +7,13 @@ its first call for a shape (``kernels.launch.recording_launches``) can redo them
 with only the tensors that change: the same kernels with the same arguments otherwise, hence
 the same outputs bit for bit. ``backends.triton_eager`` does this for a linear,
 ``experts.eager`` for a mixture-of-experts layer.
+
+What a recording sees is the kernel launches only: a torch op inside the recorded code (a buffer
+filled or zeroed by torch before a kernel reads it) is not redone, and a replay would read
+whatever an earlier layer left in its scratch memory. So the first replay of each recording runs
+on scratch filled with 0xFF bytes (NaN in every float format) beside the layer's own call, and
+the recording is kept only if the two outputs agree bit for bit (``reproduces``); otherwise the
+layer warns once (``warn_not_reproduced``) and calls that shape without the replay from then on.
 """
 
 from dataclasses import replace
@@ -15,8 +22,9 @@ from typing import Optional
 import torch
 
 from nvfp4_static.kernels.launch import KernelCall, PreparedLaunch, ceil_div
+from nvfp4_static.messages import warn
 
-__all__ = ["ReplayedLaunches", "scratch_arena"]
+__all__ = ["ReplayedLaunches", "reproduces", "scratch_arena", "warn_not_reproduced"]
 
 
 class ReplayedLaunches:
@@ -41,6 +49,7 @@ class ReplayedLaunches:
             offsets.append(end)
             end += ceil_div(shape.numel() * dtype.itemsize, _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
         arena = scratch_arena(device, stream, end)
+        self._scratch_bytes = arena[:end]
         self._scratch = tuple(
             arena[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
             for offset, (shape, dtype) in zip(offsets, scratch)
@@ -96,6 +105,36 @@ class ReplayedLaunches:
         tensors = (*tensors, *self._scratch)
         for launch in self._launches:
             launch(stream, tensors)
+
+    def poison_scratch(self) -> None:
+        """Fill this replay's scratch memory with 0xFF bytes, so that a launch reading a buffer
+        no recorded launch wrote gives NaNs (or other values than the recorded call's)."""
+        self._scratch_bytes.fill_(0xFF)
+
+
+def reproduces(replayed: tuple, own: tuple) -> bool:
+    """Whether each tensor of ``replayed`` equals the one of ``own`` at its place bit for bit
+    (NaNs included). Reads the result on the host: once per recording."""
+    return all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)) for a, b in zip(replayed, own)
+    )
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8) if tensor.dtype.is_floating_point else tensor
+
+
+def warn_not_reproduced(what: str) -> None:
+    """Warn that the first replay of ``what``'s recorded launches gave another output than the
+    call's own (a bug of this package: the launches read memory the recording did not see
+    written), and that such calls go without the replay from now on."""
+    warn(
+        f"nvfp4_static: {what}: replaying the kernel launches recorded at its first call gave "
+        f"another output than the call itself, so these calls run without the replay from now "
+        f"on (the same outputs, more host time per call). Please report this with the shapes "
+        f"named here",
+        RuntimeWarning,
+    )
 
 
 def _place_in(address: int, given: tuple) -> Optional[tuple[int, int]]:
