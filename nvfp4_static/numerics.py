@@ -213,8 +213,17 @@ def compute_block_scales(
 
     ``s_b = fp8(clamp(block_amax / 6 / per_tensor_scale, 2^-6, 448))``. The lower clamp keeps
     block scales out of FP8 subnormals (an all-zero block gets 2^-6), exactly as torchao does.
+
+    Both divisions are correctly rounded on every device, as the kernels' are: torch on CUDA
+    divides a tensor by a Python number (or a CPU scalar tensor) as a multiply by its
+    reciprocal, which misses the quotient by one bit in about a third of float32 values, and in
+    about one block of a few million that bit moves the block's FP8 scale by a step. So the
+    divisors are tensors on the amaxes' device. (torchao's own quantize divides by the Python
+    number: on CUDA its scales can differ from these in such a block.)
     """
-    scaled = (block_amax(x, block_size) / E2M1_MAX) / per_tensor_scale
+    amax = block_amax(x, block_size)
+    six = torch.full((), E2M1_MAX, dtype=torch.float32, device=amax.device)
+    scaled = (amax / six) / per_tensor_scale.to(device=amax.device)
     return scaled.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
 
 

@@ -374,8 +374,7 @@ def test_gpu_corner_cases_match_reference_bit_for_bit(case):
 @pytest.mark.parametrize("N,K", [(4096, 14336), (14336, 4096), (1, 1040)], ids=str)
 def test_gpu_weight_quantize_matches_reference_bit_for_bit(dtype, N, K):
     """At real shapes, under the weight sweep's own scales and under computed ones: the kernel
-    runs (one launch; float32 weights take the reference) and its codes and scales equal the
-    reference's."""
+    runs (one launch) and its codes and scales equal the reference's."""
     generator = torch.Generator(device="cuda").manual_seed(N + K)
     weight = (torch.randn(N, K, device="cuda", generator=generator) * 0.02).to(dtype)
     weight[0, :16] = 0.0
@@ -387,7 +386,7 @@ def test_gpu_weight_quantize_matches_reference_bit_for_bit(dtype, N, K):
         scales_before = None if given is None else given.clone()
         with recording_launches() as launches:
             qdata, block_scales = quantize_weight_nvfp4(weight, per_tensor_scale, given)
-        assert [call.kernel for call in launches] == [_activation_quantize_kernel] * (dtype != torch.float32)
+        assert [call.kernel for call in launches] == [_activation_quantize_kernel]
         expected_qdata, expected_scales = quantize_nvfp4(weight, per_tensor_scale, given)
         assert torch.equal(qdata, expected_qdata)
         assert torch.equal(block_scales.view(torch.uint8), expected_scales.view(torch.uint8))
@@ -511,3 +510,32 @@ def test_sm90a_build_lets_the_next_kernel_start_before_any_load(release, monkeyp
     assert ptx.count("griddepcontrol.launch_dependents") == int(release)
     if release:
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")
+
+
+@requires_cuda
+def test_gpu_the_kernel_and_the_reference_round_the_block_scales_quotient_alike():
+    """The block whose FP8 scale the quotient's last bit decides (``test_numerics``): the
+    kernel, quantizing it as a weight and as an activation, gives the correctly rounded
+    quotient's scale (1.0), as the reference does on the GPU and on the CPU."""
+    from test_numerics import quotient_decides_block
+
+    block, scale = quotient_decides_block("cuda")
+    expected_qdata, expected_scales = quantize_nvfp4(*quotient_decides_block())
+    assert expected_scales.float().item() == 1.0
+    for quantize in (quantize_weight_nvfp4, quantize_activation_nvfp4, quantize_nvfp4):
+        qdata, scales = quantize(block, scale)
+        assert torch.equal(qdata.cpu(), expected_qdata), quantize.__name__
+        assert torch.equal(scales.cpu().view(torch.uint8), expected_scales.view(torch.uint8)), quantize.__name__
+
+
+@requires_cuda
+def test_gpu_float32_weights_quantize_on_the_gpu_as_on_the_cpu():
+    """A float32 Llama-8B MLP-shaped weight under its own global scale: the kernel's codes and
+    scales equal the reference's on the CPU, bit for bit."""
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    weight = torch.randn(4096, 14336, device="cuda", generator=generator) * 0.02
+    per_tensor_scale = per_tensor_amax_to_scale(weight.abs().amax())
+    qdata, block_scales = quantize_weight_nvfp4(weight, per_tensor_scale)
+    expected_qdata, expected_scales = quantize_nvfp4(weight.cpu(), per_tensor_scale.cpu())
+    assert torch.equal(block_scales.cpu().view(torch.uint8), expected_scales.view(torch.uint8))
+    assert torch.equal(qdata.cpu(), expected_qdata)

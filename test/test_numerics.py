@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked, unpack_uint4
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
-from conftest import smallest_accepted_per_tensor_scale
+from conftest import requires_cuda, smallest_accepted_per_tensor_scale
 from nvfp4_static import numerics
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -257,3 +257,45 @@ def test_e4m3_table_holds_torchs_value_of_every_fp8_code():
     nan = theirs.isnan()
     assert nan.sum() == 2 and torch.equal(ours.isnan(), nan)  # 0x7F and 0xFF
     assert torch.equal(ours[~nan].view(torch.int32), theirs[~nan].view(torch.int32))  # -0.0 included
+
+
+# A block amax and a global scale (float32 bit patterns) whose block scale the quotient's last
+# bit decides: amax / 6 correctly rounded, then / p, rounds to FP8 1.0; amax times the float32
+# reciprocal of 6 (how torch on CUDA divides by a Python number) is one bit larger and gives 1.125.
+QUOTIENT_DECIDES_AMAX_BITS, QUOTIENT_DECIDES_SCALE_BITS = 1086277499, 1064307042
+
+
+def quotient_decides_block(device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """One 16-element float32 block with that amax (its first element, the rest smaller and of
+    both signs), and that global scale, on ``device``."""
+    amax = torch.tensor(QUOTIENT_DECIDES_AMAX_BITS, dtype=torch.int32).view(torch.float32)
+    block = torch.linspace(-0.9, 0.9, 16) * amax
+    block[0] = amax
+    scale = torch.tensor(QUOTIENT_DECIDES_SCALE_BITS, dtype=torch.int32).view(torch.float32)
+    return block.reshape(1, 16).to(device), scale.to(device)
+
+
+def test_the_quotient_decides_blocks_scale_is_one_step_apart_under_the_reciprocal_multiply():
+    """The case the next tests rest on: exact arithmetic in float64 rounds to 1.0, the
+    reciprocal multiply to 1.125."""
+    block, scale = quotient_decides_block()
+    amax = block.abs().amax()
+    correctly_rounded = (amax.double() / 6).float()
+    assert correctly_rounded == amax / 6.0  # on a CPU torch divides
+    by_reciprocal = amax * torch.tensor(1 / 6, dtype=torch.float32)
+    assert by_reciprocal != correctly_rounded
+    assert (correctly_rounded / scale).to(torch.float8_e4m3fn).float() == 1.0
+    assert (by_reciprocal / scale).to(torch.float8_e4m3fn).float() == 1.125
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=requires_cuda)]
+)
+def test_block_scales_divide_correctly_rounded_on_every_device(device):
+    """The reference's block scale is the correctly rounded quotients' (1.0), on a GPU too,
+    where torch's division by a Python number would give 1.125; the codes follow it."""
+    block, scale = quotient_decides_block(device)
+    assert numerics.compute_block_scales(block, scale).float().item() == 1.0
+    qdata, scales = numerics.quantize_nvfp4(block, scale)
+    cpu_qdata, cpu_scales = numerics.quantize_nvfp4(*quotient_decides_block())
+    assert torch.equal(qdata.cpu(), cpu_qdata) and torch.equal(scales.cpu().view(torch.uint8), cpu_scales.view(torch.uint8))

@@ -289,20 +289,15 @@ def quantize_weight_nvfp4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``numerics.quantize_nvfp4(weight, per_tensor_scale, block_scales)`` bit for bit, for convert.
 
-    A 2D bf16 or fp16 CUDA weight runs the activation quantize kernel (under ``block_scales``
-    when given, FP8 ``[N, K/16]``, e.g. the weight sweep's; else computing them from block
-    maxes): one read of the weight and no temporaries, where the torch reference makes several
-    float32 and int32 copies of it. Every other weight (float32, CPU, other ranks, no Triton,
-    under tracing) takes the reference. Float32 is left out because on an H100 the kernel's
-    codes differed from the reference's in a few elements of float32 4096 x 14336 weights (not
-    explained yet; bf16 and fp16 weights of the same shapes were bit-equal, and the float32
-    interpreter tests are).
+    A 2D CUDA weight runs the activation quantize kernel (under ``block_scales`` when given,
+    FP8 ``[N, K/16]``, e.g. the weight sweep's; else computing them from block maxes): one read
+    of the weight and no temporaries, where the torch reference makes several float32 and int32
+    copies of it. Every other weight (CPU, other ranks, no Triton, under tracing) takes the
+    reference.
     """
     if block_scales is not None:
         _check_given_block_scales(weight, block_scales)
-    kernel_dtype = weight.dtype in (torch.bfloat16, torch.float16)
-    if not (HAS_TRITON and kernel_dtype and weight.is_cuda and weight.dim() == 2
-            and runs_eagerly(weight, per_tensor_scale, block_scales)):
+    if not (HAS_TRITON and weight.is_cuda and weight.dim() == 2 and runs_eagerly(weight, per_tensor_scale, block_scales)):
         return quantize_nvfp4(weight, per_tensor_scale, block_scales)
     M, K = weight.shape
     per_tensor_scale = per_tensor_scale.to(device=weight.device, dtype=torch.float32)
