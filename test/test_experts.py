@@ -634,10 +634,24 @@ ROUTE_CASES = {
     "transposed": (9, 4, 6, [-2, 6], torch.int64, "transposed"),
     "two-blocks-all-to-one": (50, 2, 3, [1] * 60, torch.int64, "contiguous"),
     "no-token": (0, 2, 4, [], torch.int64, "contiguous"),
-    "eight-warps-transposed": (300, 4, 16, [16, 17, -5] * 20, torch.int32, "transposed"),
+    "ragged-chunks-transposed": (300, 4, 16, [16, 17, -5] * 20, torch.int32, "transposed"),
+    "many-chunks": (1100, 8, 128, [128, 129, -1] * 40 + [3] * 300, torch.int64, "contiguous"),
 }
+ROUTED_ONLY = {"many-chunks"}  # the weighted sum's interpreted programs would take minutes
 ROUTE_LAUNCHER = "nvfp4_static.kernels.expert_routing:launch_route"
+ROUTE_IN_CHUNKS_LAUNCHER = "test_experts:route_in_chunks"
 COMBINE_LAUNCHER = "nvfp4_static.kernels.expert_routing:launch_combine"
+
+
+def route_in_chunks(*args):
+    """``launch_route`` routing every count of pairs but none in chunks (in the interpreted
+    child), where the launcher would sort the smaller counts in one program."""
+    from unittest import mock
+
+    from nvfp4_static.kernels import expert_routing
+
+    with mock.patch.object(expert_routing, "SORTED_IN_ONE_PROGRAM", 0):
+        expert_routing.launch_route(*args)
 
 
 def routing_case(tokens, top_k, experts, put_in, dtype, layout, seed):
@@ -659,9 +673,12 @@ def interpreted_routes_and_sums():
     for seed, (name, (tokens, top_k, experts, put_in, dtype, layout)) in enumerate(ROUTE_CASES.items()):
         index = routing_case(tokens, top_k, experts, put_in, dtype, layout, seed)
         pairs = index.numel()
-        outputs = (*(torch.full((pairs,), -7) for _ in range(3)), torch.full((experts + 2,), -7))
-        launches[f"route-{name}"] = (ROUTE_LAUNCHER, (index, experts, *outputs))
-        inputs[f"route-{name}"] = (index, experts)
+        for case, launcher in ((f"route-{name}", ROUTE_LAUNCHER), (f"route-{name}-in-chunks", ROUTE_IN_CHUNKS_LAUNCHER)):
+            outputs = (*(torch.full((pairs,), -7) for _ in range(3)), torch.full((experts + 2,), -7))
+            launches[case] = (launcher, (index, experts, *outputs))
+            inputs[case] = (index, experts)
+        if name in ROUTED_ONLY:
+            continue
         routing = route(index, experts)
         generator = torch.Generator().manual_seed(100 + seed)
         for rows_dtype, weights_dtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
@@ -677,9 +694,13 @@ def interpreted_routes_and_sums():
     return {case: (inputs[case], results[case].args) for case in launches}
 
 
+@pytest.mark.parametrize("how", ["", "-in-chunks"], ids=["by-size", "in-chunks"])
 @pytest.mark.parametrize("case", ROUTE_CASES)
-def test_interpreted_route_kernel_equals_the_torch_ops_routing(interpreted_routes_and_sums, case):
-    (index, experts), (_, _, pair_of_row, row_of_pair, token_of_row, starts) = interpreted_routes_and_sums[f"route-{case}"]
+def test_interpreted_route_kernel_equals_the_torch_ops_routing(interpreted_routes_and_sums, case, how):
+    """As the launcher chooses (one program up to ``SORTED_IN_ONE_PROGRAM`` pairs: the last two
+    cases go in chunks), and every case in chunks."""
+    launched = interpreted_routes_and_sums[f"route-{case}{how}"]
+    (index, experts), (_, _, pair_of_row, row_of_pair, token_of_row, starts) = launched
     expected = route(index, experts)
     assert torch.equal(pair_of_row, expected.pair_of_row)
     assert torch.equal(row_of_pair, expected.row_of_pair)
@@ -689,7 +710,7 @@ def test_interpreted_route_kernel_equals_the_torch_ops_routing(interpreted_route
 
 @pytest.mark.parametrize(
     "case",
-    [f"{name}-{rows}-{weights}" for name in ROUTE_CASES for rows, weights in (
+    [f"{name}-{rows}-{weights}" for name in ROUTE_CASES if name not in ROUTED_ONLY for rows, weights in (
         (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
         (torch.float32, torch.bfloat16))],
 )

@@ -243,8 +243,8 @@ def test_dequantize_equals_the_codes_decoded_one_by_one_times_their_block_scales
     cpu = torch.device("cpu")
     tables = {"byte_words": numerics.e2m1_byte_words(cpu), "scale_values": numerics.e4m3_values_by_code(cpu)}
     for output_dtype in (torch.float32, torch.bfloat16):
-        for given in ({}, tables):  # the tables built inside, or given
-            got = numerics.dequantize_nvfp4(qdata, block_scales, output_dtype=output_dtype, **given)
+        for given_tables in ({}, tables):  # the tables built inside, or given
+            got = numerics.dequantize_nvfp4(qdata, block_scales, output_dtype=output_dtype, **given_tables)
             assert got.dtype == output_dtype and got.shape == (3, 40, 64)
             assert torch.equal(got.float().view(torch.int32), expected.to(output_dtype).float().view(torch.int32))
 

@@ -7,9 +7,14 @@ as those ops, bit for bit:
 
 - ``launch_route``: the stable sort of the ``T * k`` (token, slot) pairs by expert, as
   ``experts.routing.route`` sorts them (slot-major pairs, an index outside ``[0, E]`` taken as
-  ``E + 1``), in one program: every pair's (expert, pair) key sorted in registers, the experts'
-  first rows from a histogram of the experts. ``MAX_ROUTED_PAIRS`` bounds the pairs one program
-  holds; longer batches take the torch ops, whose host time is small beside their GPU time.
+  ``E + 1``). Up to ``SORTED_IN_ONE_PROGRAM`` pairs in one program: every pair's (expert, pair)
+  key sorted in registers, the experts' first rows from a histogram of the experts. Above, a
+  one-program sort takes longer than the torch ops, and the pairs go in chunks of
+  ``ROUTE_CHUNK``, three launches: each chunk's pairs counted by expert; one program adding the
+  counts up (each chunk's pairs of each expert in the chunks before it, and the experts' first
+  rows); each chunk's pairs placed at their expert's first row plus those counts plus the
+  chunk's earlier pairs of the same expert. Both give the same rows. ``MAX_ROUTED_PAIRS`` bounds
+  the pairs routed here; longer batches take the torch ops.
 - ``launch_combine``: each token's weighted expert rows summed in ascending row order (its
   experts in ascending order), each product rounded to the output dtype and each add rounded
   to it, as ``experts.routing.combine``'s torch ops round them (the products in fp32: exact for
@@ -28,13 +33,28 @@ from nvfp4_static.kernels.launch import KernelCall, ceil_div, launch_prepared, n
 
 __all__ = ["MAX_ROUTED_PAIRS", "COMBINED_DTYPES", "launch_route", "launch_combine"]
 
-# Above this many (token, slot) pairs the torch ops route: the route kernel's one program holds
-# every pair's key, and the ops' host time no longer dominates.
-MAX_ROUTED_PAIRS = 4096
+# Above this many (token, slot) pairs the torch ops route (the chunked route's counts are
+# ``pairs / ROUTE_CHUNK`` rows of one program's sum).
+MAX_ROUTED_PAIRS = 65536
+# Up to this many pairs the route sorts them in one program (one launch), above in chunks.
+SORTED_IN_ONE_PROGRAM = 512
+# Pairs per program of the chunked route, and the rows of counts its sum adds per step.
+ROUTE_CHUNK = 128
+COUNT_ROWS_PER_STEP = 32
 # Output and routing-weight dtypes whose products and sums the combine kernel rounds as torch.
 COMBINED_DTYPES = frozenset((torch.bfloat16, torch.float16, torch.float32))
 # Hidden columns per combine program.
 HIDDEN_BLOCK = 256
+
+
+@triton.jit
+def _expert_of_pairs(index_ptr, stride_token, stride_slot, pairs, tokens, num_pairs, num_experts):
+    """The expert of each pair ``p = slot * tokens + token``: its index, or ``num_experts + 1``
+    for one outside ``[0, num_experts]``, or ``num_experts + 2`` for ``p`` past the pairs."""
+    valid = pairs < num_pairs
+    index = tl.load(index_ptr + (pairs % tokens) * stride_token + (pairs // tokens) * stride_slot, mask=valid, other=0)
+    expert = tl.where((index < 0) | (index > num_experts), num_experts + 1, index)
+    return tl.where(valid, expert, num_experts + 2)
 
 
 @triton.jit
@@ -58,10 +78,8 @@ def _route_kernel(
     ``0..E+1``, the pairs of an expert below ``e``. ``PAIRS`` (a power of 2, at least
     ``num_pairs``) and ``BINS`` (a power of 2, above ``E + 2``) size the blocks."""
     pairs = tl.arange(0, PAIRS)
-    valid = pairs < num_pairs
-    index = tl.load(index_ptr + (pairs % tokens) * stride_token + (pairs // tokens) * stride_slot, mask=valid, other=0)
-    expert = tl.where((index < 0) | (index > num_experts), num_experts + 1, index).to(tl.int64)
-    expert = tl.where(valid, expert, num_experts + 2)  # past every pair, in a bin of its own
+    # The padding's expert sorts past every pair, in a bin of its own.
+    expert = _expert_of_pairs(index_ptr, stride_token, stride_slot, pairs, tokens, num_pairs, num_experts).to(tl.int64)
     # Distinct keys, so the sort's order is (expert, p) whatever its algorithm.
     pair_at_row = tl.sort(expert * PAIRS + pairs) % PAIRS
     rows = tl.arange(0, PAIRS)
@@ -74,6 +92,58 @@ def _route_kernel(
     tl.store(starts_ptr + bins, tl.cumsum(counts, axis=0) - counts, mask=bins < num_experts + 2)
 
 
+@triton.jit
+def _route_count_kernel(
+    index_ptr, stride_token, stride_slot, counts_ptr, tokens, num_pairs, num_experts,
+    CHUNK: tl.constexpr, BINS: tl.constexpr,
+):
+    """Row ``c`` of ``counts``: chunk ``c``'s pairs (``CHUNK`` from ``c * CHUNK``) by expert."""
+    chunk = tl.program_id(0)
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    expert = _expert_of_pairs(index_ptr, stride_token, stride_slot, pairs, tokens, num_pairs, num_experts)
+    tl.store(counts_ptr + chunk * BINS + tl.arange(0, BINS), tl.histogram(expert.to(tl.int32), BINS))
+
+
+@triton.jit
+def _route_sum_kernel(counts_ptr, starts_ptr, chunks, num_experts, BINS: tl.constexpr, ROWS: tl.constexpr):
+    """One program: each chunk's row of ``counts`` replaced by the pairs of each expert in the
+    chunks before it, and ``starts[e]`` for ``e`` in ``0..E+1``, the pairs of an expert below
+    ``e``, from every chunk's. ``ROWS`` rows per step."""
+    bins = tl.arange(0, BINS)
+    before = tl.zeros([BINS], tl.int32)
+    for first in range(0, chunks, ROWS):
+        rows = first + tl.arange(0, ROWS)
+        offsets = rows[:, None] * BINS + bins[None, :]
+        in_chunks = (rows[:, None] < chunks) & (bins[None, :] < BINS)
+        counts = tl.load(counts_ptr + offsets, mask=in_chunks, other=0)
+        tl.store(counts_ptr + offsets, tl.cumsum(counts, axis=0) - counts + before[None, :], mask=in_chunks)
+        before += tl.sum(counts, axis=0)
+    totals = before.to(tl.int64)
+    tl.store(starts_ptr + bins, tl.cumsum(totals, axis=0) - totals, mask=bins < num_experts + 2)
+
+
+@triton.jit
+def _route_place_kernel(
+    index_ptr, stride_token, stride_slot, before_ptr, starts_ptr, pair_of_row_ptr, row_of_pair_ptr, token_of_row_ptr,
+    tokens, num_pairs, num_experts, CHUNK: tl.constexpr, BINS: tl.constexpr,
+):
+    """Chunk ``c``'s pairs at their rows: their expert's first row (``starts``), plus its pairs
+    in the chunks before (``before``, row ``c``), plus its pairs earlier in this chunk."""
+    chunk = tl.program_id(0)
+    local = tl.arange(0, CHUNK)
+    pairs = chunk * CHUNK + local
+    expert = _expert_of_pairs(index_ptr, stride_token, stride_slot, pairs, tokens, num_pairs, num_experts)
+    bins = tl.arange(0, BINS)
+    first_rows = tl.load(starts_ptr + bins, mask=bins < num_experts + 2, other=0)
+    first_rows += tl.load(before_ptr + chunk * BINS + bins).to(tl.int64)
+    earlier = tl.sum(((expert[:, None] == expert[None, :]) & (local[None, :] < local[:, None])).to(tl.int32), axis=1)
+    rows = tl.gather(first_rows, expert.to(tl.int32), 0) + earlier
+    routed = pairs < num_pairs
+    tl.store(pair_of_row_ptr + rows, pairs.to(tl.int64), mask=routed)
+    tl.store(token_of_row_ptr + rows, (pairs % tokens).to(tl.int64), mask=routed)
+    tl.store(row_of_pair_ptr + pairs, rows, mask=routed)
+
+
 def launch_route(
     top_k_index: torch.Tensor,
     num_experts: int,
@@ -84,33 +154,27 @@ def launch_route(
 ) -> None:
     """Fill ``pair_of_row``, ``row_of_pair`` and ``token_of_row`` (int64 ``[T * k]``) and
     ``starts`` (int64 ``[E + 2]``) for the integer ``top_k_index [T, k]``, at most
-    ``MAX_ROUTED_PAIRS`` pairs."""
+    ``MAX_ROUTED_PAIRS`` pairs: in one program up to ``SORTED_IN_ONE_PROGRAM``, else in chunks."""
     tokens, top_k = top_k_index.shape
     num_pairs = tokens * top_k
     if num_pairs > MAX_ROUTED_PAIRS:
         raise ValueError(f"nvfp4_static: the route kernel takes at most {MAX_ROUTED_PAIRS} pairs, got {num_pairs}")
-    call = KernelCall(
-        _route_kernel,
-        (1,),
-        (
-            top_k_index,
-            top_k_index.stride(0),
-            top_k_index.stride(1),
-            pair_of_row,
-            row_of_pair,
-            token_of_row,
-            starts,
-            max(tokens, 1),
-            num_pairs,
-            num_experts,
-        ),
-        dict(
-            PAIRS=max(next_power_of_2(num_pairs), 16),
-            BINS=next_power_of_2(num_experts + 3),
-            num_warps=4 if num_pairs <= 1024 else 8,
-        ),
-    )
-    launch_prepared(call, top_k_index.device)
+    index = (top_k_index, top_k_index.stride(0), top_k_index.stride(1))
+    routing = (pair_of_row, row_of_pair, token_of_row)
+    sizes = (max(tokens, 1), num_pairs, num_experts)
+    bins = next_power_of_2(num_experts + 3)
+    device = top_k_index.device
+    if num_pairs <= SORTED_IN_ONE_PROGRAM:
+        meta = dict(PAIRS=max(next_power_of_2(num_pairs), 16), BINS=bins, num_warps=4 if num_pairs <= 1024 else 8)
+        launch_prepared(KernelCall(_route_kernel, (1,), (*index, *routing, starts, *sizes), meta), device)
+        return
+    chunks = ceil_div(num_pairs, ROUTE_CHUNK)
+    counts = torch.empty(chunks, bins, dtype=torch.int32, device=device)
+    chunked = dict(CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
+    launch_prepared(KernelCall(_route_count_kernel, (chunks,), (*index, counts, *sizes), chunked), device)
+    summed = dict(BINS=bins, ROWS=COUNT_ROWS_PER_STEP, num_warps=4)
+    launch_prepared(KernelCall(_route_sum_kernel, (1,), (counts, starts, chunks, num_experts), summed), device)
+    launch_prepared(KernelCall(_route_place_kernel, (chunks,), (*index, counts, starts, *routing, *sizes), chunked), device)
 
 
 @triton.jit
