@@ -114,7 +114,7 @@ def _route_sum_kernel(counts_ptr, starts_ptr, chunks, num_experts, BINS: tl.cons
     for first in range(0, chunks, ROWS):
         rows = first + tl.arange(0, ROWS)
         offsets = rows[:, None] * BINS + bins[None, :]
-        in_chunks = (rows[:, None] < chunks) & (bins[None, :] < BINS)
+        in_chunks = tl.broadcast_to((rows < chunks)[:, None], (ROWS, BINS))
         counts = tl.load(counts_ptr + offsets, mask=in_chunks, other=0)
         tl.store(counts_ptr + offsets, tl.cumsum(counts, axis=0) - counts + before[None, :], mask=in_chunks)
         before += tl.sum(counts, axis=0)
@@ -165,6 +165,7 @@ def launch_route(
     bins = next_power_of_2(num_experts + 3)
     device = top_k_index.device
     if num_pairs <= SORTED_IN_ONE_PROGRAM:
+        # 8 warps past 1024 pairs, which only bench_route.py's one-program column sorts here.
         meta = dict(PAIRS=max(next_power_of_2(num_pairs), 16), BINS=bins, num_warps=4 if num_pairs <= 1024 else 8)
         launch_prepared(KernelCall(_route_kernel, (1,), (*index, *routing, starts, *sizes), meta), device)
         return
