@@ -129,3 +129,12 @@ def test_the_decode_tile_benchmarks_name_both_forms_of_the_decode_tile(benchmark
     tile_name = importlib.import_module("bench_decode_tile").tile_name
     assert [tile_name(t) for t in (gemm.DECODE_TILE, gemm.DECODE_TILE_AT_ONE_ROW)] == ["decode", "decode"]
     assert tile_name(gemm.GEMM_CONFIGS[0][1]) == "entry"
+
+
+def test_the_route_benchmark_patches_names_the_package_has(benchmarks_on_path):
+    """Its forms patch the route's threshold and the kernel-or-ops choice; a renamed one would
+    only fail on a GPU, where ``mock.patch.object`` meets it."""
+    bench = importlib.import_module("bench_route")
+    assert isinstance(bench.expert_routing.SORTED_IN_ONE_PROGRAM, int)
+    assert bench.MOST_PAIRS_SORTED_IN_ONE_PROGRAM <= bench.expert_routing.MAX_ROUTED_PAIRS
+    assert callable(bench.experts_routing.routed_by_kernel)
