@@ -102,8 +102,8 @@ def test_convert_may_choose_another_weight_recipe_than_prepare():
 def test_converting_a_converted_layer_with_another_recipe_is_refused(again):
     model = quantized(make(MLP), weight_scale="mse")
     before = model.up.weight.qdata.clone(), model.up.weight.scale.view(torch.uint8).clone()
-    with pytest.raises(ValueError, match=rf"'up' is already converted with \{{'act_calibration': 'b_min', "
-                                         rf"'weight_scale': 'mse'\}}, and convert asks for"):
+    with pytest.raises(ValueError, match=r"'up' is already converted with \{'act_calibration': 'b_min', "
+                                         r"'weight_scale': 'mse'\}, and convert asks for"):
         convert(model, **again)
     assert model.up.recipe == {"act_calibration": "b_min", "weight_scale": "mse"}
     assert torch.equal(model.up.weight.qdata, before[0])
@@ -361,7 +361,6 @@ def test_a_checkpoint_with_an_impossible_block_scale_is_refused_before_anything_
     assert_same_tensors(before, converted_tensors(target))
     placeholder = make(MLP, seed=1)
     quantize_(placeholder, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)
-    empty_down = converted_tensors(placeholder.down)
     empty = converted_tensors(placeholder)
     with pytest.raises(ValueError, match="'down' has 1 FP8 block scale"):
         placeholder.load_state_dict(state)

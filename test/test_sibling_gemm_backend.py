@@ -15,7 +15,7 @@ from tiny_llama import converted_llama, logits, token_ids
 from torchao.utils import unwrap_tensor_subclass
 
 import nvfp4_static.tensor
-from nvfp4_static import NVFP4StaticLinear, sibling_gemm_backend
+from nvfp4_static import sibling_gemm_backend
 from nvfp4_static.kernels import gemm
 from test_sibling_linears import CHANGES, QKV, biased_llama, fused_copy, members, negated, other_llama, unfused_copy
 

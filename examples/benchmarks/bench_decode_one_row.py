@@ -25,7 +25,7 @@ import statistics
 from unittest import mock
 
 import torch
-from bench_decode_tile import across_programs, hopper_device, linear_ms, shapes_and_rounds_parser, weights_with_read_floor
+from bench_decode_tile import hopper_device, linear_ms, shapes_and_rounds_parser, weights_with_read_floor
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm
