@@ -636,8 +636,11 @@ ROUTE_CASES = {
     "no-token": (0, 2, 4, [], torch.int64, "contiguous"),
     "ragged-chunks-transposed": (300, 4, 16, [16, 17, -5] * 20, torch.int32, "transposed"),
     "many-chunks": (1100, 8, 128, [128, 129, -1] * 40 + [3] * 300, torch.int64, "contiguous"),
+    "three-hundred-experts": (90, 8, 300, [300, 299, 0, 301] * 5, torch.int32, "contiguous"),
 }
-ROUTED_ONLY = {"many-chunks"}  # the weighted sum's interpreted programs would take minutes
+# Cases for the route only: the weighted sum does not depend on the experts' count, and its
+# interpreted programs for 1100 tokens would take minutes.
+ROUTED_ONLY = {"many-chunks", "three-hundred-experts"}
 ROUTE_LAUNCHER = "nvfp4_static.kernels.expert_routing:launch_route"
 ROUTE_IN_CHUNKS_LAUNCHER = "test_experts:route_in_chunks"
 COMBINE_LAUNCHER = "nvfp4_static.kernels.expert_routing:launch_combine"
