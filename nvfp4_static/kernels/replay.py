@@ -13,7 +13,7 @@ filled or zeroed by torch before a kernel reads it) is not redone, and a replay 
 whatever an earlier layer left in its scratch memory. So the first replay of each recording runs
 on scratch filled with 0xFF bytes (NaN in every float format) beside the layer's own call, and
 the recording is kept only if the two outputs agree bit for bit (``reproduces``); otherwise the
-layer warns once (``warn_not_reproduced``) and calls that shape without the replay from then on.
+layer warns (``warn_not_reproduced``) and calls that shape without the replay from then on.
 """
 
 from dataclasses import replace
