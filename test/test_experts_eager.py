@@ -271,8 +271,9 @@ def test_gpu_a_replayed_call_with_indices_outside_the_experts_is_refused_at_the_
 @requires_cuda
 def test_gpu_calls_the_replay_cannot_redo_take_the_forward(converted_experts):
     """Hidden states with a column stride, a clip monitor counting the inputs, new weights, a
-    graph capture, and more pairs than the route kernel takes: each gives the forward's output
-    and records nothing it would replay wrongly."""
+    graph capture, more pairs than calls are replayed with, and more than the route kernel
+    takes: each gives the forward's output and records nothing it would replay wrongly."""
+    from nvfp4_static.experts.eager import MOST_REPLAYED_PAIRS
     from nvfp4_static.kernels.expert_routing import MAX_ROUTED_PAIRS
 
     experts = copy.deepcopy(converted_experts).to("cuda")
@@ -298,10 +299,11 @@ def test_gpu_calls_the_replay_cannot_redo_take_the_forward(converted_experts):
             captured = experts(hidden, index, weights)
         graph.replay()
         assert torch.equal(captured, doubled)
-        many = routed_batch(MAX_ROUTED_PAIRS // TOP_K + 1, seed=8)
-        many = tuple(t.cuda() for t in many)
-        assert torch.equal(experts(*many), _without_replay(experts, many))
-        assert {key[0][0][0] for key in _replayed_keys(experts)} == {6}
+        for seed, pairs in enumerate((MOST_REPLAYED_PAIRS, MAX_ROUTED_PAIRS)):
+            many = tuple(t.cuda() for t in routed_batch(pairs // TOP_K + 1, seed=8 + seed))
+            for _ in range(2):
+                assert torch.equal(experts(*many), _without_replay(experts, many)), pairs
+        assert [key[0][0][0] for key in experts._eager_launches._replays] == [6]
 
 
 @requires_cuda

@@ -19,11 +19,11 @@ quantization error, about 0.1: a broken kernel gives order 1).
 
 A second table times the whole layer as an eager decode loop runs it, host-bound: 200 calls
 back to back, then one synchronize, microseconds per call, the median of 5 interleaved rounds,
-for the token counts whose pairs the route kernel takes (``kernels.expert_routing``): bf16, ours
-with the routing and the weighted sum as torch ops (as a compiled graph has them), ours with
-them as one launch each but every call through the forward, and ours as an eager call runs
-(its kernels' launches replayed, ``experts.eager``); the three outputs of ours are checked
-equal first. Run:
+for the token counts whose calls are replayed (``experts.eager.MOST_REPLAYED_PAIRS``): bf16,
+ours with the routing and the weighted sum as torch ops (as a compiled graph has them), ours
+with them as kernels but every call through the forward, and ours as an eager call runs (its
+kernels' launches replayed, ``experts.eager``); the three outputs of ours are checked equal
+first. Run:
 
     python examples/benchmarks/bench_moe.py [--tokens 1 16 128 1024 4096]
 """
@@ -41,9 +41,8 @@ from triton.testing import do_bench
 
 from nvfp4_static.experts import ExpertsLayout, NVFP4StaticExperts, NVFP4StaticGroupedLinear
 from nvfp4_static.experts import routing as experts_routing
-from nvfp4_static.experts.eager import EagerExpertsLaunches
+from nvfp4_static.experts.eager import MOST_REPLAYED_PAIRS, EagerExpertsLaunches
 from nvfp4_static.experts.routing import route
-from nvfp4_static.kernels.expert_routing import MAX_ROUTED_PAIRS
 from nvfp4_static.numerics import per_tensor_amax_to_scale, quantize_nvfp4
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2048, 768
@@ -141,7 +140,7 @@ def main():
                 f"{tokens:>5} | " + " ".join(f"{ms[n]:12.4f}" for n in names) + "      | "
                 f"{ms['gemm bf16 g'] / ms['gemm ours g']:14.2f} {ms['layer bf16 g'] / ms['layer ours g']:15.2f} {rel_err:8.3f}"
             )
-    print_eager_loop(bf16, ours, [tokens for tokens in tokens_to_run if tokens * TOP_K <= MAX_ROUTED_PAIRS])
+    print_eager_loop(bf16, ours, [tokens for tokens in tokens_to_run if tokens * TOP_K <= MOST_REPLAYED_PAIRS])
 
 
 EAGER_LOOP_CALLS = 200

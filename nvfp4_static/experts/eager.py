@@ -15,10 +15,10 @@ outputs bit for bit. The first replay of each recording is checked against the l
 parts (``kernels.replay.reproduces``).
 
 Replayed: plain CUDA inputs outside any tracing, dispatch mode or graph capture (a capture
-gets buffers of its own from the forward), on the Triton route, at most ``MAX_ROUTED_PAIRS``
-token-expert pairs (the route kernel's), hidden states with unit column stride, while no clip
-monitor counts the inputs, with the weights' tensors in the layout convert makes. Every other
-call runs the layer's own parts.
+gets buffers of its own from the forward), on the Triton route, at most ``MOST_REPLAYED_PAIRS``
+token-expert pairs, hidden states with unit column stride, while no clip monitor counts the
+inputs, with the weights' tensors in the layout convert makes. Every other call runs the
+layer's own parts.
 """
 
 from typing import Optional
@@ -31,6 +31,13 @@ from nvfp4_static.kernels.launch import recording_launches
 from nvfp4_static.kernels.replay import ReplayedLaunches, reproduces, warn_not_reproduced
 
 __all__ = ["EagerExpertsLaunches"]
+
+# Token-expert pairs up to which calls are replayed. Above, a call's GPU work bounds it, not its
+# host's (one H200, Qwen3-30B-shaped layer: at 1024 tokens, top-8, the replayed call took 514 us,
+# the forward 512; at 512 tokens 346 against 419; examples/benchmarks/RESULTS.md), while each
+# prefill length would keep a recording and the stream's scratch memory would grow to the
+# routed rows' quantized copy (75 MB at 65536 pairs of that layer).
+MOST_REPLAYED_PAIRS = 4096
 
 class EagerExpertsLaunches:
     """One experts layer's replayable calls, one per routing shape (module docstring), for the
@@ -67,6 +74,7 @@ class EagerExpertsLaunches:
             or experts.gate_up_proj.clip_counters is not None
             or experts.down_proj.clip_counters is not None
             or hidden_states.stride(-1) != 1
+            or top_k_index.numel() > MOST_REPLAYED_PAIRS
             or not routed_by_kernel(top_k_index)
         ):
             return experts
