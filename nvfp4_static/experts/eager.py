@@ -39,6 +39,7 @@ __all__ = ["EagerExpertsLaunches"]
 # routed rows' quantized copy (75 MB at 65536 pairs of that layer).
 MOST_REPLAYED_PAIRS = 4096
 
+
 class EagerExpertsLaunches:
     """One experts layer's replayable calls, one per routing shape (module docstring), for the
     ``REPLAYED_SHAPES`` most recently recorded.

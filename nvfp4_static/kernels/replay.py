@@ -42,7 +42,14 @@ class ReplayedLaunches:
     """
 
     def __init__(
-        self, calls: list[KernelCall], per_call: dict[int, tuple[int, int]], given: int, scratch: list, device, stream
+        self,
+        calls: list[KernelCall],
+        per_call: dict[int, tuple[int, int]],
+        given: int,
+        scratch: list,
+        workspace: list,
+        device,
+        stream,
     ):
         offsets, end = [], 0
         for shape, dtype in scratch:
@@ -56,7 +63,7 @@ class ReplayedLaunches:
         )
         self._launches = [PreparedLaunch(_describing(call, per_call, self._scratch, given), per_call) for call in calls]
         # The launches hold the fixed tensors' addresses only: the workspace is kept alive here.
-        self._workspace = [t for call in calls for t in call.workspace]
+        self._workspace = workspace
 
     @classmethod
     def of(
@@ -97,7 +104,7 @@ class ReplayedLaunches:
                 per_call[address] = place
         if not calls or not set(written) <= taken:
             return None
-        return cls(calls, per_call, len(given), scratch, device, stream)
+        return cls(calls, per_call, len(given), scratch, workspace, device, stream)
 
     def __call__(self, tensors: tuple, stream: Optional[int]) -> None:
         """Launch the recorded kernels with ``tensors`` in the given tensors' places (each of
