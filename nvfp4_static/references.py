@@ -1,7 +1,7 @@
-"""Plain-torch references for the three calibration hot paths.
+"""Plain-torch references for the calibration hot paths and the CPU kernel.
 
-Each function here is the definition a Triton kernel in ``nvfp4_static.kernels`` must match
-exactly, and the implementation used on CPU:
+Each calibration function here is the definition a Triton kernel in ``nvfp4_static.kernels``
+must match exactly, and the implementation used on CPU:
 
 - ``block_amax_histogram``: per-16-block amaxes binned on a base-2 log scale;
 - ``fp8_scale_sweep``: the 126-candidate FP8 block-scale search for a weight (plain or
@@ -9,6 +9,9 @@ exactly, and the implementation used on CPU:
 - ``block_hessian``: ``sum_tokens x_b x_b^T`` per 16-wide input block;
 - ``gptq_block``: GPTQ's scale search and rounding of one 16-column block (``nvfp4_static.gptq``
   runs it block by block).
+
+``static_nvfp4_linear_in_block_order`` is the definition the CPU's C kernel
+(``backends/cpu_kernel.c``) matches exactly.
 """
 
 import contextlib
@@ -20,10 +23,13 @@ from nvfp4_static.numerics import (
     BLOCK_SIZE,
     E2M1_MAX,
     block_amax,
+    dequantize_nvfp4,
     e4m3_positive_values,
     per_tensor_amax_to_scale,
+    quantize_nvfp4_unpacked,
     round_to_e2m1,
     scale_reciprocal_overflows,
+    times_block_scales,
 )
 
 __all__ = [
@@ -35,6 +41,7 @@ __all__ = [
     "fp8_scale_sweep",
     "block_hessian",
     "gptq_block",
+    "static_nvfp4_linear_in_block_order",
 ]
 
 # Weight elements per step of the reference sweep, by device: on a CPU the step's temporaries
@@ -316,3 +323,31 @@ def gptq_block(
         block, upper_block, reciprocals[choices].unsqueeze(1), dequant_scales[choices].unsqueeze(1)
     )
     return values, errors, choices
+
+
+def static_nvfp4_linear_in_block_order(
+    x: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """``backends.cpu.static_nvfp4_linear`` with its float32 sum in a fixed order: each 16-block's
+    product of the quantized activation and weight summed exactly (float64 holds every partial
+    sum: at most 20 significant bits), then the blocks added one by one in K order in float32,
+    then both global scales and the bias as the torch route applies them. ``x [..., K]``;
+    returns ``[..., N]`` in ``x.dtype``. One float32 add per block and output: for small shapes."""
+    k = x.shape[-1]
+    n = weight_qdata.shape[0]
+    activation = times_block_scales(*quantize_nvfp4_unpacked(x, act_per_tensor_scale))
+    activation = activation.reshape(-1, 1, k // BLOCK_SIZE, BLOCK_SIZE)
+    weight = dequantize_nvfp4(weight_qdata, weight_block_scales).reshape(1, n, k // BLOCK_SIZE, BLOCK_SIZE)
+    blocks = (activation.double() * weight.double()).sum(-1).float()
+    out = torch.zeros(blocks.shape[:2], dtype=torch.float32, device=x.device)
+    for b in range(k // BLOCK_SIZE):
+        out = out + blocks[..., b]
+    out = out * (act_per_tensor_scale.to(torch.float32) * weight_per_tensor_scale.to(torch.float32))
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)

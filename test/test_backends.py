@@ -7,7 +7,7 @@ replaced by an emulation of cuBLAS's block-scaled FP4 product.
 
 import pytest
 import torch
-from conftest import PassThrough, UNIT_ROUNDOFF, gpu_tolerance, linear_operands, relative_error, requires_cuda
+from conftest import UNIT_ROUNDOFF, gpu_tolerance, linear_operands, relative_error, requires_cuda
 from torch.fx.experimental.proxy_tensor import make_fx
 from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
@@ -59,34 +59,20 @@ def dequantized_rows(monkeypatch) -> list:
     ids=["one-token", "whole-slices", "3d-activation", "row-by-row", "one-slice"],
 )
 def test_cpu_route_by_weight_slices_equals_the_whole_weight_bit_for_bit(monkeypatch, leading, N, K, slice_rows):
-    """Eagerly on a CPU the route dequantizes and multiplies the weight some output features at
-    a time (``cpu._WEIGHT_SLICE_ELEMENTS``); each output is the same dot product as with the
-    weight dequantized whole, bias, scales and dtype applied after."""
+    """On a CPU the torch ops dequantize and multiply the weight some output features at a time
+    (``cpu._WEIGHT_SLICE_ELEMENTS``); each output is the same dot product as with the weight
+    dequantized whole, bias, scales and dtype applied after."""
     ops = linear_operands(2, N, K, seed=N + K)
     x = torch.randn(*leading, K, generator=torch.Generator().manual_seed(K)).to(torch.bfloat16)
     args = (ops.weight_qdata, ops.weight_block_scales, ops.weight_scale, ops.act_scale, ops.bias)
     monkeypatch.setattr(cpu, "_WEIGHT_SLICE_ELEMENTS", 1 << 40)
-    whole = cpu.static_nvfp4_linear(x, *args)
+    whole = cpu.torch_static_nvfp4_linear(x, *args)
     dequantized = dequantized_rows(monkeypatch)
     monkeypatch.setattr(cpu, "_WEIGHT_SLICE_ELEMENTS", slice_rows * K)
-    sliced = cpu.static_nvfp4_linear(x, *args)
+    sliced = cpu.torch_static_nvfp4_linear(x, *args)
     assert dequantized == [min(slice_rows, N - first) for first in range(0, N, slice_rows)]
     assert sliced.shape == (*leading, N) and sliced.dtype == torch.bfloat16
     assert torch.equal(sliced.view(torch.int16), whole.view(torch.int16))
-
-
-def test_cpu_route_dequantizes_the_weight_whole_when_traced(monkeypatch):
-    """A traced graph would hold every slice as its own ops: under a dispatch mode (as under
-    tracing) the weight is dequantized in one piece, with the same output."""
-    ops = linear_operands(3, 40, 64, seed=1)
-    args = (ops.weight_qdata, ops.weight_block_scales, ops.weight_scale, ops.act_scale, ops.bias)
-    eager = cpu.static_nvfp4_linear(ops.x, *args)
-    dequantized = dequantized_rows(monkeypatch)
-    monkeypatch.setattr(cpu, "_WEIGHT_SLICE_ELEMENTS", 8 * 64)
-    with PassThrough():
-        traced = cpu.static_nvfp4_linear(ops.x, *args)
-    assert dequantized == [40]
-    assert torch.equal(traced, eager)
 
 
 def test_cpu_route_builds_its_decoding_tables_once_as_ordinary_tensors():

@@ -1,8 +1,14 @@
-"""The torch-ops route of the static NVFP4 linear: runs anywhere, defines the numerics.
+"""The torch route of the static NVFP4 linear: runs anywhere, defines the numerics.
 
 A faithful emulation of an FP4 tensor-core GEMM: both operands are dequantized *without* their
 global scales (``q * s_b`` is exact in bf16 and fp32), multiplied with fp32 accumulation, and the
 product of the two global scales and the bias are applied afterwards.
+
+On a CPU, calls of up to ``cpu_kernel.MOST_ROWS`` rows run the CPU's own kernel
+(``backends/cpu_kernel.py``): the same quantized operands, each 16-block's product exact and the
+blocks summed in K order, so it differs from the torch ops only in the order of the float32 sum.
+Traced on a CPU, the linear is one opaque op (``kernels.ops.cpu_static_nvfp4_linear``) that
+decides the same way, so compiled and eager calls agree bit for bit.
 """
 
 from functools import lru_cache
@@ -10,7 +16,9 @@ from typing import Optional
 
 import torch
 
+from nvfp4_static.backends import cpu_kernel
 from nvfp4_static.kernels.launch import runs_eagerly
+from nvfp4_static.kernels.ops import cpu_static_nvfp4_linear
 from nvfp4_static.numerics import (
     dequantize_nvfp4,
     e2m1_byte_words,
@@ -43,6 +51,41 @@ def static_nvfp4_linear(
     Returns:
         ``[..., N]`` in ``x.dtype``.
     """
+    operands = (x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
+    if x.device.type != "cpu":
+        return torch_static_nvfp4_linear(*operands)
+    if runs_eagerly(x, weight_qdata):
+        return static_nvfp4_linear_on_cpu(*operands)  # without the op's dispatch
+    return cpu_static_nvfp4_linear(*operands)
+
+
+def static_nvfp4_linear_on_cpu(
+    x: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The linear of real CPU tensors: the CPU kernel up to its row count where it is built,
+    else the torch ops."""
+    operands = (x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
+    if x.numel() <= cpu_kernel.MOST_ROWS * x.shape[-1]:
+        lib = cpu_kernel.library()
+        if lib is not None:
+            return cpu_kernel.static_nvfp4_linear_rows(lib, *operands, _decoding_tables()[1])
+    return torch_static_nvfp4_linear(*operands)
+
+
+def torch_static_nvfp4_linear(
+    x: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """``static_nvfp4_linear`` in torch ops, on any device: the numerics every route meets."""
     # q * s_b of the activation, the same values its packed codes would decode to.
     act = times_block_scales(*quantize_nvfp4_unpacked(x, act_per_tensor_scale))
     out = _times_dequantized_weight(act, weight_qdata, weight_block_scales)
@@ -62,10 +105,10 @@ _WEIGHT_SLICE_ELEMENTS = 1 << 19
 
 def _times_dequantized_weight(act: torch.Tensor, weight_qdata: torch.Tensor, weight_block_scales: torch.Tensor):
     """``act [..., K] @ W^T`` in float32 for the weight's ``q * s_b`` ``W [N, K]``, by slices of
-    output features eagerly on a CPU, its codes and scales decoded by lookup in tables built
-    once; each output is the same dot product either way. Traced, or on another device, the
-    weight is dequantized whole (a graph would hold every slice)."""
-    if act.device.type != "cpu" or not runs_eagerly(act, weight_qdata):
+    output features on a CPU (which runs this on real tensors only: traced, the linear is an
+    op), its codes and scales decoded by lookup in tables built once; each output is the same
+    dot product either way. On another device the weight is dequantized whole."""
+    if act.device.type != "cpu":
         return torch.matmul(act, dequantize_nvfp4(weight_qdata, weight_block_scales).t())
     N, K = weight_qdata.shape[0], 2 * weight_qdata.shape[1]
     rows = max(1, _WEIGHT_SLICE_ELEMENTS // K)

@@ -27,6 +27,8 @@ overlaps, which the route traces at the decode tile's token counts).
 like the calibration ops: its torch fallback loops over the experts with data-dependent row
 counts, which a traced body could not;
 ``grouped_static_nvfp4_linear_reference`` is that fallback as an op on every device.
+``cpu_static_nvfp4_linear`` is the linear of CPU tensors as a traced graph holds it: its body calls
+the CPU's C kernel (``backends/cpu_kernel.py``) or the torch ops, by row count.
 
 ``quantize_weight_nvfp4`` is a plain function, not an op: convert runs it eagerly, the activation
 quantize kernel on a 2D CUDA weight, the torch reference on every other.
@@ -664,3 +666,35 @@ def grouped_static_nvfp4_linear(
 def _require_cuda(a: torch.Tensor, op_name: str) -> None:
     if a.device.type != "cuda":
         raise ValueError(f"nvfp4_static: {op_name} runs on CUDA tensors, got {a.device}; use the 'cpu' backend")
+
+
+def _cpu_static_nvfp4_linear_body(
+    x: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    # Imported here: nvfp4_static.backends imports this module.
+    from nvfp4_static.backends.cpu import static_nvfp4_linear_on_cpu
+
+    return static_nvfp4_linear_on_cpu(
+        x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias
+    )
+
+
+# The static NVFP4 linear on a CPU as a traced graph calls it: the CPU kernel or the torch ops,
+# chosen by the row count inside the op, so that one graph serves every row count and its calls
+# equal the eager ones. A custom op rather than a traced_op: its body calls the C kernel, which
+# fake tensors cannot run.
+cpu_static_nvfp4_linear = torch.library.custom_op(
+    "nvfp4_static::cpu_static_nvfp4_linear", mutates_args=()
+)(_cpu_static_nvfp4_linear_body)
+
+
+@cpu_static_nvfp4_linear.register_fake
+def _cpu_static_nvfp4_linear_fake(
+    x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias
+):
+    return x.new_empty((*x.shape[:-1], weight_qdata.shape[0]))

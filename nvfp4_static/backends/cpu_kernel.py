@@ -1,0 +1,235 @@
+"""The CPU's own kernel for the static NVFP4 linear at a few rows (``cpu_kernel.c``).
+
+Torch ops on a CPU dequantize the weight into float32 before multiplying it, 8-20x float
+``F.linear``'s time at one token (``examples/benchmarks/RESULTS.md``). The C kernel quantizes the
+rows and multiplies them by the packed weight in one pass over it. It is compiled with the
+machine's C compiler (``$CC``, else ``cc``) at its first use in a process, for this CPU
+(``-march=native``, or without it where the compiler refuses that), and cached, keyed by its
+source, the command and the CPU, in ``$NVFP4_STATIC_CACHE_DIR`` (default
+``~/.cache/nvfp4_static``). Without a compiler it is not built: a warning says so once, and the
+rows take the torch ops. ``NVFP4_STATIC_CPU_KERNEL=0`` turns it off.
+
+Its numerics (``cpu_kernel.c``): the activation quantized as ``numerics`` quantizes it, each
+16-block's product exact, the blocks summed in float32 in K order.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from nvfp4_static.messages import warn
+from nvfp4_static.numerics import BLOCK_SIZE
+
+SWITCH_ENV_VAR = "NVFP4_STATIC_CPU_KERNEL"
+CACHE_ENV_VAR = "NVFP4_STATIC_CACHE_DIR"
+SOURCE = Path(__file__).with_name("cpu_kernel.c")
+# No -ffast-math, and no fused multiply-adds: every operation rounds as torch's does.
+FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-pthread")
+NATIVE_FLAGS = ("-march=native",)
+
+# Rows the kernel multiplies at once (its ``NVFP4_MOST_ROWS``); more rows take torch's matmul,
+# which reuses each dequantized weight across them faster than the kernel's integer products.
+MOST_ROWS = 16
+# Row-weight products per thread: a call splits its outputs across up to torch's thread count,
+# one thread per this many (starting a thread costs tens of microseconds).
+_PRODUCTS_PER_THREAD = 1 << 21
+
+_lock = threading.Lock()
+_library = None
+_tried = False
+
+
+def enabled() -> bool:
+    """Whether ``$NVFP4_STATIC_CPU_KERNEL`` leaves the kernel on (unset, or anything but 0)."""
+    return os.environ.get(SWITCH_ENV_VAR, "1").strip() != "0"
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The built kernel, built at the first call; None where it is switched off or could not be
+    built (then a warning said why, once)."""
+    global _library, _tried
+    if not enabled():
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _library = _load(_build())
+            except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
+                detail = getattr(error, "stderr", None) or str(error)
+                warn(
+                    f"nvfp4_static: the CPU kernel ({SOURCE.name}) could not be built, so static "
+                    f"NVFP4 linears of up to {MOST_ROWS} rows on a CPU run torch ops, several "
+                    f"times slower: {str(detail).strip()[-600:]}. Install a C compiler or point "
+                    f"$CC at one; ${SWITCH_ENV_VAR}=0 silences this.",
+                    RuntimeWarning,
+                )
+        return _library
+
+
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC") or "cc")
+
+
+def _build() -> Path:
+    """The kernel's shared library in the cache, for this CPU where the compiler can, else
+    without ``-march=native``; compiled unless already there."""
+    try:
+        return _build_with([*_compiler(), *FLAGS, *NATIVE_FLAGS])
+    except subprocess.CalledProcessError:
+        return _build_with([*_compiler(), *FLAGS])
+
+
+def _build_with(command: list[str]) -> Path:
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join(command).encode())
+    key.update(_cpu_description().encode())
+    directory = _cache_directory()
+    built = directory / f"cpu_kernel-{key.hexdigest()[:20]}.so"
+    if built.exists():
+        return built
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        partial = Path(scratch) / built.name
+        subprocess.run(
+            [*command, str(SOURCE), "-o", str(partial), "-lm"],
+            check=True, capture_output=True, text=True, timeout=120,
+        )
+        os.replace(partial, built)  # atomic: another process may be building the same file
+    return built
+
+
+def _cpu_description() -> str:
+    """What ``-march=native`` builds for: the machine and, on Linux, the CPU's feature flags."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _cache_directory() -> Path:
+    """``$NVFP4_STATIC_CACHE_DIR``, else ``nvfp4_static`` in the user's cache; a fresh temporary
+    directory where that cannot be written."""
+    base = os.environ.get(CACHE_ENV_VAR) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nvfp4_static"
+    )
+    directory = Path(base)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return directory
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="nvfp4_static_"))
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.nvfp4_most_rows.restype = i32
+    lib.nvfp4_quantize_rows.argtypes = [pointer, i32, i64, i64, pointer, pointer, pointer]
+    lib.nvfp4_quantize_rows.restype = None
+    lib.nvfp4_rows_times_weight.argtypes = [
+        pointer, pointer, i64, i64, pointer, pointer, pointer, i64, pointer, pointer, pointer, i32,
+        pointer, i32, i32,
+    ]
+    lib.nvfp4_rows_times_weight.restype = None
+    if lib.nvfp4_most_rows() != MOST_ROWS:
+        raise OSError(f"{path} multiplies {lib.nvfp4_most_rows()} rows at most, not {MOST_ROWS}")
+    return lib
+
+
+def static_nvfp4_linear_rows(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight_qdata: torch.Tensor,
+    weight_block_scales: torch.Tensor,
+    weight_per_tensor_scale: torch.Tensor,
+    act_per_tensor_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    scale_values: torch.Tensor,
+) -> torch.Tensor:
+    """``backends.cpu.static_nvfp4_linear`` of ``x [..., K]`` (at most ``MOST_ROWS`` rows, on a
+    CPU) through the kernel; ``scale_values`` is ``numerics.e4m3_values_by_code``'s table."""
+    _check_operands(x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
+    k, n = x.shape[-1], weight_qdata.shape[0]
+    act_scale = act_per_tensor_scale.to(torch.float32).contiguous()
+    weight_scale = weight_per_tensor_scale.to(torch.float32).contiguous()
+    twice_e2m1, scales = quantize_rows(lib, x.reshape(-1, k), act_scale)
+    rows = twice_e2m1.shape[0]
+    weight, weight_scales = weight_qdata.contiguous(), weight_block_scales.contiguous()
+    if bias is not None:
+        bias = bias.contiguous() if bias.dtype in (torch.bfloat16, torch.float32) else bias.to(torch.float32)
+    bf16 = x.dtype == torch.bfloat16
+    out = torch.empty((rows, n), dtype=torch.bfloat16 if bf16 else torch.float32)
+    lib.nvfp4_rows_times_weight(
+        twice_e2m1.data_ptr(), scales.data_ptr(), rows, k, weight.data_ptr(), weight_scales.data_ptr(),
+        scale_values.data_ptr(), n, act_scale.data_ptr(), weight_scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), bias is not None and bias.dtype == torch.bfloat16,
+        out.data_ptr(), bf16, min(torch.get_num_threads(), max(1, rows * n * k // _PRODUCTS_PER_THREAD)),
+    )
+    out = out.reshape(*x.shape[:-1], n)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def quantize_rows(lib: ctypes.CDLL, rows: torch.Tensor, act_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's quantization of ``rows [M, K]`` (float32, bfloat16 or float16, on a CPU)
+    under the float32 global scale ``act_scale``: twice the E2M1 values (int8 ``[M, K]``) and
+    the block scales (float32 ``[M, K / 16]``), the values ``numerics.quantize_nvfp4_unpacked``
+    gives."""
+    if rows.dtype == torch.float16:
+        rows = rows.to(torch.float32)  # exact; the kernel reads float32 and bfloat16
+    rows = rows.contiguous()
+    m, k = rows.shape
+    # One allocation: the int8 values, then the float32 scales (m * k is a multiple of 16, so
+    # they start aligned).
+    workspace = torch.empty(m * k + 4 * m * (k // BLOCK_SIZE), dtype=torch.uint8)
+    twice_e2m1, scales = workspace[: m * k].view(torch.int8), workspace[m * k :].view(torch.float32)
+    lib.nvfp4_quantize_rows(
+        rows.data_ptr(), rows.dtype == torch.bfloat16, m, k, act_scale.data_ptr(), twice_e2m1.data_ptr(),
+        scales.data_ptr(),
+    )
+    return twice_e2m1.view(m, k), scales.view(m, k // BLOCK_SIZE)
+
+
+def _check_operands(x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias):
+    """Refuse operands the kernel would read out of bounds or misread, naming them: it reads raw
+    memory, where torch ops would have raised."""
+    k = x.shape[-1]
+    n = weight_qdata.shape[0] if weight_qdata.dim() == 2 else -1
+    problems = []
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        problems.append(f"activation dtype {x.dtype} (float32, bfloat16 or float16)")
+    if k % BLOCK_SIZE:
+        problems.append(f"activation's last dim {k} (a multiple of {BLOCK_SIZE})")
+    if weight_qdata.dtype != torch.uint8 or tuple(weight_qdata.shape) != (n, k // 2):
+        problems.append(f"packed weight {weight_qdata.dtype} {tuple(weight_qdata.shape)} (uint8 [N, {k // 2}])")
+    if weight_block_scales.dtype != torch.float8_e4m3fn or tuple(weight_block_scales.shape) != (n, k // BLOCK_SIZE):
+        problems.append(
+            f"block scales {weight_block_scales.dtype} {tuple(weight_block_scales.shape)} "
+            f"(float8_e4m3fn [{n}, {k // BLOCK_SIZE}])"
+        )
+    for name, scale in (("weight", weight_per_tensor_scale), ("activation", act_per_tensor_scale)):
+        if scale.numel() != 1:
+            problems.append(f"{name} global scale of shape {tuple(scale.shape)} (one value)")
+    if bias is not None and tuple(bias.shape) != (n,):
+        problems.append(f"bias of shape {tuple(bias.shape)} ([{n}])")
+    devices = {t.device.type for t in (x, weight_qdata, weight_block_scales, weight_per_tensor_scale,
+                                       act_per_tensor_scale, bias) if t is not None}
+    if devices != {"cpu"}:
+        problems.append(f"operands on {sorted(devices)} (all on the CPU)")
+    if problems:
+        raise ValueError(
+            f"nvfp4_static: static NVFP4 linear of an activation {tuple(x.shape)}: " + "; ".join(problems)
+        )

@@ -1,0 +1,264 @@
+"""The CPU's own kernel (backends/cpu_kernel.c) against its plain-torch definition
+(``references.static_nvfp4_linear_in_block_order``), and the route around it: which calls take
+it, how it is built, what it refuses."""
+
+import contextlib
+import os
+import stat
+import warnings
+
+import pytest
+import torch
+from conftest import PassThrough, linear_operands, relative_error
+from torch._dynamo.testing import CompileCounter
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from nvfp4_static import references
+from nvfp4_static.backends import cpu, cpu_kernel
+from nvfp4_static.numerics import quantize_nvfp4_unpacked
+
+
+@pytest.fixture
+def lib():
+    """The built kernel. A test machine has a C compiler (torch's own CPU compiler needs one):
+    a missing kernel fails here rather than skipping."""
+    built = cpu_kernel.library()
+    assert built is not None, "the CPU kernel was not built"
+    return built
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """The kernel's module as before its first use, with its cache in ``tmp_path``."""
+    monkeypatch.setattr(cpu_kernel, "_library", None)
+    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    return tmp_path
+
+
+@contextlib.contextmanager
+def no_warnings():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert [str(warning.message) for warning in caught] == []
+
+
+def without_torch_route(monkeypatch):
+    """Make the torch ops fail, so that a call that returns went through the kernel."""
+
+    def refuse(*args):
+        raise AssertionError("took the torch route")
+
+    monkeypatch.setattr(cpu, "torch_static_nvfp4_linear", refuse)
+
+
+def operands(rows, n, k, dtype, seed, with_bias=True):
+    ops = linear_operands(rows, n, k, seed, block_gains=True)
+    bias = ops.bias.to(dtype) if with_bias else None
+    return ops.x.to(dtype), ops.weight_qdata, ops.weight_block_scales, ops.weight_scale, ops.act_scale, bias
+
+
+SHAPES = [(1, 8, 16), (1, 48, 64), (3, 40, 96), (16, 33, 272), (5, 17, 1024), (2, 24, 4096)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("rows,n,k", SHAPES, ids=str)
+def test_kernel_equals_its_definition_bit_for_bit(lib, monkeypatch, dtype, with_bias, rows, n, k):
+    """Odd output counts, K of 1 to 256 blocks (whole groups of four and the rest), blocks of
+    scales 2^-8 to 2^4 apart, every activation dtype."""
+    args = operands(rows, n, k, dtype, seed=rows + n + k, with_bias=with_bias)
+    expected = references.static_nvfp4_linear_in_block_order(*args)
+    without_torch_route(monkeypatch)
+    out = cpu.static_nvfp4_linear(*args)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    assert torch.equal(out, expected)
+
+
+def test_definition_differs_from_the_torch_route_only_by_its_float32_sum():
+    args = operands(7, 64, 4096, torch.float32, seed=5)
+    in_block_order = references.static_nvfp4_linear_in_block_order(*args)
+    assert 0 < relative_error(in_block_order, cpu.torch_static_nvfp4_linear(*args)) < 1e-6
+
+
+@pytest.mark.parametrize("act_scale", [1e-3, 1.0, 3e4, 1e-30], ids=str)
+def test_kernel_quantizes_every_bfloat16_value_as_numerics_does(lib, act_scale):
+    """All 65280 finite bfloat16 values, shuffled into blocks, under global scales that put most
+    block scales in range, at FP8's top (448) and at its clamp (2^-6)."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = bits[torch.isfinite(bits)]
+    values = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(0))]
+    rows = values[: values.numel() // 256 * 256].reshape(-1, 256)
+    scale = torch.tensor(act_scale, dtype=torch.float32)
+    twice_e2m1, scales = cpu_kernel.quantize_rows(lib, rows, scale)
+    q, block_scales = quantize_nvfp4_unpacked(rows, scale)
+    assert torch.equal(twice_e2m1.float() / 2, q)
+    assert torch.equal(scales, block_scales.float())
+
+
+def test_kernel_rounds_e2m1_midpoints_to_even(lib):
+    """A block of 6 and every midpoint of the E2M1 grid under a global scale of 1 (its block
+    scale 1, so the kernel's scaled values are the midpoints themselves)."""
+    midpoints = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    block = torch.tensor([6.0, *midpoints, *[-m for m in midpoints], 0.0])
+    twice_e2m1, scales = cpu_kernel.quantize_rows(lib, block.reshape(1, 16), torch.tensor(1.0))
+    assert scales.tolist() == [[1.0]]
+    assert (twice_e2m1[0] / 2).tolist() == [6.0, 0, 1, 1, 2, 2, 4, 4, 0, -1, -1, -2, -2, -4, -4, 0]
+
+
+@pytest.mark.parametrize(
+    "place,value",
+    [((0, 3), float("nan")), ((2, 95), float("nan")), ((1, 40), float("inf")), ((0, 80), float("-inf"))],
+    ids=["nan-first-block", "nan-last-block", "inf", "minus-inf"],
+)
+def test_kernel_takes_non_finite_activations_as_the_torch_route_does(lib, monkeypatch, place, value):
+    """A NaN makes every output of its row NaN and leaves the other rows as they were; an
+    infinity quantizes to 6 at the block's top scale, as the torch route quantizes it."""
+    x, *rest = operands(3, 24, 96, torch.float32, seed=9)
+    x[place] = value
+    expected = references.static_nvfp4_linear_in_block_order(x, *rest)
+    without_torch_route(monkeypatch)
+    out = cpu.static_nvfp4_linear(x, *rest)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    assert out[place[0]].isnan().all().item() == (value != value)
+    assert out[[row for row in range(3) if row != place[0]]].isfinite().all()
+
+
+def test_calls_of_up_to_most_rows_take_the_kernel_and_more_the_torch_ops(lib, monkeypatch):
+    taken = []
+    monkeypatch.setattr(cpu_kernel, "static_nvfp4_linear_rows", lambda *args: taken.append("kernel"))
+    monkeypatch.setattr(cpu, "torch_static_nvfp4_linear", lambda *args: taken.append("torch"))
+    weights = operands(1, 16, 64, torch.bfloat16, seed=0)[1:]
+    for shape in [(64,), (1, 64), (cpu_kernel.MOST_ROWS, 64), (2, 8, 64), (cpu_kernel.MOST_ROWS + 1, 64), (3, 6, 64)]:
+        cpu.static_nvfp4_linear(torch.zeros(shape, dtype=torch.bfloat16), *weights)
+    assert taken == ["kernel"] * 4 + ["torch"] * 2
+
+
+def test_kernel_takes_leading_dims(lib):
+    x, *rest = operands(2 * 7, 48, 96, torch.bfloat16, seed=4)
+    out = cpu.static_nvfp4_linear(x.reshape(2, 7, 96), *rest)
+    assert torch.equal(out, cpu.static_nvfp4_linear(x, *rest).reshape(2, 7, 48))
+    assert torch.equal(cpu.static_nvfp4_linear(x[3], *rest), out[0, 3])
+
+
+def test_outputs_split_across_threads_equal_one_thread(lib, monkeypatch):
+    args = operands(4, 61, 256, torch.bfloat16, seed=2)
+    one_thread = cpu.static_nvfp4_linear(*args)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_kernel, "_PRODUCTS_PER_THREAD", 1)
+    torch.set_num_threads(5)
+    try:
+        assert torch.equal(cpu.static_nvfp4_linear(*args), one_thread)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_traced_on_a_cpu_the_linear_is_one_op_equal_to_the_eager_call(lib):
+    """A traced graph holds the op, which chooses kernel or torch ops by its row count when it
+    runs: no weight-sized temporaries in the graph, and its outputs are the eager ones."""
+    args = operands(3, 40, 64, torch.bfloat16, seed=1)
+    graph = make_fx(lambda *a: cpu.static_nvfp4_linear(*a))(*args)
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets == [torch.ops.nvfp4_static.cpu_static_nvfp4_linear.default]
+    assert torch.equal(graph(*args), cpu.static_nvfp4_linear(*args))
+    with PassThrough():
+        assert torch.equal(cpu.static_nvfp4_linear(*args), graph(*args))
+
+
+def test_compiled_once_for_every_row_count_equal_to_eager(lib):
+    counter = CompileCounter()
+    linear = torch.compile(cpu.static_nvfp4_linear, backend=counter, fullgraph=True, dynamic=True)
+    _, *weights = operands(1, 32, 128, torch.bfloat16, seed=3)
+    for rows in (2, 5, cpu_kernel.MOST_ROWS, cpu_kernel.MOST_ROWS + 1, 40):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        assert torch.equal(linear(x, *weights), cpu.static_nvfp4_linear(x, *weights))
+    assert counter.frame_count == 1
+
+
+def bad_operands():
+    x, qdata, scales, weight_scale, act_scale, bias = operands(2, 32, 64, torch.bfloat16, seed=6)
+    good = dict(x=x, weight_qdata=qdata, weight_block_scales=scales, weight_per_tensor_scale=weight_scale,
+                act_per_tensor_scale=act_scale, bias=bias)
+    return good, {
+        "weight K": ({"weight_qdata": qdata[:, :16]}, "packed weight"),
+        "weight dtype": ({"weight_qdata": qdata.view(torch.int8)}, "packed weight"),
+        "scales shape": ({"weight_block_scales": scales[:, :2]}, "block scales"),
+        "scales dtype": ({"weight_block_scales": scales.view(torch.uint8)}, "block scales"),
+        "scales rows": ({"weight_block_scales": scales[:16]}, "block scales"),
+        "bias": ({"bias": bias[:31]}, "bias of shape (31,)"),
+        "global scale": ({"act_per_tensor_scale": act_scale.repeat(2)}, "activation global scale"),
+        "device": ({"weight_qdata": qdata.to("meta")}, "operands on ['cpu', 'meta']"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_operands()[1]))
+def test_kernel_refuses_operands_it_would_misread_naming_them(lib, case):
+    good, cases = bad_operands()
+    change, named = cases[case]
+    with pytest.raises(ValueError, match="static NVFP4 linear of an activation \\(2, 64\\)") as error:
+        cpu_kernel.static_nvfp4_linear_rows(lib, **{**good, **change}, scale_values=cpu._decoding_tables()[1])
+    assert named in str(error.value)
+
+
+def fake_compiler(directory, script: str) -> str:
+    """An executable shell script standing in for the C compiler."""
+    path = directory / "cc"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "compiler,message",
+    [("/nonexistent/cc", "No such file"), ("failing", "no compiler here")],
+    ids=["missing", "failing"],
+)
+def test_an_unbuildable_kernel_warns_once_and_the_torch_ops_run(fresh_build, monkeypatch, compiler, message):
+    if compiler == "failing":
+        compiler = fake_compiler(fresh_build, "echo 'no compiler here' >&2; exit 1\n")
+    monkeypatch.setenv("CC", compiler)
+    args = operands(2, 32, 64, torch.bfloat16, seed=7)
+    with pytest.warns(RuntimeWarning, match="CPU kernel .* could not be built") as caught:
+        out = cpu.static_nvfp4_linear(*args)
+    assert len(caught) == 1 and message in str(caught[0].message) and "$CC" in str(caught[0].message)
+    assert torch.equal(out, cpu.torch_static_nvfp4_linear(*args))
+    with no_warnings():
+        assert torch.equal(cpu.static_nvfp4_linear(*args), out)
+
+
+def test_a_compiler_without_march_native_builds_the_portable_kernel(fresh_build, monkeypatch):
+    real = os.environ.get("CC") or "cc"
+    log = fresh_build / "commands"
+    compiler = fake_compiler(
+        fresh_build,
+        f'echo "$*" >> {log}\ncase "$*" in *-march=native*) echo "unknown -march" >&2; exit 1;; esac\nexec {real} "$@"\n',
+    )
+    monkeypatch.setenv("CC", compiler)
+    args = operands(2, 32, 64, torch.float32, seed=8)
+    out = cpu.static_nvfp4_linear(*args)
+    commands = log.read_text().splitlines()
+    assert len(commands) == 2 and "-march=native" in commands[0] and "-march=native" not in commands[1]
+    assert torch.equal(out, references.static_nvfp4_linear_in_block_order(*args))
+
+
+def test_the_built_kernel_is_reused_from_the_cache(fresh_build, monkeypatch):
+    log = fresh_build / "commands"
+    real = os.environ.get("CC") or "cc"
+    monkeypatch.setenv("CC", fake_compiler(fresh_build, f'echo "$*" >> {log}\nexec {real} "$@"\n'))
+    assert cpu_kernel.library() is not None
+    monkeypatch.setattr(cpu_kernel, "_library", None)
+    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    assert cpu_kernel.library() is not None
+    assert len(log.read_text().splitlines()) == 1
+    assert len(list((fresh_build / "cache").glob("cpu_kernel-*.so"))) == 1
+
+
+def test_switched_off_the_kernel_is_neither_built_nor_used(fresh_build, monkeypatch):
+    monkeypatch.setenv(cpu_kernel.SWITCH_ENV_VAR, "0")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    args = operands(2, 32, 64, torch.bfloat16, seed=7)
+    with no_warnings():
+        out = cpu.static_nvfp4_linear(*args)
+    assert torch.equal(out, cpu.torch_static_nvfp4_linear(*args))
+    assert not (fresh_build / "cache").exists() or not list((fresh_build / "cache").iterdir())
