@@ -37,7 +37,9 @@ from nvfp4_static import (
 from nvfp4_static.clip_monitor import clip_counts, disable_clip_monitor, enable_clip_monitor
 from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics, snr_db
 from nvfp4_static.backends.cpu import grouped_static_nvfp4_linear
+from nvfp4_static.experts import routing as experts_routing
 from nvfp4_static.experts.routing import combine, route
+from nvfp4_static.kernels.launch import runs_eagerly
 from nvfp4_static.kernels.grouped_gemm import GroupedGemmConfig
 from nvfp4_static.numerics import dequantize_nvfp4, fake_quantize_nvfp4, per_tensor_amax_to_scale, quantize_nvfp4
 from nvfp4_static.observers.full_hessian import block_diagonal
@@ -528,6 +530,50 @@ def test_compiled_experts_serve_every_routing_without_recompiling(converted_hold
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
         for batch in batches:
             assert torch.equal(compiled(*batch), experts(*batch))
+
+
+def graph_ops(run, *inputs) -> set:
+    """The ``nvfp4_static`` ops in the graph dynamo traces of ``run(*inputs)``."""
+    names = set()
+
+    def backend(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and "nvfp4_static" in str(node.target):
+                names.add(str(node.target).split(".")[-2])
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(run, backend=backend, fullgraph=True)(*inputs)
+    return names
+
+
+def test_routing_read_from_the_eager_kernels_buffer_equals_the_torch_ops_routing():
+    """The route kernel writes its four outputs into one buffer for an eager call
+    (``routing_in`` reads it) and into four tensors for the op (``routing_of``)."""
+    index = routed_batch(7, seed=5)[1]
+    index[0, 0], index[3, 1] = EXPERTS, -2  # no expert, and an index outside 0..E
+    parts = experts_routing.routing_by_torch_ops(index, EXPERTS)
+    expected = experts_routing.routing_of(parts, 7, EXPERTS)
+    read = experts_routing.routing_in(torch.cat(parts), 7, EXPERTS)
+    for field in ("pair_of_row", "expert_offsets", "pairs_in_range", "row_of_pair", "token_of_row"):
+        assert torch.equal(getattr(read, field), getattr(expected, field)), field
+    assert read.pairs_in_range.tolist() == [index.numel() - 1] and expected.expert_offsets.storage_offset() == 0
+
+
+def test_traced_experts_route_and_combine_through_their_ops(converted_holder, monkeypatch):
+    """A traced forward on CUDA reaches the routing kernels as two opaque ops; forced on the
+    CPU (where the ops' kernels are the torch ops) the graph holds them and gives the eager
+    output."""
+    monkeypatch.setattr(experts_routing, "traced_on_cuda", lambda *tensors: not runs_eagerly(*tensors))
+    monkeypatch.setattr(experts_routing, "combined_by_kernel", lambda rows, *rest: not runs_eagerly(rows))
+    experts = converted_holder.experts
+    batch = routed_batch(9, seed=6, experts=[0, 3, 5])
+    assert {"route_experts", "combine_experts"} <= graph_ops(experts, *batch)
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(compiled(*batch), experts(*batch))
 
 
 def test_model_to_another_dtype_keeps_the_nvfp4_data(converted_holder):
@@ -1390,6 +1436,21 @@ def test_gpu_converted_experts_match_cpu_and_compile_without_recompiling():
             # move one of its E2M1 codes a step before the down projection: far below the 1e-1
             # a wrong expert or scale gives.
             assert relative_error(out.cpu(), reference) <= 2e-2
+
+
+@requires_cuda
+def test_gpu_compiled_experts_route_and_combine_by_kernel_as_eager_calls_do_bit_for_bit(converted_holder):
+    """One graph for 3 to 300 tokens (up to 600 pairs: the route kernel in chunks past 512)
+    holding the two routing ops, each call equal to the eager one, which launches the same
+    kernels."""
+    holder = copy.deepcopy(converted_holder).to("cuda")
+    batches = [[t.cuda() for t in routed_batch(tokens, seed=tokens)] for tokens in (3, 10, 64, 300)]
+    assert {"route_experts", "combine_experts"} <= graph_ops(holder.experts, *batches[1])
+    compiled = torch.compile(holder.experts, fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in batches:
+            assert torch.equal(compiled(*batch), holder.experts(*batch))
 
 
 @requires_cuda

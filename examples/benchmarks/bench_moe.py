@@ -23,7 +23,14 @@ for the token counts whose calls are replayed (``experts.eager.MOST_REPLAYED_PAI
 ours with the routing and the weighted sum as torch ops (as a compiled graph has them), ours
 with them as kernels but every call through the forward, and ours as an eager call runs (its
 kernels' launches replayed, ``experts.eager``); the three outputs of ours are checked equal
-first. Run:
+first.
+
+A third table times the layer compiled (``torch.compile(fullgraph=True, dynamic=True)``, Inductor,
+one graph per layer for every token count) and replayed from a CUDA graph (ms): bf16, ours with
+the routing and the weighted sum traced as torch ops, and ours as a compiled graph has them, the
+routing kernels as two opaque ops (``kernels.ops.route_experts``, ``combine_experts``); "diff" is
+the relative distance between the two outputs of ours (Inductor may fuse the torch ops' weighted
+sum and round it once, where the kernel rounds each add as eager torch does). Run:
 
     python examples/benchmarks/bench_moe.py [--tokens 1 16 128 1024 4096]
 """
@@ -141,6 +148,7 @@ def main():
                 f"{ms['gemm bf16 g'] / ms['gemm ours g']:14.2f} {ms['layer bf16 g'] / ms['layer ours g']:15.2f} {rel_err:8.3f}"
             )
     print_eager_loop(bf16, ours, [tokens for tokens in tokens_to_run if tokens * TOP_K <= MOST_REPLAYED_PAIRS])
+    print_compiled(bf16, ours, tokens_to_run)
 
 
 EAGER_LOOP_CALLS = 200
@@ -189,6 +197,34 @@ def print_eager_loop(bf16, ours, token_counts: list[int], rounds: int = 5) -> No
             print(
                 f"{'':>23} | {tokens:>5} | {bf16_us:8.1f} " + " ".join(f"{us:16.1f}" for us in ours_us)
                 + f" | {bf16_us / ours_us[-1]:9.2f}"
+            )
+
+
+def print_compiled(bf16, ours, token_counts: list[int]) -> None:
+    """The compiled table (module docstring) for ``token_counts``."""
+    paths = ("bf16", "ours, torch ops", "ours, kernel ops")
+    print(f"\ncompiled, ms from a CUDA graph | {'T':>5} | " + " ".join(f"{p:>16}" for p in paths) + " | bf16/ours | diff")
+    torch._dynamo.reset()
+    compiled = {"bf16": torch.compile(bf16, fullgraph=True, dynamic=True)}
+    for path in paths[1:]:
+        compiled[path] = torch.compile(ours, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for tokens in token_counts:
+            hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            top_k_weights, top_k_index = torch.topk(torch.randn(tokens, EXPERTS, device="cuda").softmax(-1), TOP_K)
+            batch = (hidden, top_k_index, top_k_weights.to(torch.bfloat16))
+            ms, outputs = {}, {}
+            for path in paths:
+                # The torch ops' graph is traced (and guarded) with the routing kernels hidden.
+                hidden_kernels = mock.patch.object(experts_routing, "HAS_TRITON", path != "ours, torch ops")
+                with hidden_kernels:
+                    outputs[path] = compiled[path](*batch).float()
+                    ms[path] = graph_ms(lambda: compiled[path](*batch))
+            a, b = outputs["ours, torch ops"], outputs["ours, kernel ops"]
+            diff = float((a - b).norm() / b.norm())
+            print(
+                f"{'':>30} | {tokens:>5} | " + " ".join(f"{ms[p]:16.4f}" for p in paths)
+                + f" | {ms['bf16'] / ms['ours, kernel ops']:9.2f} | {diff:.1e}"
             )
 
 

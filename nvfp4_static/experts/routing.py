@@ -4,10 +4,11 @@
 the order transformers' loop gives each expert its tokens (by slot, then by token), so each
 expert's linear sees exactly the rows it sees there. ``combine`` adds each token's weighted
 expert outputs in ascending expert order, the order of transformers' ``index_add_`` over experts,
-so the sums round as they do there. Both use only shape-static torch ops, few of them (each is a
-launch on the GPU, and an eager layer pays host time for every one): a compiled forward does not
-depend on how many tokens each expert gets. An eager call on CUDA runs each as one Triton launch
-instead (``kernels.expert_routing``), with the same results bit for bit.
+so the sums round as they do there. On CUDA each is a Triton kernel (``kernels.expert_routing``):
+launched directly by an eager call, and in a traced graph an opaque op of its own
+(``kernels.ops.route_experts``, ``combine_experts``), so that a compiled forward does not depend
+on how many tokens each expert gets. Elsewhere, and past the kernels' limits, they are
+shape-static torch ops, few of them, with the same results bit for bit.
 """
 
 from typing import NamedTuple
@@ -15,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from nvfp4_static.kernels.launch import runs_eagerly
-from nvfp4_static.kernels.ops import HAS_TRITON
+from nvfp4_static.kernels.ops import HAS_TRITON, combine_experts, route_experts
 
 if HAS_TRITON:
     from nvfp4_static.kernels.expert_routing import COMBINED_DTYPES, MAX_ROUTED_PAIRS, launch_combine, launch_route
@@ -113,6 +114,12 @@ def routing_in(buffer: torch.Tensor, tokens: int, num_experts: int) -> Routing:
     return Routing(pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :], row_of_pair, token_of_row)
 
 
+def traced_on_cuda(*tensors: torch.Tensor) -> bool:
+    """Whether a call on CUDA tensors is being traced, so that it reaches the routing kernels
+    through their ops."""
+    return HAS_TRITON and tensors[0].is_cuda and not runs_eagerly(*tensors)
+
+
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     """Group the pairs of ``top_k_index [T, k]`` by expert (an index outside ``[0, E)``: by no
     expert, after all the others), counting those in ``0..E``."""
@@ -121,6 +128,24 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
         buffer = routing_buffer(top_k_index, num_experts)
         launch_route(top_k_index, num_experts, *buffer.split([pairs, pairs, pairs, num_experts + 2]))
         return routing_in(buffer, tokens, num_experts)
+    if traced_on_cuda(top_k_index):
+        return routing_of(route_experts(top_k_index, num_experts), tokens, num_experts)
+    return routing_of(routing_by_torch_ops(top_k_index, num_experts), tokens, num_experts)
+
+
+def routing_of(parts: tuple, tokens: int, num_experts: int) -> Routing:
+    """The ``Routing`` of ``(pair_of_row, row_of_pair, token_of_row, starts)``, the route kernel's
+    four outputs (``starts`` ``[E + 2]``: the experts' offsets, then the count in range).
+    ``expert_offsets`` is a slice at the start of ``starts``: Inductor's CUDA lowering of
+    searchsorted ignores a slice's offset (pytorch/pytorch#160964)."""
+    pair_of_row, row_of_pair, token_of_row, starts = parts
+    return Routing(pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :], row_of_pair, token_of_row)
+
+
+def routing_by_torch_ops(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """The route kernel's four outputs (``routing_of``) from torch ops, on any device and any
+    number of pairs."""
+    tokens, pairs = top_k_index.shape[0], top_k_index.numel()
     # Slot-major pairs, so that a stable sort by expert orders each expert's pairs by slot,
     # then by token. Clamping to [-1, E + 1] and taking the remainder modulo E + 2 keeps E
     # and sends every index outside [0, E] to E + 1.
@@ -130,9 +155,7 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     starts = torch.searchsorted(sorted_expert, boundaries)
     row_of_pair = torch.empty_like(pair_of_row)
     row_of_pair[pair_of_row] = torch.arange(pairs, device=row_of_pair.device)
-    return Routing(
-        pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :], row_of_pair, pair_of_row % tokens
-    )
+    return pair_of_row, row_of_pair, pair_of_row % tokens, starts
 
 
 def combine(
@@ -144,23 +167,43 @@ def combine(
     """``[T, H]`` in ``dtype``: each token's rows of ``expert_rows [T * k, H]`` times their routing
     weights, summed in ascending expert order; rows that went to no expert add nothing (they
     may hold anything, even NaN)."""
-    tokens, top_k = top_k_weights.shape
-    if (
+    routed_end = routing.expert_offsets[-1:]
+    if combined_by_kernel(expert_rows, top_k_weights, dtype):
+        if traced_on_cuda(expert_rows, top_k_weights, routing.row_of_pair):
+            return combine_experts(expert_rows, routing.row_of_pair, routed_end, top_k_weights, dtype)
+        out = torch.empty(top_k_weights.shape[0], expert_rows.shape[-1], dtype=dtype, device=expert_rows.device)
+        launch_combine(expert_rows, routing.row_of_pair, routed_end, top_k_weights, out)
+        return out
+    return combine_by_torch_ops(expert_rows, routing.row_of_pair, routed_end, top_k_weights, dtype)
+
+
+def combined_by_kernel(expert_rows: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``combine`` runs the combine kernel (CUDA, its dtypes, rows of unit column stride),
+    launched directly or, traced, through its op."""
+    return (
         HAS_TRITON
         and expert_rows.is_cuda
         and {dtype, expert_rows.dtype, top_k_weights.dtype} <= COMBINED_DTYPES
         and expert_rows.stride(-1) == 1
-        and runs_eagerly(expert_rows, top_k_weights, routing.row_of_pair)
-    ):
-        out = torch.empty(tokens, expert_rows.shape[-1], dtype=dtype, device=expert_rows.device)
-        launch_combine(expert_rows, routing.row_of_pair, routing.expert_offsets[-1:], top_k_weights, out)
-        return out
+    )
+
+
+def combine_by_torch_ops(
+    expert_rows: torch.Tensor,
+    row_of_pair: torch.Tensor,
+    routed_end: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``combine`` in torch ops, on any device: ``routed_end`` (one element) is the first row that
+    went to no expert."""
+    tokens, top_k = top_k_weights.shape
     # Rows are sorted by expert (ties by slot), so each token's rows in ascending order are its
     # experts in ascending order, rows routed nowhere last.
-    rows, slots = routing.row_of_pair.reshape(top_k, tokens).t().sort(dim=1)
+    rows, slots = row_of_pair.reshape(top_k, tokens).t().sort(dim=1)
     weights = top_k_weights.gather(1, slots)
     contributions = (expert_rows[rows] * weights[..., None]).to(dtype)
-    contributions = torch.where((rows < routing.expert_offsets[-1])[..., None], contributions, 0)
+    contributions = torch.where((rows < routed_end)[..., None], contributions, 0)
     out = torch.zeros(tokens, expert_rows.shape[-1], dtype=dtype, device=expert_rows.device)
     for j in range(top_k):
         out = out + contributions[:, j]

@@ -82,6 +82,7 @@ def _without_triton(what: str):
 if HAS_TRITON:
     from nvfp4_static.kernels.act_quantize import launch_activation_quantize
     from nvfp4_static.kernels.block_hessian import launch_block_hessian
+    from nvfp4_static.kernels.expert_routing import MAX_ROUTED_PAIRS, launch_combine, launch_route
     from nvfp4_static.kernels.gemm import (
         DECODE_TILE,
         DECODE_TILE_AT_ONE_ROW,
@@ -115,6 +116,9 @@ else:
     DECODE_TILE = DECODE_TILE_AT_ONE_ROW = None
     WIDE_TILES = {}
     launch_grouped_nvfp4_gemm = _without_triton("the grouped NVFP4 GEMM of experts on a CUDA tensor")
+    launch_route = _without_triton("the experts' route kernel on a CUDA tensor")
+    launch_combine = _without_triton("the experts' combine kernel on a CUDA tensor")
+    MAX_ROUTED_PAIRS = 0
 
 
 # --- When to skip an op's dispatch ---------------------------------------------------------------
@@ -662,6 +666,71 @@ def grouped_static_nvfp4_linear(
         return _grouped_static_nvfp4_linear_cuda(*operands)
     return _grouped_static_nvfp4_linear_op(*operands)
 
+
+
+# --- The experts' routing ops --------------------------------------------------------------------
+# A traced experts forward on CUDA reaches the routing kernels (``kernels.expert_routing``)
+# through these two opaque ops; eager calls launch the kernels directly (``experts.routing``).
+# Their default kernels, and the CUDA ones past the kernels' limits, are the torch ops.
+
+
+@torch.library.custom_op("nvfp4_static::route_experts", mutates_args=())
+def route_experts(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing of ``top_k_index [T, k]`` to ``num_experts`` experts: ``pair_of_row``,
+    ``row_of_pair``, ``token_of_row`` (int64 ``[T * k]``) and ``starts`` (int64 ``[E + 2]``),
+    as ``experts.routing.routing_of`` reads them."""
+    # Imported here: nvfp4_static.experts.routing imports this module.
+    from nvfp4_static.experts.routing import routing_by_torch_ops
+
+    return routing_by_torch_ops(top_k_index, num_experts)
+
+
+@route_experts.register_kernel("cuda")
+def _route_experts_cuda(top_k_index, num_experts):
+    if top_k_index.numel() > MAX_ROUTED_PAIRS:
+        from nvfp4_static.experts.routing import routing_by_torch_ops
+
+        return routing_by_torch_ops(top_k_index, num_experts)
+    parts = _route_experts_fake(top_k_index, num_experts)
+    launch_route(top_k_index, num_experts, *parts)
+    return parts
+
+
+@route_experts.register_fake
+def _route_experts_fake(top_k_index, num_experts):
+    pairs = top_k_index.numel()
+    return (
+        *(top_k_index.new_empty(pairs, dtype=torch.int64) for _ in range(3)),
+        top_k_index.new_empty(num_experts + 2, dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("nvfp4_static::combine_experts", mutates_args=())
+def combine_experts(
+    expert_rows: torch.Tensor,
+    row_of_pair: torch.Tensor,
+    routed_end: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Each token's weighted sum of its expert rows (``experts.routing.combine``), ``[T, H]`` in
+    ``dtype``."""
+    from nvfp4_static.experts.routing import combine_by_torch_ops
+
+    return combine_by_torch_ops(expert_rows, row_of_pair, routed_end, top_k_weights, dtype)
+
+
+@combine_experts.register_kernel("cuda")
+def _combine_experts_cuda(expert_rows, row_of_pair, routed_end, top_k_weights, dtype):
+    expert_rows = expert_rows if expert_rows.stride(-1) == 1 else expert_rows.contiguous()
+    out = torch.empty(top_k_weights.shape[0], expert_rows.shape[-1], dtype=dtype, device=expert_rows.device)
+    launch_combine(expert_rows, row_of_pair, routed_end, top_k_weights, out)
+    return out
+
+
+@combine_experts.register_fake
+def _combine_experts_fake(expert_rows, row_of_pair, routed_end, top_k_weights, dtype):
+    return expert_rows.new_empty((top_k_weights.shape[0], expert_rows.shape[-1]), dtype=dtype)
 
 def _require_cuda(a: torch.Tensor, op_name: str) -> None:
     if a.device.type != "cuda":
