@@ -97,6 +97,19 @@ def test_kernel_quantizes_every_bfloat16_value_as_numerics_does(lib, act_scale):
     assert torch.equal(scales, block_scales.float())
 
 
+@pytest.mark.parametrize("act_scale", [0.0, -1e-3, float("inf"), float("nan")], ids=str)
+def test_kernel_quantizes_under_degenerate_global_scales_as_numerics_does(lib, act_scale):
+    """Scales the tensor never holds, given to the route directly: NaN and infinities come out
+    where torch's arithmetic makes them, and NaN scaled values become 1.5 with their sign."""
+    rows = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    rows[0, :16], rows[1, 5] = 0.0, float("inf")
+    scale = torch.tensor(act_scale, dtype=torch.float32)
+    twice_e2m1, scales = cpu_kernel.quantize_rows(lib, rows, scale)
+    q, block_scales = quantize_nvfp4_unpacked(rows, scale)
+    assert torch.equal(twice_e2m1.float() / 2, q)
+    torch.testing.assert_close(scales, block_scales.float(), rtol=0, atol=0, equal_nan=True)
+
+
 def test_kernel_rounds_e2m1_midpoints_to_even(lib):
     """A block of 6 and every midpoint of the E2M1 grid under a global scale of 1 (its block
     scale 1, so the kernel's scaled values are the midpoints themselves)."""

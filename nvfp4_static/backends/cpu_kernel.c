@@ -76,6 +76,10 @@ static float quantize_block(const float *x, float global_scale, float one_over_g
         if (v > 6.0f)
             v = 6.0f;
         float magnitude = fabsf(v);
+        if (v != v) { /* a global scale of 0 or infinity makes NaN: 1.5 with its sign, as in torch */
+            q2[j] = signbit(v) ? -3 : 3;
+            continue;
+        }
         /* The grid's spacing is 1/2 below 2, 1 below 4, 2 up to 6: scaled by its inverse, a
          * power of two, each stretch rounds to integers, ties to even. */
         if (magnitude < 2.0f)
