@@ -76,6 +76,22 @@ def test_kernel_equals_its_definition_bit_for_bit(lib, monkeypatch, dtype, with_
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("rows", [1, 7], ids=str)
+def test_kernel_takes_any_packed_bytes_and_fp8_scale_codes_as_its_definition(lib, monkeypatch, rows):
+    """A loaded weight may hold any bytes: every packed byte (-0.0 codes included) and every FP8
+    scale code but the two NaNs (negative and subnormal scales included), at random."""
+    generator = torch.Generator().manual_seed(rows)
+    n, k = 40, 160
+    qdata = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.uint8)
+    codes = torch.randint(0, 254, (n, k // 16), generator=generator, dtype=torch.uint8)
+    codes = torch.where(codes >= 0x7F, codes + 1, codes)  # skip 0x7F; 0xFF is never drawn
+    x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+    args = (x, qdata, codes.view(torch.float8_e4m3fn), torch.tensor(0.02), torch.tensor(0.01), None)
+    expected = references.static_nvfp4_linear_in_block_order(*args)
+    without_torch_route(monkeypatch)
+    assert torch.equal(cpu.static_nvfp4_linear(*args), expected)
+
+
 def test_definition_differs_from_the_torch_route_only_by_its_float32_sum():
     args = operands(7, 64, 4096, torch.float32, seed=5)
     in_block_order = references.static_nvfp4_linear_in_block_order(*args)
