@@ -110,8 +110,7 @@ def routing_in(buffer: torch.Tensor, tokens: int, num_experts: int) -> Routing:
     """The ``Routing`` the route kernel wrote into ``buffer`` for ``tokens`` tokens: views of it,
     ``pair_of_row``, ``row_of_pair``, ``token_of_row``, then the kernel's ``[E + 2]`` starts."""
     pairs = (buffer.numel() - num_experts - 2) // 3
-    pair_of_row, row_of_pair, token_of_row, starts = buffer.split([pairs, pairs, pairs, num_experts + 2])
-    return Routing(pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :], row_of_pair, token_of_row)
+    return routing_of(buffer.split([pairs, pairs, pairs, num_experts + 2]), tokens, num_experts)
 
 
 def traced_on_cuda(*tensors: torch.Tensor) -> bool:
@@ -135,9 +134,10 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
 
 def routing_of(parts: tuple, tokens: int, num_experts: int) -> Routing:
     """The ``Routing`` of ``(pair_of_row, row_of_pair, token_of_row, starts)``, the route kernel's
-    four outputs (``starts`` ``[E + 2]``: the experts' offsets, then the count in range).
-    ``expert_offsets`` is a slice at the start of ``starts``: Inductor's CUDA lowering of
-    searchsorted ignores a slice's offset (pytorch/pytorch#160964)."""
+    four outputs (``starts`` ``[E + 2]``: the experts' offsets, then the count in range). Traced,
+    they are tensors of their own (``kernels.ops.route_experts``), so ``expert_offsets`` starts
+    its storage: Inductor's CUDA lowering of searchsorted ignores a view's offset
+    (pytorch/pytorch#160964)."""
     pair_of_row, row_of_pair, token_of_row, starts = parts
     return Routing(pair_of_row, starts[: num_experts + 1], tokens, starts[num_experts + 1 :], row_of_pair, token_of_row)
 
