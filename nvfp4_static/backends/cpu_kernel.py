@@ -1,6 +1,6 @@
 """The CPU's own kernel for the static NVFP4 linear at a few rows (``cpu_kernel.c``).
 
-Torch ops on a CPU dequantize the weight into float32 before multiplying it, 8-20x float
+Torch ops on a CPU dequantize the weight into float32 before multiplying it, 11-19x float
 ``F.linear``'s time at one token (``examples/benchmarks/RESULTS.md``). The C kernel quantizes the
 rows and multiplies them by the packed weight in one pass over it. It is compiled with the
 machine's C compiler (``$CC``, else ``cc``) at its first use in a process, for this CPU
@@ -59,9 +59,10 @@ def library() -> Optional[ctypes.CDLL]:
     global _library, _tried
     if not enabled():
         return None
+    if _tried:  # every eager call on a CPU asks: no lock once built
+        return _library
     with _lock:
         if not _tried:
-            _tried = True
             try:
                 _library = _load(_build())
             except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
@@ -73,6 +74,7 @@ def library() -> Optional[ctypes.CDLL]:
                     f"$CC at one; ${SWITCH_ENV_VAR}=0 silences this.",
                     RuntimeWarning,
                 )
+            _tried = True  # after _library: the check outside the lock reads them in this order
         return _library
 
 

@@ -19,7 +19,7 @@ from nvfp4_static.kernels.launch import runs_eagerly
 from nvfp4_static.kernels.ops import HAS_TRITON, combine_experts, route_experts
 
 if HAS_TRITON:
-    from nvfp4_static.kernels.expert_routing import COMBINED_DTYPES, MAX_ROUTED_PAIRS, launch_combine, launch_route
+    from nvfp4_static.kernels.expert_routing import COMBINED_DTYPES, MAX_ROUTED_PAIRS, launch_route
 
 __all__ = ["Routing", "check_expert_indices", "check_routing", "route", "combine"]
 
@@ -167,19 +167,13 @@ def combine(
     """``[T, H]`` in ``dtype``: each token's rows of ``expert_rows [T * k, H]`` times their routing
     weights, summed in ascending expert order; rows that went to no expert add nothing (they
     may hold anything, even NaN)."""
-    routed_end = routing.expert_offsets[-1:]
-    if combined_by_kernel(expert_rows, top_k_weights, dtype):
-        if traced_on_cuda(expert_rows, top_k_weights, routing.row_of_pair):
-            return combine_experts(expert_rows, routing.row_of_pair, routed_end, top_k_weights, dtype)
-        out = torch.empty(top_k_weights.shape[0], expert_rows.shape[-1], dtype=dtype, device=expert_rows.device)
-        launch_combine(expert_rows, routing.row_of_pair, routed_end, top_k_weights, out)
-        return out
-    return combine_by_torch_ops(expert_rows, routing.row_of_pair, routed_end, top_k_weights, dtype)
+    combined = combine_experts if combined_by_kernel(expert_rows, top_k_weights, dtype) else combine_by_torch_ops
+    return combined(expert_rows, routing.row_of_pair, routing.expert_offsets[-1:], top_k_weights, dtype)
 
 
 def combined_by_kernel(expert_rows: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether ``combine`` runs the combine kernel (CUDA, its dtypes, rows of unit column stride),
-    launched directly or, traced, through its op."""
+    """Whether ``combine`` runs the combine kernel (CUDA, its dtypes, rows of unit column stride:
+    ``kernels.ops.combine_experts``)."""
     return (
         HAS_TRITON
         and expert_rows.is_cuda

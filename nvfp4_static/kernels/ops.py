@@ -691,13 +691,14 @@ def _route_experts_cuda(top_k_index, num_experts):
         from nvfp4_static.experts.routing import routing_by_torch_ops
 
         return routing_by_torch_ops(top_k_index, num_experts)
-    parts = _route_experts_fake(top_k_index, num_experts)
+    parts = _empty_routing(top_k_index, num_experts)
     launch_route(top_k_index, num_experts, *parts)
     return parts
 
 
 @route_experts.register_fake
-def _route_experts_fake(top_k_index, num_experts):
+def _empty_routing(top_k_index, num_experts):
+    """``route_experts``'s four outputs, new and unfilled."""
     pairs = top_k_index.numel()
     return (
         *(top_k_index.new_empty(pairs, dtype=torch.int64) for _ in range(3)),
@@ -705,7 +706,34 @@ def _route_experts_fake(top_k_index, num_experts):
     )
 
 
-@torch.library.custom_op("nvfp4_static::combine_experts", mutates_args=())
+def _combine_experts_torch(
+    expert_rows: torch.Tensor,
+    row_of_pair: torch.Tensor,
+    routed_end: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    from nvfp4_static.experts.routing import combine_by_torch_ops
+
+    return combine_by_torch_ops(expert_rows, row_of_pair, routed_end, top_k_weights, dtype)
+
+
+_combine_experts_op = torch.library.custom_op("nvfp4_static::combine_experts", mutates_args=())(_combine_experts_torch)
+
+
+@_combine_experts_op.register_kernel("cuda")
+def _combine_experts_cuda(expert_rows, row_of_pair, routed_end, top_k_weights, dtype):
+    expert_rows = expert_rows if expert_rows.stride(-1) == 1 else expert_rows.contiguous()
+    out = torch.empty(top_k_weights.shape[0], expert_rows.shape[-1], dtype=dtype, device=expert_rows.device)
+    launch_combine(expert_rows, row_of_pair, routed_end, top_k_weights, out)
+    return out
+
+
+@_combine_experts_op.register_fake
+def _combine_experts_fake(expert_rows, row_of_pair, routed_end, top_k_weights, dtype):
+    return expert_rows.new_empty((top_k_weights.shape[0], expert_rows.shape[-1]), dtype=dtype)
+
+
 def combine_experts(
     expert_rows: torch.Tensor,
     row_of_pair: torch.Tensor,
@@ -714,23 +742,13 @@ def combine_experts(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Each token's weighted sum of its expert rows (``experts.routing.combine``), ``[T, H]`` in
-    ``dtype``."""
-    from nvfp4_static.experts.routing import combine_by_torch_ops
+    ``dtype``: the combine kernel on CUDA, launched directly by an eager call (without the op's
+    dispatch, as the grouped GEMM's), through the op while traced; elsewhere the torch ops."""
+    operands = (expert_rows, row_of_pair, routed_end, top_k_weights)
+    if expert_rows.is_cuda and runs_eagerly(*operands):
+        return _combine_experts_cuda(*operands, dtype)
+    return _combine_experts_op(*operands, dtype)
 
-    return combine_by_torch_ops(expert_rows, row_of_pair, routed_end, top_k_weights, dtype)
-
-
-@combine_experts.register_kernel("cuda")
-def _combine_experts_cuda(expert_rows, row_of_pair, routed_end, top_k_weights, dtype):
-    expert_rows = expert_rows if expert_rows.stride(-1) == 1 else expert_rows.contiguous()
-    out = torch.empty(top_k_weights.shape[0], expert_rows.shape[-1], dtype=dtype, device=expert_rows.device)
-    launch_combine(expert_rows, row_of_pair, routed_end, top_k_weights, out)
-    return out
-
-
-@combine_experts.register_fake
-def _combine_experts_fake(expert_rows, row_of_pair, routed_end, top_k_weights, dtype):
-    return expert_rows.new_empty((top_k_weights.shape[0], expert_rows.shape[-1]), dtype=dtype)
 
 def _require_cuda(a: torch.Tensor, op_name: str) -> None:
     if a.device.type != "cuda":
