@@ -59,7 +59,12 @@ def operands(rows, n, k, dtype, seed, with_bias=True):
     return ops.x.to(dtype), ops.weight_qdata, ops.weight_block_scales, ops.weight_scale, ops.act_scale, bias
 
 
-SHAPES = [(1, 8, 16), (1, 48, 64), (3, 40, 96), (16, 33, 272), (5, 17, 1024), (2, 24, 4096)]
+# One and two rows go one row at a time, three or more as vector lanes in chunks of 16 (two
+# halves of 8), four features or two at a time: row counts in one and both halves and past a
+# chunk, output counts with and without a remainder.
+SHAPES = [
+    (1, 8, 16), (1, 48, 64), (3, 40, 96), (16, 33, 272), (5, 17, 1024), (2, 24, 4096), (40, 37, 48), (25, 6, 80),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -154,14 +159,75 @@ def test_kernel_takes_non_finite_activations_as_the_torch_route_does(lib, monkey
     assert out[[row for row in range(3) if row != place[0]]].isfinite().all()
 
 
-def test_calls_of_up_to_most_rows_take_the_kernel_and_more_the_torch_ops(lib, monkeypatch):
+def test_calls_of_up_to_the_kernels_rows_take_it_and_more_the_torch_ops(lib, monkeypatch):
+    """A kernel built without AVX2 takes up to 16 rows (``instruction_set_builds`` below)."""
     taken = []
     monkeypatch.setattr(cpu_kernel, "static_nvfp4_linear_rows", lambda *args: taken.append("kernel"))
     monkeypatch.setattr(cpu, "torch_static_nvfp4_linear", lambda *args: taken.append("torch"))
+    monkeypatch.setattr(lib, "most_rows", 16)
     weights = operands(1, 16, 64, torch.bfloat16, seed=0)[1:]
-    for shape in [(64,), (1, 64), (cpu_kernel.MOST_ROWS, 64), (2, 8, 64), (cpu_kernel.MOST_ROWS + 1, 64), (3, 6, 64)]:
+    for shape in [(64,), (1, 64), (16, 64), (2, 8, 64), (17, 64), (3, 6, 64)]:
         cpu.static_nvfp4_linear(torch.zeros(shape, dtype=torch.bfloat16), *weights)
     assert taken == ["kernel"] * 4 + ["torch"] * 2
+
+
+def cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as info:
+            line = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+# The kernel's code paths by the flags that build them: for this CPU (with VNNI's byte dot
+# products where it has them), AVX2 without them, and the portable C.
+INSTRUCTION_SETS = {"native": ("-march=native",), "avx2": ("-mavx2",), "portable": ()}
+
+
+@pytest.fixture(scope="module")
+def instruction_set_builds(tmp_path_factory):
+    """Each of INSTRUCTION_SETS' builds this CPU runs, loaded."""
+    directory = tmp_path_factory.mktemp("builds")
+    builds = {}
+    for name, flags in INSTRUCTION_SETS.items():
+        if name == "avx2" and "avx2" not in cpu_flags():
+            continue
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(cpu_kernel.CACHE_ENV_VAR, str(directory))
+            built = cpu_kernel._build_with([*cpu_kernel._compiler(), *cpu_kernel.FLAGS, *flags])
+        builds[name] = cpu_kernel._load(built)
+    return builds
+
+
+@pytest.mark.parametrize("name", list(INSTRUCTION_SETS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 17, 33], ids=str)
+def test_every_instruction_set_build_equals_the_definition(instruction_set_builds, name, rows):
+    """Every build that can take the rows equals the definition bit for bit; the portable one
+    takes up to 16, the vector ones any number."""
+    if name not in instruction_set_builds:
+        pytest.skip(f"this CPU has no {name}")
+    built = instruction_set_builds[name]
+    assert built.most_rows == (16 if name == "portable" else 2**31 - 1)
+    if rows > built.most_rows:
+        return
+    args = operands(rows, 37, 80, torch.bfloat16, seed=rows)
+    out = cpu_kernel.static_nvfp4_linear_rows(built, *args, cpu._decoding_tables()[1])
+    assert torch.equal(out, references.static_nvfp4_linear_in_block_order(*args))
+
+
+def test_a_workspace_the_kernel_cannot_allocate_raises_memory_error_naming_the_shapes(lib):
+    class OutOfMemory:
+        nvfp4_quantize_rows = lib.nvfp4_quantize_rows
+        most_rows = lib.most_rows
+
+        @staticmethod
+        def nvfp4_rows_times_weight(*args):
+            return -1
+
+    args = operands(5, 24, 64, torch.bfloat16, seed=10)
+    with pytest.raises(MemoryError, match=r"5 rows of 64 \(a \[5, 64\] activation times a \[24, 64\] weight\)"):
+        cpu_kernel.static_nvfp4_linear_rows(OutOfMemory, *args, cpu._decoding_tables()[1])
 
 
 def test_kernel_takes_leading_dims(lib):
@@ -199,7 +265,7 @@ def test_compiled_once_for_every_row_count_equal_to_eager(lib):
     counter = CompileCounter()
     linear = torch.compile(cpu.static_nvfp4_linear, backend=counter, fullgraph=True, dynamic=True)
     _, *weights = operands(1, 32, 128, torch.bfloat16, seed=3)
-    for rows in (2, 5, cpu_kernel.MOST_ROWS, cpu_kernel.MOST_ROWS + 1, 40):
+    for rows in (2, 5, 16, 17, 40):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         assert torch.equal(linear(x, *weights), cpu.static_nvfp4_linear(x, *weights))
     assert counter.frame_count == 1

@@ -4,8 +4,8 @@
 
 For each weight shape (K x N) and token count M, wall time per call (ms) of: ``F.linear`` in
 float32 and in bfloat16 (the baselines), the converted layer (``NVFP4StaticLinear``, bfloat16
-activation, the ``cpu`` backend as an eager model runs it: the C kernel up to
-``cpu_kernel.MOST_ROWS`` rows, torch ops above), and the same layer on the torch ops alone
+activation, the ``cpu`` backend as an eager model runs it: the C kernel, at every row count where
+it is built with AVX2, else up to 16 rows), and the same layer on the torch ops alone
 (``NVFP4_STATIC_CPU_KERNEL=0``: the weight dequantized and multiplied in slices). Before timing,
 the two NVFP4 outputs are checked to agree within one bfloat16 rounding (they differ in the order
 of their float32 sums). Each cell is the best of ``--rounds`` rounds of repeated calls, the four
@@ -55,7 +55,7 @@ def on_torch_ops(fn):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 256])
     parser.add_argument("--shapes", nargs="+", default=SHAPES.split(), help="K x N weight shapes")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()

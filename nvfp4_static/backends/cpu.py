@@ -4,8 +4,8 @@ A faithful emulation of an FP4 tensor-core GEMM: both operands are dequantized *
 global scales (``q * s_b`` is exact in bf16 and fp32), multiplied with fp32 accumulation, and the
 product of the two global scales and the bias are applied afterwards.
 
-On a CPU, calls of up to ``cpu_kernel.MOST_ROWS`` rows run the CPU's own kernel
-(``backends/cpu_kernel.py``): the same quantized operands, each 16-block's product exact and the
+On a CPU the linear runs the CPU's own kernel where it is built (``backends/cpu_kernel.py``;
+without AVX2, for calls of up to 16 rows): the same quantized operands, each 16-block's product exact and the
 blocks summed in K order, so it differs from the torch ops only in the order of the float32 sum.
 Traced on a CPU, the linear is one opaque op (``kernels.ops.cpu_static_nvfp4_linear``) that
 decides the same way, so compiled and eager calls agree bit for bit.
@@ -67,13 +67,12 @@ def static_nvfp4_linear_on_cpu(
     act_per_tensor_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """The linear of real CPU tensors: the CPU kernel up to its row count where it is built,
-    else the torch ops."""
+    """The linear of real CPU tensors: the CPU kernel where it is built and takes this many
+    rows, else the torch ops."""
     operands = (x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
-    if x.numel() <= cpu_kernel.MOST_ROWS * x.shape[-1]:
-        lib = cpu_kernel.library()
-        if lib is not None:
-            return cpu_kernel.static_nvfp4_linear_rows(lib, *operands, _decoding_tables()[1])
+    lib = cpu_kernel.library()
+    if lib is not None and x.numel() <= lib.most_rows * x.shape[-1]:
+        return cpu_kernel.static_nvfp4_linear_rows(lib, *operands, _decoding_tables()[1])
     return torch_static_nvfp4_linear(*operands)
 
 

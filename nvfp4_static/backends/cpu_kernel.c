@@ -1,4 +1,4 @@
-/* The static NVFP4 linear for a few rows on a CPU, built by cpu_kernel.py at first use.
+/* The static NVFP4 linear on a CPU, built by cpu_kernel.py at first use.
  *
  * Torch ops dequantize the weight into float32 and multiply it: at one token that writes and
  * reads back four bytes per weight where the packed weight holds half a byte. Here each
@@ -11,14 +11,17 @@
  * float32's normal range. So the only rounding of the product is the float32 sum of the blocks,
  * in K order, before both global scales and the bias are applied as backends/cpu.py applies them.
  *
- * With AVX2 (x86) four blocks go per step through vector instructions; elsewhere plain C does the
- * same integer arithmetic. Large calls split their outputs across threads.
+ * With AVX2 (x86) one row goes four blocks per step through vector instructions, and more rows go
+ * as the lanes of vectors (rows_in_lanes; VNNI's byte dot products where the CPU has them), any
+ * number of rows. Elsewhere plain C does the same integer arithmetic, for up to 16
+ * rows. Large calls split their outputs across threads.
  *
  * Built without -ffast-math and with -ffp-contract=off: every operation rounds as torch's does.
  */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 16
@@ -122,11 +125,6 @@ static uint16_t to_bf16(float value) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* Rows the product takes at once (cpu_kernel.MOST_ROWS). */
-#define NVFP4_MOST_ROWS 16
-
-int nvfp4_most_rows(void) { return NVFP4_MOST_ROWS; }
-
 /* The integer sum over one block of (2 q_x)(2 q_w), the weight's block packed in 8 bytes. */
 static int32_t block_sum(const int8_t *x, const uint8_t *packed) {
     int32_t sum = 0;
@@ -135,11 +133,14 @@ static int32_t block_sum(const int8_t *x, const uint8_t *packed) {
     return sum;
 }
 
+/* Rows the one-row-at-a-time product takes at once. */
+#define ROWS_ONE_BY_ONE 16
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 
-/* Two weight blocks' 32 codes (16 packed bytes) as twice their E2M1 values, int8, in K order:
- * the first block in the low 128 bits. */
+/* Two weight blocks' 32 codes (16 packed bytes) looked up in table (16 bytes, by code, in both
+ * 128-bit halves), in K order: the first block in the low 128 bits. */
 static inline __m256i decode_two_blocks(const uint8_t *packed, __m256i table) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)packed);
     __m128i nibble = _mm_set1_epi8(0x0F);
@@ -165,24 +166,50 @@ static inline __m128i four_block_sums(__m256i first_two, __m256i last_two) {
 }
 #endif
 
-/* Outputs first..end-1 of every row: out[rows, n] = (the sum over blocks, in K order, of each
- * block's exact product) * (*act_scale * *weight_scale) + bias, for rows <= NVFP4_MOST_ROWS.
- * weight[n, k / 2]: packed E2M1 codes, element 2i in the low nibble; weight_scales[n, k / 16]:
- * FP8 E4M3 codes, decoded by scale_values[256]; bias: NULL or [n], bfloat16 where bias_is_bf16,
- * else float32; out bfloat16 where out_is_bf16, else float32. */
-static void rows_times_weight(const int8_t *restrict q2, const float *restrict scales, int64_t rows,
-                              int64_t k, const uint8_t *restrict weight,
-                              const uint8_t *restrict weight_scales, const float *restrict scale_values,
-                              int64_t n, int64_t first, int64_t end, const float *act_scale,
-                              const float *weight_scale_global, const void *bias, int bias_is_bf16,
-                              void *out, int out_is_bf16) {
-    int64_t blocks = k / BLOCK;
-    float output_scale = *act_scale * *weight_scale_global;
-    float sums[NVFP4_MOST_ROWS];
+/* One output feature's value for each row: sums[row] * output_scale + bias, stored. */
+static void store_outputs(const float *sums, int64_t rows, int64_t first_row, int64_t n, int64_t feature,
+                          float output_scale, const void *bias, int bias_is_bf16, void *out, int out_is_bf16) {
+    float bias_value = 0.0f;
+    if (bias)
+        bias_value = bias_is_bf16 ? from_bits((uint32_t)((const uint16_t *)bias)[feature] << 16)
+                                  : ((const float *)bias)[feature];
+    for (int64_t row = 0; row < rows; row++) {
+        float value = sums[row] * output_scale;
+        if (bias)
+            value = value + bias_value;
+        int64_t at = (first_row + row) * n + feature;
+        if (out_is_bf16)
+            ((uint16_t *)out)[at] = to_bf16(value);
+        else
+            ((float *)out)[at] = value;
+    }
+}
+
+/* What every output feature's product reads: the quantized rows, the packed weight and its
+ * scales, the global scales and the bias (see nvfp4_rows_times_weight). */
+struct operands {
+    const int8_t *q2;
+    const float *scales;
+    int64_t rows, k;
+    const uint8_t *weight, *weight_scales;
+    const float *scale_values;
+    int64_t n;
+    float output_scale;
+    const void *bias;
+    int bias_is_bf16;
+    void *out;
+    int out_is_bf16;
+};
+
+/* Outputs first..end-1 of every row (at most ROWS_ONE_BY_ONE), each row's block sums in turn:
+ * at one row the weight's blocks go four per step through vector instructions. */
+static void rows_one_by_one(const struct operands *o, int64_t first, int64_t end) {
+    int64_t k = o->k, blocks = k / BLOCK;
+    float sums[ROWS_ONE_BY_ONE];
     for (int64_t feature = first; feature < end; feature++) {
-        const uint8_t *packed = weight + feature * (k / 2);
-        const uint8_t *codes = weight_scales + feature * blocks;
-        for (int64_t row = 0; row < rows; row++)
+        const uint8_t *packed = o->weight + feature * (k / 2);
+        const uint8_t *codes = o->weight_scales + feature * blocks;
+        for (int64_t row = 0; row < o->rows; row++)
             sums[row] = 0.0f;
         int64_t b = 0;
 #if defined(__AVX2__)
@@ -193,13 +220,13 @@ static void rows_times_weight(const int8_t *restrict q2, const float *restrict s
                 w[i] = decode_two_blocks(packed + (b + 2 * i) * (BLOCK / 2), table);
                 w_magnitude[i] = _mm256_abs_epi8(w[i]);
             }
-            __m128 weight_scale = _mm_set_ps(scale_values[codes[b + 3]], scale_values[codes[b + 2]],
-                                             scale_values[codes[b + 1]], scale_values[codes[b]]);
-            for (int64_t row = 0; row < rows; row++) {
-                const int8_t *x = q2 + row * k + b * BLOCK;
+            __m128 weight_scale = _mm_set_ps(o->scale_values[codes[b + 3]], o->scale_values[codes[b + 2]],
+                                             o->scale_values[codes[b + 1]], o->scale_values[codes[b]]);
+            for (int64_t row = 0; row < o->rows; row++) {
+                const int8_t *x = o->q2 + row * k + b * BLOCK;
                 __m128i sum = four_block_sums(two_blocks_partial_sums(w[0], w_magnitude[0], x),
                                               two_blocks_partial_sums(w[1], w_magnitude[1], x + 2 * BLOCK));
-                __m128 scale = _mm_mul_ps(_mm_loadu_ps(scales + row * blocks + b), weight_scale);
+                __m128 scale = _mm_mul_ps(_mm_loadu_ps(o->scales + row * blocks + b), weight_scale);
                 float products[4];
                 _mm_storeu_ps(products, _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(sum), scale), _mm_set1_ps(0.25f)));
                 for (int i = 0; i < 4; i++)
@@ -208,60 +235,244 @@ static void rows_times_weight(const int8_t *restrict q2, const float *restrict s
         }
 #endif
         for (; b < blocks; b++) {
-            float weight_scale = scale_values[codes[b]];
-            for (int64_t row = 0; row < rows; row++) {
-                int32_t sum = block_sum(q2 + row * k + b * BLOCK, packed + b * (BLOCK / 2));
-                sums[row] += (float)sum * (scales[row * blocks + b] * weight_scale) * 0.25f;
+            float weight_scale = o->scale_values[codes[b]];
+            for (int64_t row = 0; row < o->rows; row++) {
+                int32_t sum = block_sum(o->q2 + row * k + b * BLOCK, packed + b * (BLOCK / 2));
+                sums[row] += (float)sum * (o->scales[row * blocks + b] * weight_scale) * 0.25f;
             }
         }
-        float bias_value = 0.0f;
-        if (bias)
-            bias_value = bias_is_bf16 ? from_bits((uint32_t)((const uint16_t *)bias)[feature] << 16)
-                              : ((const float *)bias)[feature];
-        for (int64_t row = 0; row < rows; row++) {
-            float value = sums[row] * output_scale;
-            if (bias)
-                value = value + bias_value;
-            if (out_is_bf16)
-                ((uint16_t *)out)[row * n + feature] = to_bf16(value);
-            else
-                ((float *)out)[row * n + feature] = value;
-        }
+        store_outputs(sums, o->rows, 0, o->n, feature, o->output_scale, o->bias, o->bias_is_bf16, o->out,
+                      o->out_is_bf16);
     }
 }
 
-/* rows_times_weight's arguments for one thread's outputs. */
+#if defined(__AVX2__)
+/* Rows as vector lanes, for calls of LANES_FROM_ROWS rows or more: each 32-bit lane holds one
+ * row, so one instruction multiplies four of a weight block's values, broadcast to every lane, by
+ * four of each of 8 rows' values, and each lane adds its rows' block products in K order, as the
+ * one-row-at-a-time form does. The rows go in chunks of 16, two 8-lane halves; the weight's
+ * values go as unsigned bytes, 2 q_w + 12 in [0, 24], and each lane starts a block from
+ * -12 times its row's sum of 2 q_x, so that the sum comes out as that of (2 q_x)(2 q_w). */
+#define LANE_ROWS 16
+/* Calls of fewer rows go one row at a time, faster there: two rows are faster in the lanes only
+ * with VNNI and AVX-512's registers (examples/benchmarks/RESULTS.md). */
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define LANES_FROM_ROWS 2
+#else
+#define LANES_FROM_ROWS 3
+#endif
+
+/* The quantized rows rearranged for the lanes, per chunk of LANE_ROWS rows and per block: the
+ * 16 values as four groups of four bytes per row, the offsets -12 * sum(2 q_x), the block
+ * scales / 4 (rows past the last are zeros). */
+struct lanes {
+    int8_t *x;        /* [chunks][blocks][4][LANE_ROWS][4] */
+    int32_t *offsets; /* [chunks][blocks][LANE_ROWS] */
+    float *scales;    /* [chunks][blocks][LANE_ROWS] */
+};
+
+static void free_lanes(struct lanes *l) {
+    free(l->x);
+    free(l->offsets);
+    free(l->scales);
+}
+
+static int lay_out_in_lanes(const int8_t *q2, const float *scales, int64_t rows, int64_t k, struct lanes *l) {
+    int64_t blocks = k / BLOCK, chunks = (rows + LANE_ROWS - 1) / LANE_ROWS;
+    l->x = calloc((size_t)(chunks * blocks), 4 * LANE_ROWS * 4);
+    l->offsets = calloc((size_t)(chunks * blocks), LANE_ROWS * sizeof(int32_t));
+    l->scales = calloc((size_t)(chunks * blocks), LANE_ROWS * sizeof(float));
+    if (!l->x || !l->offsets || !l->scales) {
+        free_lanes(l);
+        return 0;
+    }
+    for (int64_t row = 0; row < rows; row++) {
+        int64_t chunk = row / LANE_ROWS, lane = row % LANE_ROWS;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int8_t *values = q2 + row * k + b * BLOCK;
+            int64_t at = (chunk * blocks + b) * LANE_ROWS + lane;
+            int32_t sum = 0;
+            for (int j = 0; j < BLOCK; j++)
+                sum += values[j];
+            for (int group = 0; group < 4; group++)
+                memcpy(l->x + (at - lane) * 4 * 4 + (group * LANE_ROWS + lane) * 4, values + 4 * group, 4);
+            l->offsets[at] = -12 * sum;
+            l->scales[at] = 0.25f * scales[row * blocks + b];
+        }
+    }
+    return 1;
+}
+
+/* Twice the E2M1 value of each code, plus 12. */
+static const uint8_t TWICE_E2M1_PLUS_12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* One feature's k packed codes as 2 q_w + 12, one byte each, into w. */
+static void decode_feature(const uint8_t *packed, int64_t k, uint8_t *w) {
+    __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1_PLUS_12));
+    int64_t i = 0;
+    for (; i + 2 * BLOCK <= k; i += 2 * BLOCK)
+        _mm256_storeu_si256((__m256i *)(w + i), decode_two_blocks(packed + i / 2, table));
+    for (; i < k; i += 2) {
+        w[i] = TWICE_E2M1_PLUS_12[packed[i / 2] & 0xF];
+        w[i + 1] = TWICE_E2M1_PLUS_12[packed[i / 2] >> 4];
+    }
+}
+
+/* acc plus, per 32-bit lane, the sum of four products of the unsigned bytes u and signed bytes s. */
+static inline __m256i add_four_products(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    /* pairs of products at most 2 * 24 * 12 in magnitude: no int16 saturation */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Features multiplied together in the lanes, as many as the vector registers hold (16, or 32
+ * with AVX-512): each row vector read serves all of them. */
+#if defined(__AVX512VL__)
+#define LANE_FEATURES 8
+#else
+#define LANE_FEATURES 4
+#endif
+
+/* One chunk's sums for `features` features (w[f] their decoded values, weight_scales[f] their
+ * block scales) into sums[f][0..15], in `halves` 8-lane halves (1 or 2): both constants where
+ * inlined, at most LANE_FEATURES features at one half and half as many at two. */
+static inline __attribute__((always_inline)) void chunk_sums(const struct lanes *l, int64_t chunk, int64_t blocks,
+                                                             uint8_t *const *w, float *const *weight_scales,
+                                                             int features, int halves, float sums[][LANE_ROWS]) {
+    const int8_t *x = l->x + chunk * blocks * 4 * LANE_ROWS * 4;
+    const int32_t *offsets = l->offsets + chunk * blocks * LANE_ROWS;
+    const float *scales = l->scales + chunk * blocks * LANE_ROWS;
+    __m256 acc[LANE_FEATURES][2];
+    for (int f = 0; f < features; f++)
+        for (int h = 0; h < halves; h++)
+            acc[f][h] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i dot[LANE_FEATURES][2];
+        for (int h = 0; h < halves; h++) {
+            __m256i offset = _mm256_loadu_si256((const __m256i *)(offsets + b * LANE_ROWS + 8 * h));
+            for (int f = 0; f < features; f++)
+                dot[f][h] = offset;
+        }
+        for (int group = 0; group < 4; group++) {
+            for (int h = 0; h < halves; h++) {
+                __m256i values = _mm256_loadu_si256((const __m256i *)(x + (b * 4 + group) * LANE_ROWS * 4 + 32 * h));
+                for (int f = 0; f < features; f++) {
+                    int32_t four;
+                    memcpy(&four, w[f] + b * BLOCK + 4 * group, 4);
+                    dot[f][h] = add_four_products(dot[f][h], _mm256_set1_epi32(four), values);
+                }
+            }
+        }
+        for (int h = 0; h < halves; h++) {
+            __m256 scale = _mm256_loadu_ps(scales + b * LANE_ROWS + 8 * h);
+            for (int f = 0; f < features; f++) {
+                __m256 product = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[f][h]), scale);
+                acc[f][h] = _mm256_add_ps(acc[f][h], _mm256_mul_ps(product, _mm256_set1_ps(weight_scales[f][b])));
+            }
+        }
+    }
+    for (int f = 0; f < features; f++)
+        for (int h = 0; h < halves; h++)
+            _mm256_storeu_ps(sums[f] + 8 * h, acc[f][h]);
+}
+
+/* Outputs first..end-1 of every row through the lanes; scratch holds LANE_FEATURES times k
+ * bytes and k / 16 floats. */
+static void rows_in_lanes(const struct operands *o, const struct lanes *l, int64_t first, int64_t end,
+                          uint8_t *scratch) {
+    int64_t k = o->k, blocks = k / BLOCK;
+    uint8_t *w[LANE_FEATURES];
+    float *weight_scales[LANE_FEATURES];
+    for (int f = 0; f < LANE_FEATURES; f++) {
+        weight_scales[f] = (float *)(scratch + f * (k + blocks * (int64_t)sizeof(float)));
+        w[f] = (uint8_t *)(weight_scales[f] + blocks);
+    }
+    float sums[LANE_FEATURES][LANE_ROWS];
+    for (int64_t feature = first; feature < end; feature += LANE_FEATURES) {
+        int features = end - feature < LANE_FEATURES ? (int)(end - feature) : LANE_FEATURES;
+        for (int f = 0; f < features; f++) {
+            decode_feature(o->weight + (feature + f) * (k / 2), k, w[f]);
+            const uint8_t *codes = o->weight_scales + (feature + f) * blocks;
+            for (int64_t b = 0; b < blocks; b++)
+                weight_scales[f][b] = o->scale_values[codes[b]];
+        }
+        for (int64_t first_row = 0; first_row < o->rows; first_row += LANE_ROWS) {
+            int64_t rows = o->rows - first_row < LANE_ROWS ? o->rows - first_row : LANE_ROWS;
+            int64_t chunk = first_row / LANE_ROWS;
+            for (int f = 0; f < features;) {
+                if (rows <= 8 && features - f >= LANE_FEATURES) {
+                    chunk_sums(l, chunk, blocks, w + f, weight_scales + f, LANE_FEATURES, 1, sums + f);
+                    f += LANE_FEATURES;
+                } else if (rows > 8 && features - f >= LANE_FEATURES / 2) {
+                    chunk_sums(l, chunk, blocks, w + f, weight_scales + f, LANE_FEATURES / 2, 2, sums + f);
+                    f += LANE_FEATURES / 2;
+                } else {
+                    if (rows <= 8)
+                        chunk_sums(l, chunk, blocks, w + f, weight_scales + f, 1, 1, sums + f);
+                    else
+                        chunk_sums(l, chunk, blocks, w + f, weight_scales + f, 1, 2, sums + f);
+                    f += 1;
+                }
+            }
+            for (int f = 0; f < features; f++)
+                store_outputs(sums[f], rows, first_row, o->n, feature + f, o->output_scale, o->bias, o->bias_is_bf16,
+                              o->out, o->out_is_bf16);
+        }
+    }
+}
+#endif
+
+/* Rows any call takes: with the lanes, every row count; else ROWS_ONE_BY_ONE (cpu_kernel.py
+ * reads it). */
+int nvfp4_most_rows(void) {
+#if defined(__AVX2__)
+    return INT32_MAX;
+#else
+    return ROWS_ONE_BY_ONE;
+#endif
+}
+
+/* One thread's outputs. */
 struct part {
-    const int8_t *q2;
-    const float *scales;
-    int64_t rows, k;
-    const uint8_t *weight, *weight_scales;
-    const float *scale_values;
-    int64_t n, first, end;
-    const float *act_scale, *weight_scale_global;
-    const void *bias;
-    int bias_is_bf16;
-    void *out;
-    int out_is_bf16;
+    const struct operands *o;
+    const void *lanes; /* struct lanes, or NULL: one row at a time */
+    uint8_t *scratch;
+    int64_t first, end;
 };
 
 static void *run_part(void *argument) {
     const struct part *p = argument;
-    rows_times_weight(p->q2, p->scales, p->rows, p->k, p->weight, p->weight_scales, p->scale_values, p->n,
-                      p->first, p->end, p->act_scale, p->weight_scale_global, p->bias, p->bias_is_bf16,
-                      p->out, p->out_is_bf16);
+#if defined(__AVX2__)
+    if (p->lanes) {
+        rows_in_lanes(p->o, p->lanes, p->first, p->end, p->scratch);
+        return NULL;
+    }
+#endif
+    rows_one_by_one(p->o, p->first, p->end);
     return NULL;
 }
 
 #define MOST_THREADS 256
 
-/* rows_times_weight of all n outputs, split into `threads` ranges of outputs: the calling thread
- * runs the first, a thread of its own each other (one that cannot be started runs here). */
-void nvfp4_rows_times_weight(const int8_t *q2, const float *scales, int64_t rows, int64_t k,
-                             const uint8_t *weight, const uint8_t *weight_scales,
-                             const float *scale_values, int64_t n, const float *act_scale,
-                             const float *weight_scale_global, const void *bias, int bias_is_bf16,
-                             void *out, int out_is_bf16, int threads) {
+/* out[rows, n] = (the sum over blocks, in K order, of each block's exact product) * (*act_scale *
+ * *weight_scale_global) + bias, for rows <= nvfp4_most_rows(). q2[rows, k], scales[rows, k / 16]:
+ * nvfp4_quantize_rows's; weight[n, k / 2]: packed E2M1 codes, element 2i in the low nibble;
+ * weight_scales[n, k / 16]: FP8 E4M3 codes, decoded by scale_values[256]; bias: NULL or [n],
+ * bfloat16 where bias_is_bf16, else float32; out bfloat16 where out_is_bf16, else float32.
+ * The outputs split into `threads` ranges: the calling thread runs the first, a thread of its own
+ * each other (one that cannot be started runs here). Returns 0, or -1 where memory ran out (then
+ * out is not written). */
+int nvfp4_rows_times_weight(const int8_t *q2, const float *scales, int64_t rows, int64_t k,
+                            const uint8_t *weight, const uint8_t *weight_scales, const float *scale_values,
+                            int64_t n, const float *act_scale, const float *weight_scale_global,
+                            const void *bias, int bias_is_bf16, void *out, int out_is_bf16, int threads) {
+    struct operands o = {q2, scales, rows, k, weight, weight_scales, scale_values, n,
+                         *act_scale * *weight_scale_global, bias, bias_is_bf16, out, out_is_bf16};
     struct part parts[MOST_THREADS];
     pthread_t ids[MOST_THREADS];
     int started[MOST_THREADS];
@@ -271,10 +482,29 @@ void nvfp4_rows_times_weight(const int8_t *q2, const float *scales, int64_t rows
         threads = MOST_THREADS;
     if (threads > n)
         threads = (int)n;
+    uint8_t *scratch = NULL;
+    int64_t scratch_bytes = 0;
+#if defined(__AVX2__)
+    scratch_bytes = LANE_FEATURES * (k + (k / BLOCK) * (int64_t)sizeof(float));
+    struct lanes lanes;
+    int in_lanes = rows >= LANES_FROM_ROWS;
+    if (in_lanes) {
+        scratch = malloc((size_t)(threads * scratch_bytes));
+        if (!scratch || !lay_out_in_lanes(q2, scales, rows, k, &lanes)) {
+            free(scratch);
+            return -1;
+        }
+    }
+#else
+    if (rows > ROWS_ONE_BY_ONE)
+        return -1;
+#endif
     for (int t = 0; t < threads; t++) {
-        struct part p = {q2, scales, rows, k, weight, weight_scales, scale_values, n, n * t / threads,
-                         n * (t + 1) / threads, act_scale, weight_scale_global, bias, bias_is_bf16, out,
-                         out_is_bf16};
+        struct part p = {&o, NULL, scratch ? scratch + t * scratch_bytes : NULL, n * t / threads, n * (t + 1) / threads};
+#if defined(__AVX2__)
+        if (in_lanes)
+            p.lanes = &lanes;
+#endif
         parts[t] = p;
     }
     for (int t = 1; t < threads; t++)
@@ -286,4 +516,10 @@ void nvfp4_rows_times_weight(const int8_t *q2, const float *scales, int64_t rows
         else
             run_part(&parts[t]);
     }
+#if defined(__AVX2__)
+    if (in_lanes)
+        free_lanes(&lanes);
+#endif
+    free(scratch);
+    return 0;
 }

@@ -1,13 +1,14 @@
-"""The CPU's own kernel for the static NVFP4 linear at a few rows (``cpu_kernel.c``).
+"""The CPU's own kernel for the static NVFP4 linear (``cpu_kernel.c``).
 
 Torch ops on a CPU dequantize the weight into float32 before multiplying it, 11-19x float
 ``F.linear``'s time at one token (``examples/benchmarks/RESULTS.md``). The C kernel quantizes the
-rows and multiplies them by the packed weight in one pass over it. It is compiled with the
-machine's C compiler (``$CC``, else ``cc``) at its first use in a process, for this CPU
-(``-march=native``, or without it where the compiler refuses that), and cached, keyed by its
-source, the command and the CPU, in ``$NVFP4_STATIC_CACHE_DIR`` (default
+rows and multiplies them by the packed weight as small integers, without a float32 copy of it.
+It is compiled with the machine's C compiler (``$CC``, else ``cc``) at its first use in a
+process, for this CPU (``-march=native``, or without it where the compiler refuses that), and
+cached, keyed by its source, the command and the CPU, in ``$NVFP4_STATIC_CACHE_DIR`` (default
 ``~/.cache/nvfp4_static``). Without a compiler it is not built: a warning says so once, and the
-rows take the torch ops. ``NVFP4_STATIC_CPU_KERNEL=0`` turns it off.
+linears take the torch ops. ``NVFP4_STATIC_CPU_KERNEL=0`` turns it off. Built with AVX2 it takes
+every row count; without, the calls of up to 16 rows (``Kernel.most_rows``).
 
 Its numerics (``cpu_kernel.c``): the activation quantized as ``numerics`` quantizes it, each
 16-block's product exact, the blocks summed in float32 in K order.
@@ -36,9 +37,6 @@ SOURCE = Path(__file__).with_name("cpu_kernel.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-pthread")
 NATIVE_FLAGS = ("-march=native",)
 
-# Rows the kernel multiplies at once (its ``NVFP4_MOST_ROWS``); more rows take torch's matmul,
-# which reuses each dequantized weight across them faster than the kernel's integer products.
-MOST_ROWS = 16
 # Row-weight products per thread: a call splits its outputs across up to torch's thread count,
 # one thread per this many (starting a thread costs tens of microseconds).
 _PRODUCTS_PER_THREAD = 1 << 21
@@ -53,7 +51,13 @@ def enabled() -> bool:
     return os.environ.get(SWITCH_ENV_VAR, "1").strip() != "0"
 
 
-def library() -> Optional[ctypes.CDLL]:
+class Kernel(ctypes.CDLL):
+    """The built library, with ``most_rows``: the rows one call takes (its ``nvfp4_most_rows``)."""
+
+    most_rows: int
+
+
+def library() -> Optional[Kernel]:
     """The built kernel, built at the first call; None where it is switched off or could not be
     built (then a warning said why, once)."""
     global _library, _tried
@@ -69,8 +73,7 @@ def library() -> Optional[ctypes.CDLL]:
                 detail = getattr(error, "stderr", None) or str(error)
                 warn(
                     f"nvfp4_static: the CPU kernel ({SOURCE.name}) could not be built, so static "
-                    f"NVFP4 linears of up to {MOST_ROWS} rows on a CPU run torch ops, several "
-                    f"times slower: {str(detail).strip()[-600:]}. Install a C compiler or point "
+                    f"NVFP4 linears on a CPU run torch ops, several times slower: {str(detail).strip()[-600:]}. Install a C compiler or point "
                     f"$CC at one; ${SWITCH_ENV_VAR}=0 silences this.",
                     RuntimeWarning,
                 )
@@ -136,8 +139,8 @@ def _cache_directory() -> Path:
     return Path(tempfile.mkdtemp(prefix="nvfp4_static_"))
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
+def _load(path: Path) -> Kernel:
+    lib = Kernel(str(path))
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.nvfp4_most_rows.restype = i32
     lib.nvfp4_quantize_rows.argtypes = [pointer, i32, i64, i64, pointer, pointer, pointer]
@@ -146,14 +149,13 @@ def _load(path: Path) -> ctypes.CDLL:
         pointer, pointer, i64, i64, pointer, pointer, pointer, i64, pointer, pointer, pointer, i32,
         pointer, i32, i32,
     ]
-    lib.nvfp4_rows_times_weight.restype = None
-    if lib.nvfp4_most_rows() != MOST_ROWS:
-        raise OSError(f"{path} multiplies {lib.nvfp4_most_rows()} rows at most, not {MOST_ROWS}")
+    lib.nvfp4_rows_times_weight.restype = i32
+    lib.most_rows = lib.nvfp4_most_rows()
     return lib
 
 
 def static_nvfp4_linear_rows(
-    lib: ctypes.CDLL,
+    lib: Kernel,
     x: torch.Tensor,
     weight_qdata: torch.Tensor,
     weight_block_scales: torch.Tensor,
@@ -162,8 +164,8 @@ def static_nvfp4_linear_rows(
     bias: Optional[torch.Tensor],
     scale_values: torch.Tensor,
 ) -> torch.Tensor:
-    """``backends.cpu.static_nvfp4_linear`` of ``x [..., K]`` (at most ``MOST_ROWS`` rows, on a
-    CPU) through the kernel; ``scale_values`` is ``numerics.e4m3_values_by_code``'s table."""
+    """``backends.cpu.static_nvfp4_linear`` of ``x [..., K]`` (at most ``lib.most_rows`` rows, on
+    a CPU) through the kernel; ``scale_values`` is ``numerics.e4m3_values_by_code``'s table."""
     _check_operands(x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
     k, n = x.shape[-1], weight_qdata.shape[0]
     act_scale = act_per_tensor_scale.to(torch.float32).contiguous()
@@ -175,17 +177,22 @@ def static_nvfp4_linear_rows(
         bias = bias.contiguous() if bias.dtype in (torch.bfloat16, torch.float32) else bias.to(torch.float32)
     bf16 = x.dtype == torch.bfloat16
     out = torch.empty((rows, n), dtype=torch.bfloat16 if bf16 else torch.float32)
-    lib.nvfp4_rows_times_weight(
+    status = lib.nvfp4_rows_times_weight(
         twice_e2m1.data_ptr(), scales.data_ptr(), rows, k, weight.data_ptr(), weight_scales.data_ptr(),
         scale_values.data_ptr(), n, act_scale.data_ptr(), weight_scale.data_ptr(),
         None if bias is None else bias.data_ptr(), bias is not None and bias.dtype == torch.bfloat16,
         out.data_ptr(), bf16, min(torch.get_num_threads(), max(1, rows * n * k // _PRODUCTS_PER_THREAD)),
     )
+    if status != 0:
+        raise MemoryError(
+            f"nvfp4_static: the CPU kernel could not allocate its workspace for {rows} rows of "
+            f"{k} (a [{rows}, {k}] activation times a [{n}, {k}] weight)"
+        )
     out = out.reshape(*x.shape[:-1], n)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def quantize_rows(lib: ctypes.CDLL, rows: torch.Tensor, act_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(lib: Kernel, rows: torch.Tensor, act_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's quantization of ``rows [M, K]`` (float32, bfloat16 or float16, on a CPU)
     under the float32 global scale ``act_scale``: twice the E2M1 values (int8 ``[M, K]``) and
     the block scales (float32 ``[M, K / 16]``), the values ``numerics.quantize_nvfp4_unpacked``
