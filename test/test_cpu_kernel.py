@@ -209,25 +209,36 @@ def test_every_instruction_set_build_equals_the_definition(instruction_set_build
         pytest.skip(f"this CPU has no {name}")
     built = instruction_set_builds[name]
     assert built.most_rows == (16 if name == "portable" else 2**31 - 1)
-    if rows > built.most_rows:
-        return
     args = operands(rows, 37, 80, torch.bfloat16, seed=rows)
+    if rows > built.most_rows:
+        with pytest.raises(ValueError, match=f"takes at most 16 rows, got {rows} rows of 80"):
+            cpu_kernel.static_nvfp4_linear_rows(built, *args, cpu._decoding_tables()[1])
+        return
     out = cpu_kernel.static_nvfp4_linear_rows(built, *args, cpu._decoding_tables()[1])
     assert torch.equal(out, references.static_nvfp4_linear_in_block_order(*args))
 
 
 def test_a_workspace_the_kernel_cannot_allocate_raises_memory_error_naming_the_shapes(lib):
     class OutOfMemory:
-        nvfp4_quantize_rows = lib.nvfp4_quantize_rows
         most_rows = lib.most_rows
 
         @staticmethod
-        def nvfp4_rows_times_weight(*args):
+        def nvfp4_linear(*args):
             return -1
 
     args = operands(5, 24, 64, torch.bfloat16, seed=10)
     with pytest.raises(MemoryError, match=r"5 rows of 64 \(a \[5, 64\] activation times a \[24, 64\] weight\)"):
         cpu_kernel.static_nvfp4_linear_rows(OutOfMemory, *args, cpu._decoding_tables()[1])
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5], ids=str)
+def test_kernel_takes_no_rows_and_a_weight_of_no_outputs(lib, monkeypatch, rows):
+    without_torch_route(monkeypatch)
+    x, qdata, scales, weight_scale, act_scale, bias = operands(max(rows, 1), 24, 64, torch.bfloat16, seed=11)
+    no_rows = cpu.static_nvfp4_linear(x[:0], qdata, scales, weight_scale, act_scale, bias)
+    assert no_rows.shape == (0, 24) and no_rows.dtype == torch.bfloat16
+    no_outputs = cpu.static_nvfp4_linear(x[:rows], qdata[:0], scales[:0], weight_scale, act_scale, bias[:0])
+    assert no_outputs.shape == (rows, 0) and no_outputs.dtype == torch.bfloat16
 
 
 def test_kernel_takes_leading_dims(lib):
@@ -237,8 +248,9 @@ def test_kernel_takes_leading_dims(lib):
     assert torch.equal(cpu.static_nvfp4_linear(x[3], *rest), out[0, 3])
 
 
-def test_outputs_split_across_threads_equal_one_thread(lib, monkeypatch):
-    args = operands(4, 61, 256, torch.bfloat16, seed=2)
+@pytest.mark.parametrize("rows", [1, 4, 20], ids=str)
+def test_outputs_split_across_threads_equal_one_thread(lib, monkeypatch, rows):
+    args = operands(rows, 61, 256, torch.bfloat16, seed=2)
     one_thread = cpu.static_nvfp4_linear(*args)
     threads = torch.get_num_threads()
     monkeypatch.setattr(cpu_kernel, "_PRODUCTS_PER_THREAD", 1)

@@ -459,45 +459,72 @@ static void *run_part(void *argument) {
 
 #define MOST_THREADS 256
 
+/* A call's threads: one per products_per_thread of its work, up to most_threads, its work counted
+ * in row-weight products of the one-row-at-a-time form, where each 8 rows in the lanes cost about
+ * as much as 2 one at a time (examples/benchmarks/RESULTS.md): starting a thread costs tens of
+ * microseconds. */
+static int threads_for(int64_t rows, int64_t k, int64_t n, int most_threads, int64_t products_per_thread) {
+    int64_t rows_of_work = rows;
+#if defined(__AVX2__)
+    if (rows >= LANES_FROM_ROWS)
+        rows_of_work = 2 * ((rows + 7) / 8);
+#endif
+    int64_t threads = rows_of_work * k * n / products_per_thread;
+    if (threads > most_threads)
+        threads = most_threads;
+    if (threads > MOST_THREADS)
+        threads = MOST_THREADS;
+    if (threads > n)
+        threads = n;
+    return threads < 1 ? 1 : (int)threads;
+}
+
 /* out[rows, n] = (the sum over blocks, in K order, of each block's exact product) * (*act_scale *
- * *weight_scale_global) + bias, for rows <= nvfp4_most_rows(). q2[rows, k], scales[rows, k / 16]:
- * nvfp4_quantize_rows's; weight[n, k / 2]: packed E2M1 codes, element 2i in the low nibble;
- * weight_scales[n, k / 16]: FP8 E4M3 codes, decoded by scale_values[256]; bias: NULL or [n],
- * bfloat16 where bias_is_bf16, else float32; out bfloat16 where out_is_bf16, else float32.
- * The outputs split into `threads` ranges: the calling thread runs the first, a thread of its own
- * each other (one that cannot be started runs here). Returns 0, or -1 where memory ran out (then
- * out is not written). */
-int nvfp4_rows_times_weight(const int8_t *q2, const float *scales, int64_t rows, int64_t k,
-                            const uint8_t *weight, const uint8_t *weight_scales, const float *scale_values,
-                            int64_t n, const float *act_scale, const float *weight_scale_global,
-                            const void *bias, int bias_is_bf16, void *out, int out_is_bf16, int threads) {
+ * *weight_scale_global) + bias, for rows <= nvfp4_most_rows(): the rows x[rows, k] (float32, or
+ * bfloat16 where x_is_bf16) quantized by nvfp4_quantize_rows; weight[n, k / 2]: packed E2M1
+ * codes, element 2i in the low nibble; weight_scales[n, k / 16]: FP8 E4M3 codes, decoded by
+ * scale_values[256]; bias: NULL or [n], bfloat16 where bias_is_bf16, else float32; out bfloat16
+ * where out_is_bf16, else float32. The outputs split into threads_for's ranges: the calling
+ * thread runs the first, a thread of its own each other (one that cannot be started runs here).
+ * Returns 0; -1 where memory ran out, -2 for more rows than nvfp4_most_rows() (then out is not
+ * written). */
+int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const float *act_scale,
+                 const uint8_t *weight, const uint8_t *weight_scales, const float *scale_values, int64_t n,
+                 const float *weight_scale_global, const void *bias, int bias_is_bf16, void *out, int out_is_bf16,
+                 int most_threads, int64_t products_per_thread) {
+    if (rows > nvfp4_most_rows())
+        return -2;
+    if (rows == 0 || n == 0)
+        return 0;
+    int8_t *q2 = malloc((size_t)(rows * k));
+    float *scales = malloc((size_t)(rows * (k / BLOCK)) * sizeof(float));
+    uint8_t *scratch = NULL;
+    int64_t scratch_bytes = 0;
+    if (!q2 || !scales) {
+        free(q2);
+        free(scales);
+        return -1;
+    }
+    nvfp4_quantize_rows(x, x_is_bf16, rows, k, act_scale, q2, scales);
     struct operands o = {q2, scales, rows, k, weight, weight_scales, scale_values, n,
                          *act_scale * *weight_scale_global, bias, bias_is_bf16, out, out_is_bf16};
     struct part parts[MOST_THREADS];
     pthread_t ids[MOST_THREADS];
     int started[MOST_THREADS];
-    if (threads < 1)
-        threads = 1;
-    if (threads > MOST_THREADS)
-        threads = MOST_THREADS;
-    if (threads > n)
-        threads = (int)n;
-    uint8_t *scratch = NULL;
-    int64_t scratch_bytes = 0;
+    int threads = threads_for(rows, k, n, most_threads, products_per_thread);
 #if defined(__AVX2__)
-    scratch_bytes = LANE_FEATURES * (k + (k / BLOCK) * (int64_t)sizeof(float));
     struct lanes lanes;
     int in_lanes = rows >= LANES_FROM_ROWS;
     if (in_lanes) {
+        scratch_bytes = LANE_FEATURES * (k + (k / BLOCK) * (int64_t)sizeof(float));
         scratch = malloc((size_t)(threads * scratch_bytes));
         if (!scratch || !lay_out_in_lanes(q2, scales, rows, k, &lanes)) {
             free(scratch);
+            free(q2);
+            free(scales);
             return -1;
         }
     }
-#else
-    if (rows > ROWS_ONE_BY_ONE)
-        return -1;
 #endif
     for (int t = 0; t < threads; t++) {
         struct part p = {&o, NULL, scratch ? scratch + t * scratch_bytes : NULL, n * t / threads, n * (t + 1) / threads};
@@ -521,5 +548,7 @@ int nvfp4_rows_times_weight(const int8_t *q2, const float *scales, int64_t rows,
         free_lanes(&lanes);
 #endif
     free(scratch);
+    free(q2);
+    free(scales);
     return 0;
 }

@@ -16,6 +16,7 @@ Its numerics (``cpu_kernel.c``): the activation quantized as ``numerics`` quanti
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shlex
@@ -38,7 +39,7 @@ FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-pthread")
 NATIVE_FLAGS = ("-march=native",)
 
 # Row-weight products per thread: a call splits its outputs across up to torch's thread count,
-# one thread per this many (starting a thread costs tens of microseconds).
+# one thread per this many products of its work (the kernel's threads_for).
 _PRODUCTS_PER_THREAD = 1 << 21
 
 _lock = threading.Lock()
@@ -145,11 +146,10 @@ def _load(path: Path) -> Kernel:
     lib.nvfp4_most_rows.restype = i32
     lib.nvfp4_quantize_rows.argtypes = [pointer, i32, i64, i64, pointer, pointer, pointer]
     lib.nvfp4_quantize_rows.restype = None
-    lib.nvfp4_rows_times_weight.argtypes = [
-        pointer, pointer, i64, i64, pointer, pointer, pointer, i64, pointer, pointer, pointer, i32,
-        pointer, i32, i32,
+    lib.nvfp4_linear.argtypes = [
+        pointer, i32, i64, i64, pointer, pointer, pointer, pointer, i64, pointer, pointer, i32, pointer, i32, i32, i64,
     ]
-    lib.nvfp4_rows_times_weight.restype = i32
+    lib.nvfp4_linear.restype = i32
     lib.most_rows = lib.nvfp4_most_rows()
     return lib
 
@@ -168,26 +168,26 @@ def static_nvfp4_linear_rows(
     a CPU) through the kernel; ``scale_values`` is ``numerics.e4m3_values_by_code``'s table."""
     _check_operands(x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
     k, n = x.shape[-1], weight_qdata.shape[0]
+    rows = math.prod(x.shape[:-1])
     act_scale = act_per_tensor_scale.to(torch.float32).contiguous()
     weight_scale = weight_per_tensor_scale.to(torch.float32).contiguous()
-    twice_e2m1, scales = quantize_rows(lib, x.reshape(-1, k), act_scale)
-    rows = twice_e2m1.shape[0]
+    x_rows = (x.to(torch.float32) if x.dtype == torch.float16 else x).contiguous()  # float16: exact in float32
     weight, weight_scales = weight_qdata.contiguous(), weight_block_scales.contiguous()
     if bias is not None:
         bias = bias.contiguous() if bias.dtype in (torch.bfloat16, torch.float32) else bias.to(torch.float32)
     bf16 = x.dtype == torch.bfloat16
     out = torch.empty((rows, n), dtype=torch.bfloat16 if bf16 else torch.float32)
-    status = lib.nvfp4_rows_times_weight(
-        twice_e2m1.data_ptr(), scales.data_ptr(), rows, k, weight.data_ptr(), weight_scales.data_ptr(),
-        scale_values.data_ptr(), n, act_scale.data_ptr(), weight_scale.data_ptr(),
-        None if bias is None else bias.data_ptr(), bias is not None and bias.dtype == torch.bfloat16,
-        out.data_ptr(), bf16, min(torch.get_num_threads(), max(1, rows * n * k // _PRODUCTS_PER_THREAD)),
+    status = lib.nvfp4_linear(
+        x_rows.data_ptr(), bf16, rows, k, act_scale.data_ptr(), weight.data_ptr(), weight_scales.data_ptr(),
+        scale_values.data_ptr(), n, weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
+        bias is not None and bias.dtype == torch.bfloat16, out.data_ptr(), bf16, torch.get_num_threads(),
+        _PRODUCTS_PER_THREAD,
     )
     if status != 0:
-        raise MemoryError(
-            f"nvfp4_static: the CPU kernel could not allocate its workspace for {rows} rows of "
-            f"{k} (a [{rows}, {k}] activation times a [{n}, {k}] weight)"
-        )
+        shapes = f"{rows} rows of {k} (a [{rows}, {k}] activation times a [{n}, {k}] weight)"
+        if status == -1:
+            raise MemoryError(f"nvfp4_static: the CPU kernel could not allocate its workspace for {shapes}")
+        raise ValueError(f"nvfp4_static: the CPU kernel takes at most {lib.most_rows} rows, got {shapes}")
     out = out.reshape(*x.shape[:-1], n)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
