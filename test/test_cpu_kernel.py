@@ -59,9 +59,9 @@ def operands(rows, n, k, dtype, seed, with_bias=True):
     return ops.x.to(dtype), ops.weight_qdata, ops.weight_block_scales, ops.weight_scale, ops.act_scale, bias
 
 
-# One and two rows go one row at a time, three or more as vector lanes in chunks of 16 (two
-# halves of 8), four features or two at a time: row counts in one and both halves and past a
-# chunk, output counts with and without a remainder.
+# One row goes one row at a time, more rows (from 2 or 3) as vector lanes in chunks of 16 (8-lane
+# vectors up to 8 rows, above two of them or one of 16 lanes), several features at a time: row
+# counts in one and two vectors and past a chunk, output counts with and without a remainder.
 SHAPES = [
     (1, 8, 16), (1, 48, 64), (3, 40, 96), (16, 33, 272), (5, 17, 1024), (2, 24, 4096), (40, 37, 48), (25, 6, 80),
 ]

@@ -249,10 +249,11 @@ static void rows_one_by_one(const struct operands *o, int64_t first, int64_t end
 #if defined(__AVX2__)
 /* Rows as vector lanes, for calls of LANES_FROM_ROWS rows or more: each 32-bit lane holds one
  * row, so one instruction multiplies four of a weight block's values, broadcast to every lane, by
- * four of each of 8 rows' values, and each lane adds its rows' block products in K order, as the
- * one-row-at-a-time form does. The rows go in chunks of 16, two 8-lane halves; the weight's
- * values go as unsigned bytes, 2 q_w + 12 in [0, 24], and each lane starts a block from
- * -12 times its row's sum of 2 q_x, so that the sum comes out as that of (2 q_x)(2 q_w). */
+ * four of each of 8 or 16 rows' values, and each lane adds its rows' block products in K order,
+ * as the one-row-at-a-time form does. The rows go in chunks of 16: two 8-lane vectors, or one of
+ * 16 lanes with AVX-512 (a chunk of at most 8 rows takes one 8-lane vector); the weight's values
+ * go as unsigned bytes, 2 q_w + 12 in [0, 24], and each lane starts a block from -12 times its
+ * row's sum of 2 q_x, so that the sum comes out as that of (2 q_x)(2 q_w). */
 #define LANE_ROWS 16
 /* Calls of fewer rows go one row at a time, faster there: two rows are faster in the lanes only
  * with VNNI and AVX-512's registers (examples/benchmarks/RESULTS.md). */
@@ -318,8 +319,21 @@ static void decode_feature(const uint8_t *packed, int64_t k, uint8_t *w) {
     }
 }
 
-/* acc plus, per 32-bit lane, the sum of four products of the unsigned bytes u and signed bytes s. */
-static inline __m256i add_four_products(__m256i acc, __m256i u, __m256i s) {
+/* The lane vectors, 8 lanes of 32 bits (AVX2) and, where the CPU has AVX-512 with VNNI, 16: the
+ * operations chunk_sums needs, suffixed by the lane count. add_four_products adds to each lane
+ * of acc the sum of four products of the unsigned bytes u and the signed bytes s. */
+typedef __m256i ints_8;
+typedef __m256 floats_8;
+#define load_ints_8(p) _mm256_loadu_si256((const __m256i *)(p))
+#define load_floats_8(p) _mm256_loadu_ps(p)
+#define broadcast_ints_8 _mm256_set1_epi32
+#define broadcast_floats_8 _mm256_set1_ps
+#define to_floats_8 _mm256_cvtepi32_ps
+#define mul_8 _mm256_mul_ps
+#define add_8 _mm256_add_ps
+#define zeros_8 _mm256_setzero_ps
+#define store_8 _mm256_storeu_ps
+static inline ints_8 add_four_products_8(ints_8 acc, ints_8 u, ints_8 s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
@@ -330,6 +344,24 @@ static inline __m256i add_four_products(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define HAS_16_LANES 1
+typedef __m512i ints_16;
+typedef __m512 floats_16;
+#define load_ints_16(p) _mm512_loadu_si512((const void *)(p))
+#define load_floats_16(p) _mm512_loadu_ps(p)
+#define broadcast_ints_16 _mm512_set1_epi32
+#define broadcast_floats_16 _mm512_set1_ps
+#define to_floats_16 _mm512_cvtepi32_ps
+#define mul_16 _mm512_mul_ps
+#define add_16 _mm512_add_ps
+#define zeros_16 _mm512_setzero_ps
+#define store_16 _mm512_storeu_ps
+#define add_four_products_16 _mm512_dpbusd_epi32
+#else
+#define HAS_16_LANES 0
+#endif
+
 /* Features multiplied together in the lanes, as many as the vector registers hold (16, or 32
  * with AVX-512): each row vector read serves all of them. */
 #if defined(__AVX512VL__)
@@ -338,47 +370,83 @@ static inline __m256i add_four_products(__m256i acc, __m256i u, __m256i s) {
 #define LANE_FEATURES 4
 #endif
 
-/* One chunk's sums for `features` features (w[f] their decoded values, weight_scales[f] their
- * block scales) into sums[f][0..15], in `halves` 8-lane halves (1 or 2): both constants where
- * inlined, at most LANE_FEATURES features at one half and half as many at two. */
-static inline __attribute__((always_inline)) void chunk_sums(const struct lanes *l, int64_t chunk, int64_t blocks,
-                                                             uint8_t *const *w, float *const *weight_scales,
-                                                             int features, int halves, float sums[][LANE_ROWS]) {
-    const int8_t *x = l->x + chunk * blocks * 4 * LANE_ROWS * 4;
-    const int32_t *offsets = l->offsets + chunk * blocks * LANE_ROWS;
-    const float *scales = l->scales + chunk * blocks * LANE_ROWS;
-    __m256 acc[LANE_FEATURES][2];
-    for (int f = 0; f < features; f++)
-        for (int h = 0; h < halves; h++)
-            acc[f][h] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        __m256i dot[LANE_FEATURES][2];
-        for (int h = 0; h < halves; h++) {
-            __m256i offset = _mm256_loadu_si256((const __m256i *)(offsets + b * LANE_ROWS + 8 * h));
-            for (int f = 0; f < features; f++)
-                dot[f][h] = offset;
-        }
-        for (int group = 0; group < 4; group++) {
-            for (int h = 0; h < halves; h++) {
-                __m256i values = _mm256_loadu_si256((const __m256i *)(x + (b * 4 + group) * LANE_ROWS * 4 + 32 * h));
-                for (int f = 0; f < features; f++) {
-                    int32_t four;
-                    memcpy(&four, w[f] + b * BLOCK + 4 * group, 4);
-                    dot[f][h] = add_four_products(dot[f][h], _mm256_set1_epi32(four), values);
-                }
-            }
-        }
-        for (int h = 0; h < halves; h++) {
-            __m256 scale = _mm256_loadu_ps(scales + b * LANE_ROWS + 8 * h);
-            for (int f = 0; f < features; f++) {
-                __m256 product = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[f][h]), scale);
-                acc[f][h] = _mm256_add_ps(acc[f][h], _mm256_mul_ps(product, _mm256_set1_ps(weight_scales[f][b])));
-            }
+/* chunk_sums_W: one chunk's sums for `features` features (w[f] their decoded values,
+ * weight_scales[f] their block scales) into sums[f][0..15], through `vectors` W-lane vectors
+ * per chunk (W = 8: 1 or 2; W = 16: 1); features and vectors are constants where inlined, at most
+ * LANE_FEATURES / vectors features. One body for both widths. */
+#define DEFINE_CHUNK_SUMS(W)                                                                                  \
+    static inline __attribute__((always_inline)) void chunk_sums_##W(                                       \
+        const struct lanes *l, int64_t chunk, int64_t blocks, uint8_t *const *w, float *const *weight_scales, \
+        int features, int vectors, float sums[][LANE_ROWS]) {                                               \
+        const int8_t *x = l->x + chunk * blocks * 4 * LANE_ROWS * 4;                                        \
+        const int32_t *offsets = l->offsets + chunk * blocks * LANE_ROWS;                                   \
+        const float *scales = l->scales + chunk * blocks * LANE_ROWS;                                       \
+        floats_##W acc[LANE_FEATURES][2];                                                                   \
+        for (int f = 0; f < features; f++)                                                                  \
+            for (int v = 0; v < vectors; v++)                                                               \
+                acc[f][v] = zeros_##W();                                                                    \
+        for (int64_t b = 0; b < blocks; b++) {                                                              \
+            ints_##W dot[LANE_FEATURES][2];                                                                 \
+            for (int v = 0; v < vectors; v++) {                                                             \
+                ints_##W offset = load_ints_##W(offsets + b * LANE_ROWS + W * v);                           \
+                for (int f = 0; f < features; f++)                                                          \
+                    dot[f][v] = offset;                                                                     \
+            }                                                                                               \
+            for (int group = 0; group < 4; group++) {                                                       \
+                for (int v = 0; v < vectors; v++) {                                                         \
+                    ints_##W values = load_ints_##W(x + (b * 4 + group) * LANE_ROWS * 4 + 4 * W * v);        \
+                    for (int f = 0; f < features; f++) {                                                    \
+                        int32_t four;                                                                       \
+                        memcpy(&four, w[f] + b * BLOCK + 4 * group, 4);                                     \
+                        dot[f][v] = add_four_products_##W(dot[f][v], broadcast_ints_##W(four), values);     \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+            for (int v = 0; v < vectors; v++) {                                                             \
+                floats_##W scale = load_floats_##W(scales + b * LANE_ROWS + W * v);                         \
+                for (int f = 0; f < features; f++) {                                                        \
+                    floats_##W product = mul_##W(to_floats_##W(dot[f][v]), scale);                          \
+                    acc[f][v] = add_##W(acc[f][v], mul_##W(product, broadcast_floats_##W(weight_scales[f][b]))); \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int f = 0; f < features; f++)                                                                  \
+            for (int v = 0; v < vectors; v++)                                                               \
+                store_##W(sums[f] + W * v, acc[f][v]);                                                      \
+    }
+DEFINE_CHUNK_SUMS(8)
+#if HAS_16_LANES
+DEFINE_CHUNK_SUMS(16)
+#endif
+
+/* One chunk of `rows` rows for features f0.. of the group (at most LANE_FEATURES): each set of
+ * them the widest form takes. */
+static void chunk_sums(const struct lanes *l, int64_t chunk, int64_t rows, int64_t blocks, uint8_t *const *w,
+                       float *const *weight_scales, int features, float sums[][LANE_ROWS]) {
+    for (int f = 0; f < features;) {
+        if (rows <= 8 && features - f == LANE_FEATURES) {
+            chunk_sums_8(l, chunk, blocks, w + f, weight_scales + f, LANE_FEATURES, 1, sums + f);
+            f += LANE_FEATURES;
+        } else if (rows <= 8) {
+            chunk_sums_8(l, chunk, blocks, w + f, weight_scales + f, 1, 1, sums + f);
+            f += 1;
+#if HAS_16_LANES
+        } else if (features - f == LANE_FEATURES) {
+            chunk_sums_16(l, chunk, blocks, w + f, weight_scales + f, LANE_FEATURES, 1, sums + f);
+            f += LANE_FEATURES;
+        } else {
+            chunk_sums_16(l, chunk, blocks, w + f, weight_scales + f, 1, 1, sums + f);
+            f += 1;
+#else
+        } else if (features - f >= LANE_FEATURES / 2) {
+            chunk_sums_8(l, chunk, blocks, w + f, weight_scales + f, LANE_FEATURES / 2, 2, sums + f);
+            f += LANE_FEATURES / 2;
+        } else {
+            chunk_sums_8(l, chunk, blocks, w + f, weight_scales + f, 1, 2, sums + f);
+            f += 1;
+#endif
         }
     }
-    for (int f = 0; f < features; f++)
-        for (int h = 0; h < halves; h++)
-            _mm256_storeu_ps(sums[f] + 8 * h, acc[f][h]);
 }
 
 /* Outputs first..end-1 of every row through the lanes; scratch holds LANE_FEATURES times k
@@ -403,22 +471,7 @@ static void rows_in_lanes(const struct operands *o, const struct lanes *l, int64
         }
         for (int64_t first_row = 0; first_row < o->rows; first_row += LANE_ROWS) {
             int64_t rows = o->rows - first_row < LANE_ROWS ? o->rows - first_row : LANE_ROWS;
-            int64_t chunk = first_row / LANE_ROWS;
-            for (int f = 0; f < features;) {
-                if (rows <= 8 && features - f >= LANE_FEATURES) {
-                    chunk_sums(l, chunk, blocks, w + f, weight_scales + f, LANE_FEATURES, 1, sums + f);
-                    f += LANE_FEATURES;
-                } else if (rows > 8 && features - f >= LANE_FEATURES / 2) {
-                    chunk_sums(l, chunk, blocks, w + f, weight_scales + f, LANE_FEATURES / 2, 2, sums + f);
-                    f += LANE_FEATURES / 2;
-                } else {
-                    if (rows <= 8)
-                        chunk_sums(l, chunk, blocks, w + f, weight_scales + f, 1, 1, sums + f);
-                    else
-                        chunk_sums(l, chunk, blocks, w + f, weight_scales + f, 1, 2, sums + f);
-                    f += 1;
-                }
-            }
+            chunk_sums(l, first_row / LANE_ROWS, rows, blocks, w, weight_scales, features, sums);
             for (int f = 0; f < features; f++)
                 store_outputs(sums[f], rows, first_row, o->n, feature + f, o->output_scale, o->bias, o->bias_is_bf16,
                               o->out, o->out_is_bf16);
