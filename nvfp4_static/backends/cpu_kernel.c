@@ -11,7 +11,8 @@
  * float32's normal range. So the only rounding of the product is the float32 sum of the blocks,
  * in K order, before both global scales and the bias are applied as backends/cpu.py applies them.
  *
- * With AVX2 (x86) one row goes four blocks per step through vector instructions, and more rows go
+ * With AVX2 (x86) one row goes four blocks per step through vector instructions, two features at
+ * a time (rows_one_by_one), and more rows go
  * as the lanes of vectors (rows_in_lanes; VNNI's byte dot products where the CPU has them), any
  * number of rows. Elsewhere plain C does the same integer arithmetic, for up to 16
  * rows. Large calls split their outputs across threads.
@@ -139,15 +140,16 @@ static int32_t block_sum(const int8_t *x, const uint8_t *packed) {
 #if defined(__AVX2__)
 #include <immintrin.h>
 
-/* Two weight blocks' 32 codes (16 packed bytes) looked up in table (16 bytes, by code, in both
- * 128-bit halves), in K order: the first block in the low 128 bits. */
-static inline __m256i decode_two_blocks(const uint8_t *packed, __m256i table) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)packed);
-    __m128i nibble = _mm_set1_epi8(0x0F);
-    __m128i low = _mm_and_si128(bytes, nibble);
-    __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-    __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(low, high), _mm_unpacklo_epi8(low, high));
-    return _mm256_shuffle_epi8(table, codes);
+/* Four weight blocks' 64 codes (32 packed bytes) looked up in table (16 bytes, by code, in both
+ * 128-bit halves), a block per 128 bits in the order unpacking within 128-bit lanes gives:
+ * blocks 0 and 2 into even, blocks 1 and 3 into odd. */
+static inline void decode_four_blocks(const uint8_t *packed, __m256i table, __m256i *even, __m256i *odd) {
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)packed);
+    __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i low = _mm256_and_si256(bytes, nibble);
+    __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+    *even = _mm256_shuffle_epi8(table, _mm256_unpacklo_epi8(low, high));
+    *odd = _mm256_shuffle_epi8(table, _mm256_unpackhi_epi8(low, high));
 }
 
 /* Two blocks' products x * w as four int32 partial sums each (a block per 128 bits): |w| times
@@ -158,11 +160,16 @@ static inline __m256i two_blocks_partial_sums(__m256i w, __m256i w_magnitude, co
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-/* The four blocks' integer sums, in K order, from the partial sums of blocks 0-1 and 2-3. */
-static inline __m128i four_block_sums(__m256i first_two, __m256i last_two) {
-    __m256i pairs = _mm256_hadd_epi32(first_two, last_two); /* per 128 bits: b0 b0 b2 b2 | b1 b1 b3 b3 */
-    __m256i sums = _mm256_hadd_epi32(pairs, pairs);         /* b0 b2 b0 b2 | b1 b3 b1 b3 */
-    return _mm_unpacklo_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+/* One row's values with each group of four blocks in decode_four_blocks' order (0, 2, 1, 3), the
+ * blocks past the last whole group as they are: the one-row form reads a group's even and odd
+ * blocks as one vector each. */
+static void reorder_for_four_blocks(const int8_t *x, int64_t k, int8_t *reordered) {
+    static const int order[4] = {0, 2, 1, 3};
+    int64_t b = 0;
+    for (; b + 4 <= k / BLOCK; b += 4)
+        for (int i = 0; i < 4; i++)
+            memcpy(reordered + (b + i) * BLOCK, x + (b + order[i]) * BLOCK, BLOCK);
+    memcpy(reordered + b * BLOCK, x + b * BLOCK, (size_t)(k - b * BLOCK));
 }
 #endif
 
@@ -201,48 +208,75 @@ struct operands {
     int out_is_bf16;
 };
 
-/* Outputs first..end-1 of every row (at most ROWS_ONE_BY_ONE), each row's block sums in turn:
- * at one row the weight's blocks go four per step through vector instructions. */
-static void rows_one_by_one(const struct operands *o, int64_t first, int64_t end) {
+/* Outputs first..end-1 of every row (at most ROWS_ONE_BY_ONE), each row's block sums in turn.
+ * With AVX2 two features go together, four blocks per step, their 8 block sums reduced and scaled
+ * in one vector; the rows' values come reordered by reorder_for_four_blocks. */
+static void rows_one_by_one(const struct operands *o, const int8_t *reordered, int64_t first, int64_t end) {
     int64_t k = o->k, blocks = k / BLOCK;
-    float sums[ROWS_ONE_BY_ONE];
-    for (int64_t feature = first; feature < end; feature++) {
-        const uint8_t *packed = o->weight + feature * (k / 2);
-        const uint8_t *codes = o->weight_scales + feature * blocks;
-        for (int64_t row = 0; row < o->rows; row++)
-            sums[row] = 0.0f;
+    float sums[2][ROWS_ONE_BY_ONE];
+    for (int64_t feature = first; feature < end; feature += 2) {
+        /* a last odd feature goes as both of a pair, its second results dropped */
+        int64_t features[2] = {feature, feature + 1 < end ? feature + 1 : feature};
+        const uint8_t *packed[2], *codes[2];
+        for (int f = 0; f < 2; f++) {
+            packed[f] = o->weight + features[f] * (k / 2);
+            codes[f] = o->weight_scales + features[f] * blocks;
+            for (int64_t row = 0; row < o->rows; row++)
+                sums[f][row] = 0.0f;
+        }
         int64_t b = 0;
 #if defined(__AVX2__)
         __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
+        /* the x scales of blocks 0-3 spread as the block sums lie: b0 b1 b0 b1 | b2 b3 b2 b3 */
+        __m256i spread = _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3);
         for (; b + 4 <= blocks; b += 4) {
-            __m256i w[2], w_magnitude[2];
-            for (int i = 0; i < 2; i++) {
-                w[i] = decode_two_blocks(packed + (b + 2 * i) * (BLOCK / 2), table);
-                w_magnitude[i] = _mm256_abs_epi8(w[i]);
+            __m256i even[2], odd[2], even_magnitude[2], odd_magnitude[2];
+            for (int f = 0; f < 2; f++) {
+                decode_four_blocks(packed[f] + b * (BLOCK / 2), table, &even[f], &odd[f]);
+                even_magnitude[f] = _mm256_abs_epi8(even[f]);
+                odd_magnitude[f] = _mm256_abs_epi8(odd[f]);
             }
-            __m128 weight_scale = _mm_set_ps(o->scale_values[codes[b + 3]], o->scale_values[codes[b + 2]],
-                                             o->scale_values[codes[b + 1]], o->scale_values[codes[b]]);
+            const float *values = o->scale_values;
+            __m256 weight_scale = _mm256_setr_ps(
+                values[codes[0][b]], values[codes[0][b + 1]], values[codes[1][b]], values[codes[1][b + 1]],
+                values[codes[0][b + 2]], values[codes[0][b + 3]], values[codes[1][b + 2]], values[codes[1][b + 3]]);
             for (int64_t row = 0; row < o->rows; row++) {
-                const int8_t *x = o->q2 + row * k + b * BLOCK;
-                __m128i sum = four_block_sums(two_blocks_partial_sums(w[0], w_magnitude[0], x),
-                                              two_blocks_partial_sums(w[1], w_magnitude[1], x + 2 * BLOCK));
-                __m128 scale = _mm_mul_ps(_mm_loadu_ps(o->scales + row * blocks + b), weight_scale);
-                float products[4];
-                _mm_storeu_ps(products, _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(sum), scale), _mm_set1_ps(0.25f)));
-                for (int i = 0; i < 4; i++)
-                    sums[row] += products[i];
+                const int8_t *x = reordered + row * k + b * BLOCK;
+                __m256i per_feature[2];
+                for (int f = 0; f < 2; f++) /* per 128 bits: b0 b0 b1 b1 | b2 b2 b3 b3 */
+                    per_feature[f] = _mm256_hadd_epi32(two_blocks_partial_sums(even[f], even_magnitude[f], x),
+                                                       two_blocks_partial_sums(odd[f], odd_magnitude[f], x + 2 * BLOCK));
+                /* f0 b0, f0 b1, f1 b0, f1 b1 | f0 b2, f0 b3, f1 b2, f1 b3 */
+                __m256i block_sums = _mm256_hadd_epi32(per_feature[0], per_feature[1]);
+                __m256 x_scale = _mm256_permutevar8x32_ps(
+                    _mm256_castps128_ps256(_mm_loadu_ps(o->scales + row * blocks + b)), spread);
+                float products[8];
+                _mm256_storeu_ps(products, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(block_sums),
+                                                                       _mm256_mul_ps(x_scale, weight_scale)),
+                                                         _mm256_set1_ps(0.25f)));
+                for (int f = 0; f < 2; f++) {
+                    sums[f][row] += products[2 * f];
+                    sums[f][row] += products[2 * f + 1];
+                    sums[f][row] += products[2 * f + 4];
+                    sums[f][row] += products[2 * f + 5];
+                }
             }
         }
+#else
+        (void)reordered;
 #endif
         for (; b < blocks; b++) {
-            float weight_scale = o->scale_values[codes[b]];
-            for (int64_t row = 0; row < o->rows; row++) {
-                int32_t sum = block_sum(o->q2 + row * k + b * BLOCK, packed + b * (BLOCK / 2));
-                sums[row] += (float)sum * (o->scales[row * blocks + b] * weight_scale) * 0.25f;
+            for (int f = 0; f < 2; f++) {
+                float weight_scale = o->scale_values[codes[f][b]];
+                for (int64_t row = 0; row < o->rows; row++) {
+                    int32_t sum = block_sum(o->q2 + row * k + b * BLOCK, packed[f] + b * (BLOCK / 2));
+                    sums[f][row] += (float)sum * (o->scales[row * blocks + b] * weight_scale) * 0.25f;
+                }
             }
         }
-        store_outputs(sums, o->rows, 0, o->n, feature, o->output_scale, o->bias, o->bias_is_bf16, o->out,
-                      o->out_is_bf16);
+        for (int f = 0; f < 2 && (f == 0 || features[1] != features[0]); f++)
+            store_outputs(sums[f], o->rows, 0, o->n, features[f], o->output_scale, o->bias, o->bias_is_bf16, o->out,
+                          o->out_is_bf16);
     }
 }
 
@@ -311,8 +345,12 @@ static const uint8_t TWICE_E2M1_PLUS_12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 1
 static void decode_feature(const uint8_t *packed, int64_t k, uint8_t *w) {
     __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1_PLUS_12));
     int64_t i = 0;
-    for (; i + 2 * BLOCK <= k; i += 2 * BLOCK)
-        _mm256_storeu_si256((__m256i *)(w + i), decode_two_blocks(packed + i / 2, table));
+    for (; i + 4 * BLOCK <= k; i += 4 * BLOCK) {
+        __m256i even, odd; /* blocks 0 and 2, 1 and 3 */
+        decode_four_blocks(packed + i / 2, table, &even, &odd);
+        _mm256_storeu_si256((__m256i *)(w + i), _mm256_permute2x128_si256(even, odd, 0x20));
+        _mm256_storeu_si256((__m256i *)(w + i + 2 * BLOCK), _mm256_permute2x128_si256(even, odd, 0x31));
+    }
     for (; i < k; i += 2) {
         w[i] = TWICE_E2M1_PLUS_12[packed[i / 2] & 0xF];
         w[i + 1] = TWICE_E2M1_PLUS_12[packed[i / 2] >> 4];
@@ -493,7 +531,8 @@ int nvfp4_most_rows(void) {
 /* One thread's outputs. */
 struct part {
     const struct operands *o;
-    const void *lanes; /* struct lanes, or NULL: one row at a time */
+    const void *lanes;       /* struct lanes, or NULL: one row at a time */
+    const int8_t *reordered; /* one row at a time with AVX2: the rows by reorder_for_four_blocks */
     uint8_t *scratch;
     int64_t first, end;
 };
@@ -506,7 +545,7 @@ static void *run_part(void *argument) {
         return NULL;
     }
 #endif
-    rows_one_by_one(p->o, p->first, p->end);
+    rows_one_by_one(p->o, p->reordered, p->first, p->end);
     return NULL;
 }
 
@@ -565,6 +604,7 @@ int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const fl
     pthread_t ids[MOST_THREADS];
     int started[MOST_THREADS];
     int threads = threads_for(rows, k, n, most_threads, products_per_thread);
+    int8_t *reordered = NULL;
 #if defined(__AVX2__)
     struct lanes lanes;
     int in_lanes = rows >= LANES_FROM_ROWS;
@@ -577,10 +617,20 @@ int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const fl
             free(scales);
             return -1;
         }
+    } else {
+        reordered = malloc((size_t)(rows * k));
+        if (!reordered) {
+            free(q2);
+            free(scales);
+            return -1;
+        }
+        for (int64_t row = 0; row < rows; row++)
+            reorder_for_four_blocks(q2 + row * k, k, reordered + row * k);
     }
 #endif
     for (int t = 0; t < threads; t++) {
-        struct part p = {&o, NULL, scratch ? scratch + t * scratch_bytes : NULL, n * t / threads, n * (t + 1) / threads};
+        struct part p = {&o, NULL, reordered, scratch ? scratch + t * scratch_bytes : NULL, n * t / threads,
+                         n * (t + 1) / threads};
 #if defined(__AVX2__)
         if (in_lanes)
             p.lanes = &lanes;
@@ -601,6 +651,7 @@ int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const fl
         free_lanes(&lanes);
 #endif
     free(scratch);
+    free(reordered);
     free(q2);
     free(scales);
     return 0;
