@@ -28,7 +28,8 @@ like the calibration ops: its torch fallback loops over the experts with data-de
 counts, which a traced body could not;
 ``grouped_static_nvfp4_linear_reference`` is that fallback as an op on every device.
 ``cpu_static_nvfp4_linear`` is the linear of CPU tensors as a traced graph holds it: its body calls
-the CPU's C kernel (``backends/cpu_kernel.py``) or the torch ops, by row count.
+the CPU's C kernel (``backends/cpu_kernel.py``) where it is built and takes the call's rows, else
+the torch ops.
 
 ``quantize_weight_nvfp4`` is a plain function, not an op: convert runs it eagerly, the activation
 quantize kernel on a 2D CUDA weight, the torch reference on every other.
@@ -772,7 +773,7 @@ def _cpu_static_nvfp4_linear_body(
 
 
 # The static NVFP4 linear on a CPU as a traced graph calls it: the CPU kernel or the torch ops,
-# chosen by the row count inside the op, so that one graph serves every row count and its calls
+# chosen inside the op when it runs, so that one graph serves every row count and its calls
 # equal the eager ones. A custom op rather than a traced_op: its body calls the C kernel, which
 # fake tensors cannot run.
 cpu_static_nvfp4_linear = torch.library.custom_op(
