@@ -140,6 +140,23 @@ static int32_t block_sum(const int8_t *x, const uint8_t *packed) {
 #if defined(__AVX2__)
 #include <immintrin.h>
 
+/* Twice the E2M1 value of each code plus 12, in [0, 24]: the unsigned operand of a byte dot
+ * product (VNNI's and maddubs take one unsigned and one signed), the sum then corrected by -12
+ * times the other operand's sum. */
+static const uint8_t TWICE_E2M1_PLUS_12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* VNNI's byte dot product on 256-bit vectors, where the CPU has it: each 32-bit lane of acc plus
+ * the sum of four products of the unsigned bytes u and the signed bytes s. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAS_VNNI 1
+#define dot_bytes _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define HAS_VNNI 1
+#define dot_bytes _mm256_dpbusd_avx_epi32
+#else
+#define HAS_VNNI 0
+#endif
+
 /* Four weight blocks' 64 codes (32 packed bytes) looked up in table (16 bytes, by code, in both
  * 128-bit halves), a block per 128 bits in the order unpacking within 128-bit lanes gives:
  * blocks 0 and 2 into even, blocks 1 and 3 into odd. */
@@ -152,6 +169,7 @@ static inline void decode_four_blocks(const uint8_t *packed, __m256i table, __m2
     *odd = _mm256_shuffle_epi8(table, _mm256_unpackhi_epi8(low, high));
 }
 
+#if !HAS_VNNI
 /* Two blocks' products x * w as four int32 partial sums each (a block per 128 bits): |w| times
  * x with w's sign, in pairs (at most 2 * 144, no int16 saturation), then in fours. */
 static inline __m256i two_blocks_partial_sums(__m256i w, __m256i w_magnitude, const int8_t *x) {
@@ -159,16 +177,30 @@ static inline __m256i two_blocks_partial_sums(__m256i w, __m256i w_magnitude, co
     __m256i pairs = _mm256_maddubs_epi16(w_magnitude, _mm256_sign_epi8(a, w));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
+#endif
 
 /* One row's values with each group of four blocks in decode_four_blocks' order (0, 2, 1, 3), the
  * blocks past the last whole group as they are: the one-row form reads a group's even and odd
- * blocks as one vector each. */
-static void reorder_for_four_blocks(const int8_t *x, int64_t k, int8_t *reordered) {
-    static const int order[4] = {0, 2, 1, 3};
+ * blocks as one vector each. With VNNI also each group's corrections, -12 times each block's sum
+ * of 2 q_x, as the form's block sums lie (blocks 0 1 0 1 2 3 2 3), 8 int32 per group. */
+static void reorder_for_four_blocks(const int8_t *x, int64_t k, int8_t *reordered, int32_t *corrections) {
+    static const int order[4] = {0, 2, 1, 3}, lanes[8] = {0, 1, 0, 1, 2, 3, 2, 3};
     int64_t b = 0;
-    for (; b + 4 <= k / BLOCK; b += 4)
+    for (; b + 4 <= k / BLOCK; b += 4) {
         for (int i = 0; i < 4; i++)
             memcpy(reordered + (b + i) * BLOCK, x + (b + order[i]) * BLOCK, BLOCK);
+#if HAS_VNNI
+        for (int lane = 0; lane < 8; lane++) {
+            int32_t sum = 0;
+            for (int j = 0; j < BLOCK; j++)
+                sum += x[(b + lanes[lane]) * BLOCK + j];
+            corrections[b / 4 * 8 + lane] = -12 * sum;
+        }
+#else
+        (void)corrections;
+        (void)lanes;
+#endif
+    }
     memcpy(reordered + b * BLOCK, x + b * BLOCK, (size_t)(k - b * BLOCK));
 }
 #endif
@@ -210,8 +242,10 @@ struct operands {
 
 /* Outputs first..end-1 of every row (at most ROWS_ONE_BY_ONE), each row's block sums in turn.
  * With AVX2 two features go together, four blocks per step, their 8 block sums reduced and scaled
- * in one vector; the rows' values come reordered by reorder_for_four_blocks. */
-static void rows_one_by_one(const struct operands *o, const int8_t *reordered, int64_t first, int64_t end) {
+ * in one vector; the rows' values come reordered by reorder_for_four_blocks, with their
+ * corrections where VNNI multiplies. */
+static void rows_one_by_one(const struct operands *o, const int8_t *reordered, const int32_t *corrections,
+                            int64_t first, int64_t end) {
     int64_t k = o->k, blocks = k / BLOCK;
     float sums[2][ROWS_ONE_BY_ONE];
     for (int64_t feature = first; feature < end; feature += 2) {
@@ -226,16 +260,25 @@ static void rows_one_by_one(const struct operands *o, const int8_t *reordered, i
         }
         int64_t b = 0;
 #if defined(__AVX2__)
+#if HAS_VNNI
+        __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1_PLUS_12));
+#else
         __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
+#endif
         /* the x scales of blocks 0-3 spread as the block sums lie: b0 b1 b0 b1 | b2 b3 b2 b3 */
         __m256i spread = _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3);
         for (; b + 4 <= blocks; b += 4) {
-            __m256i even[2], odd[2], even_magnitude[2], odd_magnitude[2];
-            for (int f = 0; f < 2; f++) {
+            __m256i even[2], odd[2];
+            for (int f = 0; f < 2; f++)
                 decode_four_blocks(packed[f] + b * (BLOCK / 2), table, &even[f], &odd[f]);
+#if !HAS_VNNI
+            (void)corrections;
+            __m256i even_magnitude[2], odd_magnitude[2];
+            for (int f = 0; f < 2; f++) {
                 even_magnitude[f] = _mm256_abs_epi8(even[f]);
                 odd_magnitude[f] = _mm256_abs_epi8(odd[f]);
             }
+#endif
             const float *values = o->scale_values;
             __m256 weight_scale = _mm256_setr_ps(
                 values[codes[0][b]], values[codes[0][b + 1]], values[codes[1][b]], values[codes[1][b + 1]],
@@ -243,11 +286,23 @@ static void rows_one_by_one(const struct operands *o, const int8_t *reordered, i
             for (int64_t row = 0; row < o->rows; row++) {
                 const int8_t *x = reordered + row * k + b * BLOCK;
                 __m256i per_feature[2];
-                for (int f = 0; f < 2; f++) /* per 128 bits: b0 b0 b1 b1 | b2 b2 b3 b3 */
+                for (int f = 0; f < 2; f++) { /* per 128 bits: b0 b0 b1 b1 | b2 b2 b3 b3 */
+#if HAS_VNNI
+                    __m256i zero = _mm256_setzero_si256();
+                    per_feature[f] = _mm256_hadd_epi32(
+                        dot_bytes(zero, even[f], _mm256_loadu_si256((const __m256i *)x)),
+                        dot_bytes(zero, odd[f], _mm256_loadu_si256((const __m256i *)(x + 2 * BLOCK))));
+#else
                     per_feature[f] = _mm256_hadd_epi32(two_blocks_partial_sums(even[f], even_magnitude[f], x),
                                                        two_blocks_partial_sums(odd[f], odd_magnitude[f], x + 2 * BLOCK));
+#endif
+                }
                 /* f0 b0, f0 b1, f1 b0, f1 b1 | f0 b2, f0 b3, f1 b2, f1 b3 */
                 __m256i block_sums = _mm256_hadd_epi32(per_feature[0], per_feature[1]);
+#if HAS_VNNI
+                block_sums = _mm256_add_epi32(
+                    block_sums, _mm256_loadu_si256((const __m256i *)(corrections + (row * (k / 64) + b / 4) * 8)));
+#endif
                 __m256 x_scale = _mm256_permutevar8x32_ps(
                     _mm256_castps128_ps256(_mm_loadu_ps(o->scales + row * blocks + b)), spread);
                 float products[8];
@@ -264,6 +319,7 @@ static void rows_one_by_one(const struct operands *o, const int8_t *reordered, i
         }
 #else
         (void)reordered;
+        (void)corrections;
 #endif
         for (; b < blocks; b++) {
             for (int f = 0; f < 2; f++) {
@@ -338,9 +394,6 @@ static int lay_out_in_lanes(const int8_t *q2, const float *scales, int64_t rows,
     return 1;
 }
 
-/* Twice the E2M1 value of each code, plus 12. */
-static const uint8_t TWICE_E2M1_PLUS_12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
-
 /* One feature's k packed codes as 2 q_w + 12, one byte each, into w. */
 static void decode_feature(const uint8_t *packed, int64_t k, uint8_t *w) {
     __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1_PLUS_12));
@@ -372,10 +425,8 @@ typedef __m256 floats_8;
 #define zeros_8 _mm256_setzero_ps
 #define store_8 _mm256_storeu_ps
 static inline ints_8 add_four_products_8(ints_8 acc, ints_8 u, ints_8 s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#if HAS_VNNI
+    return dot_bytes(acc, u, s);
 #else
     /* pairs of products at most 2 * 24 * 12 in magnitude: no int16 saturation */
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
@@ -532,7 +583,8 @@ int nvfp4_most_rows(void) {
 struct part {
     const struct operands *o;
     const void *lanes;       /* struct lanes, or NULL: one row at a time */
-    const int8_t *reordered; /* one row at a time with AVX2: the rows by reorder_for_four_blocks */
+    const int8_t *reordered;     /* one row at a time with AVX2: the rows by reorder_for_four_blocks */
+    const int32_t *corrections;  /* and their corrections, with VNNI */
     uint8_t *scratch;
     int64_t first, end;
 };
@@ -545,7 +597,7 @@ static void *run_part(void *argument) {
         return NULL;
     }
 #endif
-    rows_one_by_one(p->o, p->reordered, p->first, p->end);
+    rows_one_by_one(p->o, p->reordered, p->corrections, p->first, p->end);
     return NULL;
 }
 
@@ -605,6 +657,7 @@ int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const fl
     int started[MOST_THREADS];
     int threads = threads_for(rows, k, n, most_threads, products_per_thread);
     int8_t *reordered = NULL;
+    int32_t *corrections = NULL;
 #if defined(__AVX2__)
     struct lanes lanes;
     int in_lanes = rows >= LANES_FROM_ROWS;
@@ -618,19 +671,21 @@ int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const fl
             return -1;
         }
     } else {
-        reordered = malloc((size_t)(rows * k));
+        /* the rows, then their corrections: 8 int32 per 64 values */
+        reordered = malloc((size_t)(rows * k + rows * (k / 64) * 8 * (int64_t)sizeof(int32_t)));
         if (!reordered) {
             free(q2);
             free(scales);
             return -1;
         }
+        corrections = (int32_t *)(reordered + rows * k);
         for (int64_t row = 0; row < rows; row++)
-            reorder_for_four_blocks(q2 + row * k, k, reordered + row * k);
+            reorder_for_four_blocks(q2 + row * k, k, reordered + row * k, corrections + row * (k / 64) * 8);
     }
 #endif
     for (int t = 0; t < threads; t++) {
-        struct part p = {&o, NULL, reordered, scratch ? scratch + t * scratch_bytes : NULL, n * t / threads,
-                         n * (t + 1) / threads};
+        struct part p = {&o, NULL, reordered, corrections, scratch ? scratch + t * scratch_bytes : NULL,
+                         n * t / threads, n * (t + 1) / threads};
 #if defined(__AVX2__)
         if (in_lanes)
             p.lanes = &lanes;
