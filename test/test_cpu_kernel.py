@@ -2,7 +2,9 @@
 (``references.static_nvfp4_linear_in_block_order``), and the route around it: which calls take
 it, how it is built, what it refuses."""
 
+import concurrent.futures
 import contextlib
+import multiprocessing
 import os
 import stat
 import warnings
@@ -248,17 +250,61 @@ def test_kernel_takes_leading_dims(lib):
     assert torch.equal(cpu.static_nvfp4_linear(x[3], *rest), out[0, 3])
 
 
+@contextlib.contextmanager
+def split_into(threads, monkeypatch):
+    """Calls split their outputs into ``threads`` parts, however small."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpu_kernel, "_PRODUCTS_PER_THREAD", 1)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 20], ids=str)
 def test_outputs_split_across_threads_equal_one_thread(lib, monkeypatch, rows):
+    """Rounds of 5, 2, 7 and 3 parts in turn on the kernel's worker threads, kept between calls."""
     args = operands(rows, 61, 256, torch.bfloat16, seed=2)
     one_thread = cpu.static_nvfp4_linear(*args)
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(cpu_kernel, "_PRODUCTS_PER_THREAD", 1)
-    torch.set_num_threads(5)
-    try:
-        assert torch.equal(cpu.static_nvfp4_linear(*args), one_thread)
-    finally:
-        torch.set_num_threads(threads)
+    for threads in (5, 2, 7, 3):
+        with split_into(threads, monkeypatch):
+            assert torch.equal(cpu.static_nvfp4_linear(*args), one_thread)
+
+
+def test_calls_from_several_python_threads_at_once_equal_one_thread(lib, monkeypatch):
+    """The kernel releases the GIL: concurrent split calls, one using the workers and the others
+    running their parts themselves, each get their own outputs."""
+    calls = [operands(rows, 61, 256, torch.bfloat16, seed=rows) for rows in (1, 3, 9, 20)]
+    expected = [cpu.static_nvfp4_linear(*args) for args in calls]
+    with split_into(4, monkeypatch), concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            outs = list(pool.map(lambda args: cpu.static_nvfp4_linear(*args), calls))
+            assert all(torch.equal(out, want) for out, want in zip(outs, expected))
+
+
+def _split_call_in_child(args, expected, results):
+    torch.set_num_threads(4)
+    cpu_kernel._PRODUCTS_PER_THREAD = 1
+    results.put(torch.equal(cpu.static_nvfp4_linear(*args), expected))
+
+
+def test_a_forked_child_splits_calls_on_workers_of_its_own(lib, monkeypatch):
+    """fork() copies none of the parent's worker threads: the child starts its own rather than
+    waiting on workers that are not there."""
+    args = operands(4, 61, 256, torch.bfloat16, seed=12)
+    expected = cpu.static_nvfp4_linear(*args)
+    with split_into(4, monkeypatch):
+        assert torch.equal(cpu.static_nvfp4_linear(*args), expected)  # the parent's workers started
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_split_call_in_child, args=(args, expected, results))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child's split call did not finish in 60 s")
+    assert child.exitcode == 0 and results.get(timeout=5) is True
 
 
 def test_traced_on_a_cpu_the_linear_is_one_op_equal_to_the_eager_call(lib):

@@ -603,6 +603,92 @@ static void *run_part(void *argument) {
 
 #define MOST_THREADS 256
 
+/* The worker threads that run the other parts of a split call: started at the first call that
+ * needs them and kept, waiting on a condition variable, for the process (starting a thread costs
+ * tens of microseconds, per call a large share of a small one). One call at a time hands them
+ * parts; a call that finds them busy (another thread's call) runs its parts itself. A child made
+ * by fork() has none of its parent's workers and starts its own. */
+static pthread_mutex_t pool_turn = PTHREAD_MUTEX_INITIALIZER;    /* held by the call using the pool */
+static pthread_mutex_t pool_state = PTHREAD_MUTEX_INITIALIZER;   /* guards the fields below */
+static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER;      /* a new round of parts */
+static pthread_cond_t pool_finished = PTHREAD_COND_INITIALIZER;  /* the round's last part done */
+static int pool_workers;        /* started workers: worker i runs part i of a round, i = 1.. */
+static unsigned long pool_round; /* counts the rounds handed out */
+static struct part *pool_parts;
+static int pool_parts_count;    /* parts in this round, the caller's part 0 included */
+static int pool_unfinished;     /* the workers' parts of this round not yet done */
+static pthread_once_t pool_fork_handler = PTHREAD_ONCE_INIT;
+
+static void *pool_worker(void *argument) {
+    int index = (int)(intptr_t)argument;
+    pthread_mutex_lock(&pool_state);
+    /* started while the caller set up its round, which is pool_round by now: run it first */
+    unsigned long seen = pool_round - 1;
+    for (;;) {
+        while (pool_round == seen)
+            pthread_cond_wait(&pool_work, &pool_state);
+        seen = pool_round;
+        if (index < pool_parts_count) {
+            struct part *part = &pool_parts[index];
+            pthread_mutex_unlock(&pool_state);
+            run_part(part);
+            pthread_mutex_lock(&pool_state);
+            if (--pool_unfinished == 0)
+                pthread_cond_signal(&pool_finished);
+        }
+    }
+    return NULL;
+}
+
+/* In a child made by fork(): no workers, and the locks as new. */
+static void forget_pool(void) {
+    pthread_mutex_t unlocked = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t condition = PTHREAD_COND_INITIALIZER;
+    pool_turn = unlocked;
+    pool_state = unlocked;
+    pool_work = condition;
+    pool_finished = condition;
+    pool_workers = 0;
+    pool_round = 0;
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_pool); }
+
+/* Runs parts[0..count-1]: part 0 here, the others on the pool's workers (here those no worker
+ * can take: the pool busy with another call, or a worker that could not be started). */
+static void run_parts(struct part *parts, int count) {
+    int helpers = 0;
+    int have_turn = count > 1 && pthread_mutex_trylock(&pool_turn) == 0;
+    if (have_turn) {
+        pthread_once(&pool_fork_handler, register_fork_handler);
+        pthread_mutex_lock(&pool_state);
+        while (pool_workers < count - 1) {
+            pthread_t id;
+            if (pthread_create(&id, NULL, pool_worker, (void *)(intptr_t)(pool_workers + 1)) != 0)
+                break;
+            pthread_detach(id);
+            pool_workers++;
+        }
+        helpers = pool_workers < count - 1 ? pool_workers : count - 1;
+        pool_parts = parts;
+        pool_parts_count = helpers + 1;
+        pool_unfinished = helpers;
+        pool_round++;
+        pthread_cond_broadcast(&pool_work);
+        pthread_mutex_unlock(&pool_state);
+    }
+    run_part(&parts[0]);
+    for (int t = helpers + 1; t < count; t++)
+        run_part(&parts[t]);
+    if (have_turn) {
+        pthread_mutex_lock(&pool_state);
+        while (pool_unfinished > 0)
+            pthread_cond_wait(&pool_finished, &pool_state);
+        pthread_mutex_unlock(&pool_state);
+        pthread_mutex_unlock(&pool_turn);
+    }
+}
+
 /* A call's threads: one per products_per_thread of its work, up to most_threads, its work counted
  * in row-weight products of the one-row-at-a-time form, where each 8 rows in the lanes cost about
  * as much as 2 one at a time (examples/benchmarks/RESULTS.md): starting a thread costs tens of
@@ -628,8 +714,8 @@ static int threads_for(int64_t rows, int64_t k, int64_t n, int most_threads, int
  * bfloat16 where x_is_bf16) quantized by nvfp4_quantize_rows; weight[n, k / 2]: packed E2M1
  * codes, element 2i in the low nibble; weight_scales[n, k / 16]: FP8 E4M3 codes, decoded by
  * scale_values[256]; bias: NULL or [n], bfloat16 where bias_is_bf16, else float32; out bfloat16
- * where out_is_bf16, else float32. The outputs split into threads_for's ranges: the calling
- * thread runs the first, a thread of its own each other (one that cannot be started runs here).
+ * where out_is_bf16, else float32. The outputs split into threads_for's ranges, run by the
+ * calling thread and the pool's workers (run_parts).
  * Returns 0; -1 where memory ran out, -2 for more rows than nvfp4_most_rows() (then out is not
  * written). */
 int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const float *act_scale,
@@ -653,8 +739,6 @@ int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const fl
     struct operands o = {q2, scales, rows, k, weight, weight_scales, scale_values, n,
                          *act_scale * *weight_scale_global, bias, bias_is_bf16, out, out_is_bf16};
     struct part parts[MOST_THREADS];
-    pthread_t ids[MOST_THREADS];
-    int started[MOST_THREADS];
     int threads = threads_for(rows, k, n, most_threads, products_per_thread);
     int8_t *reordered = NULL;
     int32_t *corrections = NULL;
@@ -692,15 +776,7 @@ int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const fl
 #endif
         parts[t] = p;
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, run_part, &parts[t]) == 0;
-    run_part(&parts[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            run_part(&parts[t]);
-    }
+    run_parts(parts, threads);
 #if defined(__AVX2__)
     if (in_lanes)
         free_lanes(&lanes);
