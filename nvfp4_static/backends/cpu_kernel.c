@@ -689,17 +689,19 @@ static void run_parts(struct part *parts, int count) {
     }
 }
 
-/* A call's threads: one per products_per_thread of its work, up to most_threads, its work counted
- * in row-weight products of the one-row-at-a-time form, where each 8 rows in the lanes cost about
- * as much as 2 one at a time (examples/benchmarks/RESULTS.md): starting a thread costs tens of
- * microseconds. */
+/* A call's threads, up to most_threads: one below twice products_per_thread of its work, else one
+ * per eighth of that, its work counted in row-weight products of the one-row-at-a-time form,
+ * where each 8 rows in the lanes cost about as much as 2 one at a time. Waking a worker costs
+ * microseconds: worth it on many cores for large calls, not for small ones where two threads
+ * share two cores (examples/benchmarks/RESULTS.md). */
 static int threads_for(int64_t rows, int64_t k, int64_t n, int most_threads, int64_t products_per_thread) {
     int64_t rows_of_work = rows;
 #if defined(__AVX2__)
     if (rows >= LANES_FROM_ROWS)
         rows_of_work = 2 * ((rows + 7) / 8);
 #endif
-    int64_t threads = rows_of_work * k * n / products_per_thread;
+    int64_t work = rows_of_work * k * n;
+    int64_t threads = work < 2 * products_per_thread ? 1 : work * 8 / products_per_thread;
     if (threads > most_threads)
         threads = most_threads;
     if (threads > MOST_THREADS)
