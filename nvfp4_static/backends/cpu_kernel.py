@@ -38,8 +38,9 @@ SOURCE = Path(__file__).with_name("cpu_kernel.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-pthread")
 NATIVE_FLAGS = ("-march=native",)
 
-# Row-weight products per thread: a call splits its outputs across up to torch's thread count,
-# one thread per this many products of its work (the kernel's threads_for).
+# Row-weight products per thread: a call splits its outputs across up to torch's thread count
+# from twice this many products of its work, then one thread per eighth of it (the kernel's
+# threads_for).
 _PRODUCTS_PER_THREAD = 1 << 21
 
 _lock = threading.Lock()
