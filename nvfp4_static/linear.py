@@ -93,12 +93,10 @@ def check_checkpoint_scale_values(act_scale: torch.Tensor, weight_scale: torch.T
 
 class _InferenceOnly(torch.autograd.Function):
     """Passes the output through; its backward names the problem instead of failing deep in
-    the FP8 and FP4 ops, which have no gradients. Takes the layer's inputs too, so that its
-    output requires a gradient wherever they do, even where the route's kernel (the CPU's C
-    kernel) returned a tensor without one."""
+    the FP8 and FP4 ops, which have no gradients."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor) -> torch.Tensor:
         return out.view_as(out)
 
     @staticmethod
@@ -201,13 +199,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
                 # read around the same inner tensors, which is what the replay checks.
                 weight = self.weight
             out = self._eager_launches.linear(x, weight, bias)
-        if out.requires_grad or (torch.is_grad_enabled() and (x.requires_grad or self._bias_requires_grad())):
-            return _InferenceOnly.apply(out, x, self.bias)
-        return out
-
-    def _bias_requires_grad(self) -> bool:
-        bias = self._parameters["bias"]
-        return bias is not None and bias.requires_grad
+        return _InferenceOnly.apply(out) if out.requires_grad else out
 
     def _apply(self, fn, recurse=True):
         # Moved or converted, the layer no longer holds a slice of its sibling GEMM's weight,

@@ -68,9 +68,12 @@ def static_nvfp4_linear_on_cpu(
     bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """The linear of real CPU tensors: the CPU kernel where it is built and takes this many
-    rows, else the torch ops."""
+    rows, else the torch ops. The kernel's output records no autograd graph, so a call that
+    records one (gradients on, an input that requires them) takes the torch ops, whose output
+    the converted layer's backward guard then sees."""
     operands = (x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
-    lib = cpu_kernel.library()
+    records_gradients = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    lib = None if records_gradients else cpu_kernel.library()
     if lib is not None and x.numel() <= lib.most_rows * x.shape[-1]:
         return cpu_kernel.static_nvfp4_linear_rows(lib, *operands, _decoding_tables()[1])
     return torch_static_nvfp4_linear(*operands)

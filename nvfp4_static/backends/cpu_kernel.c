@@ -373,10 +373,8 @@ static int lay_out_in_lanes(const int8_t *q2, const float *scales, int64_t rows,
     l->x = calloc((size_t)(chunks * blocks), 4 * LANE_ROWS * 4);
     l->offsets = calloc((size_t)(chunks * blocks), LANE_ROWS * sizeof(int32_t));
     l->scales = calloc((size_t)(chunks * blocks), LANE_ROWS * sizeof(float));
-    if (!l->x || !l->offsets || !l->scales) {
-        free_lanes(l);
-        return 0;
-    }
+    if (!l->x || !l->offsets || !l->scales)
+        return 0; /* the caller frees what was allocated (free_lanes) */
     for (int64_t row = 0; row < rows; row++) {
         int64_t chunk = row / LANE_ROWS, lane = row % LANE_ROWS;
         for (int64_t b = 0; b < blocks; b++) {
@@ -728,47 +726,41 @@ int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const fl
         return -2;
     if (rows == 0 || n == 0)
         return 0;
+    int status = -1;
+    int threads = threads_for(rows, k, n, most_threads, products_per_thread);
     int8_t *q2 = malloc((size_t)(rows * k));
     float *scales = malloc((size_t)(rows * (k / BLOCK)) * sizeof(float));
     uint8_t *scratch = NULL;
     int64_t scratch_bytes = 0;
-    if (!q2 || !scales) {
-        free(q2);
-        free(scales);
-        return -1;
-    }
-    nvfp4_quantize_rows(x, x_is_bf16, rows, k, act_scale, q2, scales);
-    struct operands o = {q2, scales, rows, k, weight, weight_scales, scale_values, n,
-                         *act_scale * *weight_scale_global, bias, bias_is_bf16, out, out_is_bf16};
-    struct part parts[MOST_THREADS];
-    int threads = threads_for(rows, k, n, most_threads, products_per_thread);
     int8_t *reordered = NULL;
     int32_t *corrections = NULL;
 #if defined(__AVX2__)
-    struct lanes lanes;
+    struct lanes lanes = {NULL, NULL, NULL};
     int in_lanes = rows >= LANES_FROM_ROWS;
+#endif
+    if (!q2 || !scales)
+        goto done;
+    nvfp4_quantize_rows(x, x_is_bf16, rows, k, act_scale, q2, scales);
+#if defined(__AVX2__)
     if (in_lanes) {
         scratch_bytes = LANE_FEATURES * (k + (k / BLOCK) * (int64_t)sizeof(float));
         scratch = malloc((size_t)(threads * scratch_bytes));
-        if (!scratch || !lay_out_in_lanes(q2, scales, rows, k, &lanes)) {
-            free(scratch);
-            free(q2);
-            free(scales);
-            return -1;
-        }
+        if (!scratch || !lay_out_in_lanes(q2, scales, rows, k, &lanes))
+            goto done;
     } else {
-        /* the rows, then their corrections: 8 int32 per 64 values */
-        reordered = malloc((size_t)(rows * k + rows * (k / 64) * 8 * (int64_t)sizeof(int32_t)));
-        if (!reordered) {
-            free(q2);
-            free(scales);
-            return -1;
-        }
+        /* the rows, then (with VNNI) their corrections: 8 int32 per 64 values */
+        int64_t correction_count = HAS_VNNI ? rows * (k / 64) * 8 : 0;
+        reordered = malloc((size_t)(rows * k + correction_count * (int64_t)sizeof(int32_t)));
+        if (!reordered)
+            goto done;
         corrections = (int32_t *)(reordered + rows * k);
         for (int64_t row = 0; row < rows; row++)
             reorder_for_four_blocks(q2 + row * k, k, reordered + row * k, corrections + row * (k / 64) * 8);
     }
 #endif
+    struct operands o = {q2, scales, rows, k, weight, weight_scales, scale_values, n,
+                         *act_scale * *weight_scale_global, bias, bias_is_bf16, out, out_is_bf16};
+    struct part parts[MOST_THREADS];
     for (int t = 0; t < threads; t++) {
         struct part p = {&o, NULL, reordered, corrections, scratch ? scratch + t * scratch_bytes : NULL,
                          n * t / threads, n * (t + 1) / threads};
@@ -779,13 +771,14 @@ int nvfp4_linear(const void *x, int x_is_bf16, int64_t rows, int64_t k, const fl
         parts[t] = p;
     }
     run_parts(parts, threads);
+    status = 0;
+done:
 #if defined(__AVX2__)
-    if (in_lanes)
-        free_lanes(&lanes);
+    free_lanes(&lanes);
 #endif
     free(scratch);
     free(reordered);
     free(q2);
     free(scales);
-    return 0;
+    return status;
 }

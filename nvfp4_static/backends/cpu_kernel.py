@@ -75,8 +75,9 @@ def library() -> Optional[Kernel]:
                 detail = getattr(error, "stderr", None) or str(error)
                 warn(
                     f"nvfp4_static: the CPU kernel ({SOURCE.name}) could not be built, so static "
-                    f"NVFP4 linears on a CPU run torch ops, several times slower: {str(detail).strip()[-600:]}. Install a C compiler or point "
-                    f"$CC at one; ${SWITCH_ENV_VAR}=0 silences this.",
+                    f"NVFP4 linears on a CPU run torch ops, several times slower: "
+                    f"{str(detail).strip()[-600:]}. Install a C compiler or point $CC at one; "
+                    f"${SWITCH_ENV_VAR}=0 silences this.",
                     RuntimeWarning,
                 )
             _tried = True  # after _library: the check outside the lock reads them in this order
@@ -172,7 +173,7 @@ def static_nvfp4_linear_rows(
     rows = math.prod(x.shape[:-1])
     act_scale = act_per_tensor_scale.to(torch.float32).contiguous()
     weight_scale = weight_per_tensor_scale.to(torch.float32).contiguous()
-    x_rows = (x.to(torch.float32) if x.dtype == torch.float16 else x).contiguous()  # float16: exact in float32
+    x_rows = _as_kernel_rows(x)
     weight, weight_scales = weight_qdata.contiguous(), weight_block_scales.contiguous()
     if bias is not None:
         bias = bias.contiguous() if bias.dtype in (torch.bfloat16, torch.float32) else bias.to(torch.float32)
@@ -198,9 +199,7 @@ def quantize_rows(lib: Kernel, rows: torch.Tensor, act_scale: torch.Tensor) -> t
     under the float32 global scale ``act_scale``: twice the E2M1 values (int8 ``[M, K]``) and
     the block scales (float32 ``[M, K / 16]``), the values ``numerics.quantize_nvfp4_unpacked``
     gives."""
-    if rows.dtype == torch.float16:
-        rows = rows.to(torch.float32)  # exact; the kernel reads float32 and bfloat16
-    rows = rows.contiguous()
+    rows = _as_kernel_rows(rows)
     m, k = rows.shape
     # One allocation: the int8 values, then the float32 scales (m * k is a multiple of 16, so
     # they start aligned).
@@ -211,6 +210,11 @@ def quantize_rows(lib: Kernel, rows: torch.Tensor, act_scale: torch.Tensor) -> t
         scales.data_ptr(),
     )
     return twice_e2m1.view(m, k), scales.view(m, k // BLOCK_SIZE)
+
+
+def _as_kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous in a dtype the kernel reads, float32 or bfloat16 (float16 to float32: exact)."""
+    return (x.to(torch.float32) if x.dtype == torch.float16 else x).contiguous()
 
 
 def _check_operands(x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias):
