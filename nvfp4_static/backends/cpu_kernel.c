@@ -169,15 +169,24 @@ static inline void decode_four_blocks(const uint8_t *packed, __m256i table, __m2
     *odd = _mm256_shuffle_epi8(table, _mm256_unpackhi_epi8(low, high));
 }
 
-#if !HAS_VNNI
-/* Two blocks' products x * w as four int32 partial sums each (a block per 128 bits): |w| times
- * x with w's sign, in pairs (at most 2 * 144, no int16 saturation), then in fours. */
-static inline __m256i two_blocks_partial_sums(__m256i w, __m256i w_magnitude, const int8_t *x) {
-    __m256i a = _mm256_loadu_si256((const __m256i *)x);
-    __m256i pairs = _mm256_maddubs_epi16(w_magnitude, _mm256_sign_epi8(a, w));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
+/* A group of four blocks' products, the weight's decoded even and odd vectors (decode_four_blocks)
+ * times one row's values x reordered to match: per 128 bits the partial sums b0 b0 b1 b1 | b2
+ * b2 b3 b3. With VNNI the weight comes as 2 q_w + 12 and the sums before the row's corrections;
+ * without, |w| times x with w's sign, in pairs (at most 2 * 144, no int16 saturation), then in
+ * fours. */
+static inline __m256i four_blocks_partial_sums(__m256i even, __m256i odd, const int8_t *x) {
+    __m256i x_even = _mm256_loadu_si256((const __m256i *)x);
+    __m256i x_odd = _mm256_loadu_si256((const __m256i *)(x + 2 * BLOCK));
+#if HAS_VNNI
+    __m256i zero = _mm256_setzero_si256();
+    return _mm256_hadd_epi32(dot_bytes(zero, even, x_even), dot_bytes(zero, odd, x_odd));
+#else
+    __m256i ones = _mm256_set1_epi16(1);
+    __m256i even_pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(even), _mm256_sign_epi8(x_even, even));
+    __m256i odd_pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(odd), _mm256_sign_epi8(x_odd, odd));
+    return _mm256_hadd_epi32(_mm256_madd_epi16(even_pairs, ones), _mm256_madd_epi16(odd_pairs, ones));
 #endif
+}
 
 /* One row's values with each group of four blocks in decode_four_blocks' order (0, 2, 1, 3), the
  * blocks past the last whole group as they are: the one-row form reads a group's even and odd
@@ -260,48 +269,28 @@ static void rows_one_by_one(const struct operands *o, const int8_t *reordered, c
         }
         int64_t b = 0;
 #if defined(__AVX2__)
-#if HAS_VNNI
-        __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1_PLUS_12));
-#else
-        __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
-#endif
+        const void *codes_table = HAS_VNNI ? (const void *)TWICE_E2M1_PLUS_12 : (const void *)TWICE_E2M1;
+        __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)codes_table));
         /* the x scales of blocks 0-3 spread as the block sums lie: b0 b1 b0 b1 | b2 b3 b2 b3 */
         __m256i spread = _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3);
         for (; b + 4 <= blocks; b += 4) {
             __m256i even[2], odd[2];
             for (int f = 0; f < 2; f++)
                 decode_four_blocks(packed[f] + b * (BLOCK / 2), table, &even[f], &odd[f]);
-#if !HAS_VNNI
-            (void)corrections;
-            __m256i even_magnitude[2], odd_magnitude[2];
-            for (int f = 0; f < 2; f++) {
-                even_magnitude[f] = _mm256_abs_epi8(even[f]);
-                odd_magnitude[f] = _mm256_abs_epi8(odd[f]);
-            }
-#endif
             const float *values = o->scale_values;
             __m256 weight_scale = _mm256_setr_ps(
                 values[codes[0][b]], values[codes[0][b + 1]], values[codes[1][b]], values[codes[1][b + 1]],
                 values[codes[0][b + 2]], values[codes[0][b + 3]], values[codes[1][b + 2]], values[codes[1][b + 3]]);
             for (int64_t row = 0; row < o->rows; row++) {
                 const int8_t *x = reordered + row * k + b * BLOCK;
-                __m256i per_feature[2];
-                for (int f = 0; f < 2; f++) { /* per 128 bits: b0 b0 b1 b1 | b2 b2 b3 b3 */
-#if HAS_VNNI
-                    __m256i zero = _mm256_setzero_si256();
-                    per_feature[f] = _mm256_hadd_epi32(
-                        dot_bytes(zero, even[f], _mm256_loadu_si256((const __m256i *)x)),
-                        dot_bytes(zero, odd[f], _mm256_loadu_si256((const __m256i *)(x + 2 * BLOCK))));
-#else
-                    per_feature[f] = _mm256_hadd_epi32(two_blocks_partial_sums(even[f], even_magnitude[f], x),
-                                                       two_blocks_partial_sums(odd[f], odd_magnitude[f], x + 2 * BLOCK));
-#endif
-                }
                 /* f0 b0, f0 b1, f1 b0, f1 b1 | f0 b2, f0 b3, f1 b2, f1 b3 */
-                __m256i block_sums = _mm256_hadd_epi32(per_feature[0], per_feature[1]);
+                __m256i block_sums = _mm256_hadd_epi32(four_blocks_partial_sums(even[0], odd[0], x),
+                                                       four_blocks_partial_sums(even[1], odd[1], x));
 #if HAS_VNNI
                 block_sums = _mm256_add_epi32(
                     block_sums, _mm256_loadu_si256((const __m256i *)(corrections + (row * (k / 64) + b / 4) * 8)));
+#else
+                (void)corrections;
 #endif
                 __m256 x_scale = _mm256_permutevar8x32_ps(
                     _mm256_castps128_ps256(_mm_loadu_ps(o->scales + row * blocks + b)), spread);
