@@ -330,8 +330,8 @@ def test_the_layer_by_layer_profile_marks_every_phase_in_its_trace(tmp_path):
 
 def test_the_cpu_linear_benchmark_times_every_shape_and_m_with_agreeing_outputs():
     """The script raises where the kernel's output and the torch ops' disagree beyond a bfloat16
-    rounding (17 rows take the torch ops in both columns); each row holds four positive times
-    and two positive ratios."""
+    rounding (at 17 rows too, which the kernel takes with AVX2); each row holds four positive
+    times and two positive ratios."""
     stdout = run_script(
         "examples/benchmarks/bench_cpu_linear.py", "--shapes", "64x48", "1024x1024", "--m", "1", "17", "--rounds", "1",
         timeout=300,

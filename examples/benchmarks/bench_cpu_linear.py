@@ -93,8 +93,8 @@ def main():
                         best[name] = min(best[name], seconds_per_call(calls[name]))
                 cells = " ".join(f"{best[name] * 1e3:9.3f}" for name in names)
                 print(
-                    f"{K:>5} {N:>5} {M:>4} | {cells}      | {best['nvfp4'] / min(best['fp32'], best['bf16']):11.2f} |"
-                    f" {best['nvfp4'] / best['torch ops']:15.2f}"
+                    f"{K:>5} {N:>5} {M:>4} | {cells}      | {best['nvfp4'] / min(best['fp32'], best['bf16']):11.3g} |"
+                    f" {best['nvfp4'] / best['torch ops']:15.3g}"
                 )
 
 
