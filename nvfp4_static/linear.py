@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from nvfp4_static.backends.cpu_eager import EagerCpuKernelCalls, eager_linear
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale, largest_at_most
 from nvfp4_static.tensor import NVFP4StaticTensor
@@ -127,9 +128,11 @@ class NVFP4StaticLinear(torch.nn.Linear):
             fusion group (``fuse_sibling_linears``), or None.
     """
 
-    # Class defaults: a pickled layer that lacks these attributes loads as an unfused layer.
+    # Class defaults: a pickled layer that lacks these attributes loads as an unfused layer
+    # whose CPU calls take the general route.
     sibling_gemm = None
     sibling_index = 0
+    _eager_cpu_calls: Optional[EagerCpuKernelCalls] = None
 
     def __init__(
         self,
@@ -150,6 +153,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
         self.loaded = True
         self.clip_counters: Optional[dict[str, torch.Tensor]] = None
         self._eager_launches = EagerTritonLaunches()
+        self._eager_cpu_calls = EagerCpuKernelCalls()
 
     @classmethod
     def placeholder(
@@ -198,7 +202,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
                 # Held as plain tensors (torchao's unwrap_tensor_subclass) and rebuilt at each
                 # read around the same inner tensors, which is what the replay checks.
                 weight = self.weight
-            out = self._eager_launches.linear(x, weight, bias)
+            out = eager_linear(self._eager_cpu_calls, self._eager_launches, x, weight, bias)
         return _InferenceOnly.apply(out) if out.requires_grad else out
 
     def _apply(self, fn, recurse=True):

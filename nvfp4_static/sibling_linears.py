@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 from torch.nn.utils import parametrize
 
+from nvfp4_static.backends.cpu_eager import EagerCpuKernelCalls, eager_linear
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups
 from nvfp4_static.linear import NVFP4StaticLinear
@@ -48,6 +49,9 @@ class SiblingGemm:
     """One fusion group's GEMM: the members (in order), their concatenated weight and bias, and
     the parts of the last output not yet taken by their members."""
 
+    # A group pickled without prepared CPU calls runs its CPU GEMM through the general route.
+    _cpu_calls: Optional[EagerCpuKernelCalls] = None
+
     def __init__(self, members: list[NVFP4StaticLinear], weight: NVFP4StaticTensor, bias: Optional[torch.Tensor]):
         self.members = members
         self.weight = weight
@@ -56,6 +60,7 @@ class SiblingGemm:
         self._parameters = [(member.weight, member.bias) for member in members]
         self._addresses = self._rows_addresses()
         self._launches = EagerTritonLaunches()
+        self._cpu_calls = EagerCpuKernelCalls()
         self._pending = None  # (input, its version, {member index: output part})
         self._merged_graphs = weakref.WeakSet()  # compiled graphs holding the group's weight
         _GEMMS.add(self)
@@ -98,7 +103,7 @@ class SiblingGemm:
             if not self._unwrapped():
                 self.dissolve()
             return None
-        out = self._launches.linear(x, self.weight, self.bias)
+        out = eager_linear(self._cpu_calls, self._launches, x, self.weight, self.bias)
         parts = dict(enumerate(out.split(self.sizes, dim=-1)))
         own = parts.pop(index)
         self._pending = (x, x._version, parts) if parts else None

@@ -80,14 +80,14 @@ def test_cpu_route_builds_its_decoding_tables_once_as_ordinary_tensors():
     tensors (a later call outside inference mode may use them in any op) and reused."""
     ops = linear_operands(2, 32, 64, seed=3)
     args = (ops.weight_qdata, ops.weight_block_scales, ops.weight_scale, ops.act_scale, ops.bias)
-    cpu._decoding_tables.cache_clear()
+    cpu.decoding_tables.cache_clear()
     with torch.inference_mode():
         first = cpu.static_nvfp4_linear(ops.x, *args)
-    tables = cpu._decoding_tables()
+    tables = cpu.decoding_tables()
     assert not any(table.is_inference() for table in tables)
     second = cpu.static_nvfp4_linear(ops.x, *args)
-    assert cpu._decoding_tables.cache_info().misses == 1
-    assert all(kept is table for kept, table in zip(cpu._decoding_tables(), tables))
+    assert cpu.decoding_tables.cache_info().misses == 1
+    assert all(kept is table for kept, table in zip(cpu.decoding_tables(), tables))
     assert torch.equal(second, first)
 
 

@@ -214,9 +214,9 @@ def test_every_instruction_set_build_equals_the_definition(instruction_set_build
     args = operands(rows, 37, 80, torch.bfloat16, seed=rows)
     if rows > built.most_rows:
         with pytest.raises(ValueError, match=f"takes at most 16 rows, got {rows} rows of 80"):
-            cpu_kernel.static_nvfp4_linear_rows(built, *args, cpu._decoding_tables()[1])
+            cpu_kernel.static_nvfp4_linear_rows(built, *args, cpu.decoding_tables()[1])
         return
-    out = cpu_kernel.static_nvfp4_linear_rows(built, *args, cpu._decoding_tables()[1])
+    out = cpu_kernel.static_nvfp4_linear_rows(built, *args, cpu.decoding_tables()[1])
     assert torch.equal(out, references.static_nvfp4_linear_in_block_order(*args))
 
 
@@ -230,7 +230,7 @@ def test_a_workspace_the_kernel_cannot_allocate_raises_memory_error_naming_the_s
 
     args = operands(5, 24, 64, torch.bfloat16, seed=10)
     with pytest.raises(MemoryError, match=r"5 rows of 64 \(a \[5, 64\] activation times a \[24, 64\] weight\)"):
-        cpu_kernel.static_nvfp4_linear_rows(OutOfMemory, *args, cpu._decoding_tables()[1])
+        cpu_kernel.static_nvfp4_linear_rows(OutOfMemory, *args, cpu.decoding_tables()[1])
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5], ids=str)
@@ -350,7 +350,7 @@ def test_kernel_refuses_operands_it_would_misread_naming_them(lib, case):
     good, cases = bad_operands()
     change, named = cases[case]
     with pytest.raises(ValueError, match="static NVFP4 linear of an activation \\(2, 64\\)") as error:
-        cpu_kernel.static_nvfp4_linear_rows(lib, **{**good, **change}, scale_values=cpu._decoding_tables()[1])
+        cpu_kernel.static_nvfp4_linear_rows(lib, **{**good, **change}, scale_values=cpu.decoding_tables()[1])
     assert named in str(error.value)
 
 

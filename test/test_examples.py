@@ -329,19 +329,19 @@ def test_the_layer_by_layer_profile_marks_every_phase_in_its_trace(tmp_path):
 
 
 def test_the_cpu_linear_benchmark_times_every_shape_and_m_with_agreeing_outputs():
-    """The script raises where the kernel's output and the torch ops' disagree beyond a bfloat16
-    rounding (at 17 rows too, which the kernel takes with AVX2); each row holds four positive
-    times and two positive ratios."""
+    """The script raises where the layer's prepared call and the general route differ, or the
+    kernel's output and the torch ops' disagree beyond a bfloat16 rounding (at 17 rows too, which
+    the kernel takes with AVX2); each row holds five positive times and three positive ratios."""
     stdout = run_script(
         "examples/benchmarks/bench_cpu_linear.py", "--shapes", "64x48", "1024x1024", "--m", "1", "17", "--rounds", "1",
         timeout=300,
     )
-    rows = [line.split("|") for line in stdout.splitlines() if line.count("|") == 3 and "fp32" not in line]
+    rows = [line.split("|") for line in stdout.splitlines() if line.count("|") == 4 and "fp32" not in line]
     shapes = [tuple(int(v) for v in row[0].split()) for row in rows]
     assert shapes == [(64, 48, 1), (64, 48, 17), (1024, 1024, 1), (1024, 1024, 17)]
-    for _, times, over_float, over_torch_ops in rows:
-        assert len(times.split()) == 4 and min(float(v) for v in times.split()) > 0
-        assert float(over_float) > 0 and float(over_torch_ops) > 0
+    for _, times, over_float, over_general, over_torch_ops in rows:
+        assert len(times.split()) == 5 and min(float(v) for v in times.split()) > 0
+        assert float(over_float) > 0 and float(over_general) > 0 and float(over_torch_ops) > 0
 
 
 def test_calibration_study_quick_mode_runs_under_a_minute(tmp_path):

@@ -12,6 +12,7 @@ from tiny_llama import convert_llama, converted_llama, logits, prepared_and_cali
 
 import nvfp4_static.tensor
 from nvfp4_static import NVFP4StaticLinear, export_checkpoint, fuse_sibling_linears, tie_fused_layers
+from nvfp4_static.backends.cpu_eager import EagerCpuKernelCalls
 from nvfp4_static.tensor import NVFP4StaticTensor
 
 ATTENTION = "model.layers.0.self_attn"
@@ -43,16 +44,24 @@ def members(model, names=QKV) -> list[NVFP4StaticLinear]:
 
 
 def gemm_counter(monkeypatch) -> list:
-    """Records the output width of every linear the layers and the sibling GEMMs run (both reach
-    ``static_linear`` through ``EagerTritonLaunches.linear`` on CPU tensors)."""
+    """Records the output width of every linear the layers and the sibling GEMMs run on CPU
+    tensors: through their prepared CPU kernel calls (``EagerCpuKernelCalls``), or where those
+    do not take a call, through ``static_linear`` (which ``EagerTritonLaunches.linear`` reaches)."""
     widths = []
-    original = nvfp4_static.tensor.static_linear
+    original_route, original_call = nvfp4_static.tensor.static_linear, EagerCpuKernelCalls.__call__
 
-    def counting(x, weight, bias):
+    def counting_route(x, weight, bias):
         widths.append(weight.shape[0])
-        return original(x, weight, bias)
+        return original_route(x, weight, bias)
 
-    monkeypatch.setattr(nvfp4_static.tensor, "static_linear", counting)
+    def counting_call(self, x, weight, bias):
+        out = original_call(self, x, weight, bias)
+        if out is not None:
+            widths.append(weight.shape[0])
+        return out
+
+    monkeypatch.setattr(nvfp4_static.tensor, "static_linear", counting_route)
+    monkeypatch.setattr(EagerCpuKernelCalls, "__call__", counting_call)
     return widths
 
 

@@ -75,7 +75,7 @@ def static_nvfp4_linear_on_cpu(
     records_gradients = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     lib = None if records_gradients else cpu_kernel.library()
     if lib is not None and x.numel() <= lib.most_rows * x.shape[-1]:
-        return cpu_kernel.static_nvfp4_linear_rows(lib, *operands, _decoding_tables()[1])
+        return cpu_kernel.static_nvfp4_linear_rows(lib, *operands, decoding_tables()[1])
     return torch_static_nvfp4_linear(*operands)
 
 
@@ -114,7 +114,7 @@ def _times_dequantized_weight(act: torch.Tensor, weight_qdata: torch.Tensor, wei
         return torch.matmul(act, dequantize_nvfp4(weight_qdata, weight_block_scales).t())
     N, K = weight_qdata.shape[0], 2 * weight_qdata.shape[1]
     rows = max(1, _WEIGHT_SLICE_ELEMENTS // K)
-    byte_words, scale_values = _decoding_tables()
+    byte_words, scale_values = decoding_tables()
 
     def dequantized(part: slice) -> torch.Tensor:
         return dequantize_nvfp4(
@@ -131,7 +131,7 @@ def _times_dequantized_weight(act: torch.Tensor, weight_qdata: torch.Tensor, wei
 
 
 @lru_cache(maxsize=None)
-def _decoding_tables() -> tuple[torch.Tensor, torch.Tensor]:
+def decoding_tables() -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU's lookup tables for dequantizing (``e2m1_byte_words``, ``e4m3_values_by_code``),
     built once, as ordinary tensors even when first asked for under inference mode."""
     with torch.inference_mode(False):

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -168,7 +168,7 @@ def static_nvfp4_linear_rows(
 ) -> torch.Tensor:
     """``backends.cpu.static_nvfp4_linear`` of ``x [..., K]`` (at most ``lib.most_rows`` rows, on
     a CPU) through the kernel; ``scale_values`` is ``numerics.e4m3_values_by_code``'s table."""
-    _check_operands(x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
+    check_operands(x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
     k, n = x.shape[-1], weight_qdata.shape[0]
     rows = math.prod(x.shape[:-1])
     act_scale = act_per_tensor_scale.to(torch.float32).contiguous()
@@ -179,19 +179,51 @@ def static_nvfp4_linear_rows(
         bias = bias.contiguous() if bias.dtype in (torch.bfloat16, torch.float32) else bias.to(torch.float32)
     bf16 = x.dtype == torch.bfloat16
     out = torch.empty((rows, n), dtype=torch.bfloat16 if bf16 else torch.float32)
+    addresses = WeightAddresses(
+        act_scale.data_ptr(), weight.data_ptr(), weight_scales.data_ptr(), scale_values.data_ptr(),
+        weight_scale.data_ptr(),
+    )
+    call_kernel(lib, x_rows, rows, k, n, addresses, bias, bias is not None and bias.dtype == torch.bfloat16, out)
+    out = out.reshape(*x.shape[:-1], n)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+class WeightAddresses(NamedTuple):
+    """The addresses of what the kernel reads besides the rows and the bias: the float32 global
+    scales, the packed weight, its FP8 block scale codes and the table decoding them."""
+
+    act_scale: int
+    weight: int
+    weight_scales: int
+    scale_values: int
+    weight_scale: int
+
+
+def call_kernel(
+    lib: Kernel,
+    x_rows: torch.Tensor,
+    rows: int,
+    k: int,
+    n: int,
+    addresses: WeightAddresses,
+    bias: Optional[torch.Tensor],
+    bias_is_bf16: bool,
+    out: torch.Tensor,
+) -> None:
+    """Write ``out`` (``rows x n``, bfloat16 where ``x_rows`` is, else float32) from the contiguous
+    ``x_rows`` (``rows x k``, float32 or bfloat16) and checked operands; raise ``MemoryError`` where
+    the kernel could not allocate its workspace, ``ValueError`` for more rows than it takes."""
     status = lib.nvfp4_linear(
-        x_rows.data_ptr(), bf16, rows, k, act_scale.data_ptr(), weight.data_ptr(), weight_scales.data_ptr(),
-        scale_values.data_ptr(), n, weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
-        bias is not None and bias.dtype == torch.bfloat16, out.data_ptr(), bf16, torch.get_num_threads(),
-        _PRODUCTS_PER_THREAD,
+        x_rows.data_ptr(), x_rows.dtype == torch.bfloat16, rows, k, addresses.act_scale, addresses.weight,
+        addresses.weight_scales, addresses.scale_values, n, addresses.weight_scale,
+        None if bias is None else bias.data_ptr(), bias_is_bf16, out.data_ptr(), out.dtype == torch.bfloat16,
+        torch.get_num_threads(), _PRODUCTS_PER_THREAD,
     )
     if status != 0:
         shapes = f"{rows} rows of {k} (a [{rows}, {k}] activation times a [{n}, {k}] weight)"
         if status == -1:
             raise MemoryError(f"nvfp4_static: the CPU kernel could not allocate its workspace for {shapes}")
         raise ValueError(f"nvfp4_static: the CPU kernel takes at most {lib.most_rows} rows, got {shapes}")
-    out = out.reshape(*x.shape[:-1], n)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def quantize_rows(lib: Kernel, rows: torch.Tensor, act_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,7 +249,7 @@ def _as_kernel_rows(x: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.float32) if x.dtype == torch.float16 else x).contiguous()
 
 
-def _check_operands(x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias):
+def check_operands(x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias):
     """Refuse operands the kernel would read out of bounds or misread, naming them: it reads raw
     memory, where torch ops would have raised."""
     k = x.shape[-1]
