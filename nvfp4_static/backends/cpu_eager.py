@@ -1,10 +1,10 @@
 """The CPU kernel called from a converted layer in eager mode, its weight checked once.
 
-At decode a CPU linear's kernel takes microseconds, and the general route to it (the weight
-subclass's linear, the backend's checks of every operand and conversions of the global scales,
-ctypes converting sixteen arguments) cost more than that on the host: 28 of the 45 us of a
-64 x 64 layer's call on a 2-core EPYC (``examples/benchmarks/RESULTS.md``, "Static NVFP4 linear
-on a CPU"). Here a layer checks its weight's tensors and bias once, as the general route checks
+At decode a small CPU linear's kernel takes microseconds, and the general route to it (the
+weight subclass's linear, the backend's checks of every operand and conversions of the global
+scales, ctypes converting sixteen arguments) costs more than that on the host: a 64 x 64 layer's
+call took 45 us through it and 12-13 us prepared, on 2 EPYC cores
+(``examples/benchmarks/RESULTS.md``, "Static NVFP4 linear on a CPU"). Here a layer checks its weight's tensors and bias once, as the general route checks
 them, and keeps their kernel arguments; a later call checks that it holds the same tensors at the
 same addresses and what the activation is, and calls the kernel with the same arguments as the
 general route, so the outputs are the same bit for bit.
