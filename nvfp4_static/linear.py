@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from nvfp4_static.backends.cpu_eager import EagerCpuKernelCalls, eager_linear
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
+from nvfp4_static.inference_only import InferenceOnly, detached, records_gradients, refusing_gradients
 from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale, largest_at_most
 from nvfp4_static.tensor import NVFP4StaticTensor
 
@@ -89,22 +90,6 @@ def check_checkpoint_scale_values(act_scale: torch.Tensor, weight_scale: torch.T
             f"nvfp4_static: checkpoint for layer '{layer_name}' has weight scale "
             f"{float(weight_scale)}; convert only produces finite scales >= 0 (the checkpoint is "
             f"damaged or was edited)"
-        )
-
-
-class _InferenceOnly(torch.autograd.Function):
-    """Passes the output through; its backward names the problem instead of failing deep in
-    the FP8 and FP4 ops, which have no gradients."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor) -> torch.Tensor:
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(
-            "nvfp4_static: converted NVFP4 layers are inference-only and have no gradients; run "
-            "them under torch.no_grad() or torch.inference_mode(), and train the float model"
         )
 
 
@@ -191,7 +176,10 @@ class NVFP4StaticLinear(torch.nn.Linear):
         if self.clip_counters is not None:
             self._count_clipped(x)
         if torch.compiler.is_compiling():
-            return F.linear(x, self.weight, self.bias)
+            bias = self.bias
+            if records_gradients(x, bias):
+                return refusing_gradients(F.linear(x.detach(), self.weight, detached(bias)), x, bias)
+            return F.linear(x, self.weight, bias)
         out = None if self.sibling_gemm is None else self.sibling_gemm.output(self.sibling_index, x)
         if out is None:
             # From the parameters' dict: Module.__getattr__ is reached through a failed attribute
@@ -203,7 +191,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
                 # read around the same inner tensors, which is what the replay checks.
                 weight = self.weight
             out = eager_linear(self._eager_cpu_calls, self._eager_launches, x, weight, bias)
-        return _InferenceOnly.apply(out) if out.requires_grad else out
+        return InferenceOnly.apply(out) if out.requires_grad else out
 
     def _apply(self, fn, recurse=True):
         # Moved or converted, the layer no longer holds a slice of its sibling GEMM's weight,

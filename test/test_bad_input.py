@@ -514,15 +514,25 @@ def test_a_model_on_the_meta_device_prints():
     assert "act_global_amax=? (meta)" in repr(model)
 
 
-@pytest.mark.parametrize("grad_from", ["input", "bias"])
-def test_backward_through_a_converted_layer_names_the_problem(grad_from):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("grad_from", ["input", "bias", "both"])
+def test_backward_through_a_converted_layer_names_the_problem(grad_from, compiled, monkeypatch):
+    """Compiled too: the forward runs and gives what it gives without gradients; the backward,
+    not the compile, raises."""
+    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
     model = quantized(make(MLP))
-    x = calibration_batches(1)[0].requires_grad_(grad_from == "input")
-    if grad_from == "bias":
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    x = calibration_batches(1)[0]
+    with torch.no_grad():
+        expected = run(x)
+    x.requires_grad_(grad_from in ("input", "both"))
+    if grad_from in ("bias", "both"):
         model.down.bias.requires_grad_(True)
-    out = model(x)
+    out = run(x)
+    assert out.requires_grad and torch.equal(out.detach(), expected)
     with pytest.raises(RuntimeError, match="inference-only"):
         out.sum().backward()
+    assert x.grad is None and model.down.bias.grad is None
 
 
 # --- inference on odd inputs and a route the device cannot run ---------------------------------

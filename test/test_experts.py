@@ -588,11 +588,24 @@ def test_model_to_another_dtype_keeps_the_nvfp4_data(converted_holder):
     assert out.dtype == torch.bfloat16
 
 
-def test_backward_through_converted_experts_names_the_problem(converted_holder):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("grad_from", ["hidden states", "routing weights"])
+def test_backward_through_converted_experts_names_the_problem(converted_holder, grad_from, compiled, monkeypatch):
+    """Compiled too: the forward runs and gives what it gives without gradients; the backward,
+    not the compile, raises."""
+    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    experts = converted_holder.experts
+    run = torch.compile(experts, fullgraph=True) if compiled else experts
     hidden, index, weights = routed_batch(4, seed=5)
-    out = converted_holder.experts(hidden, index, weights.requires_grad_())
+    with torch.no_grad():
+        expected = run(hidden, index, weights)
+    wanting = hidden if grad_from == "hidden states" else weights
+    wanting.requires_grad_()
+    out = run(hidden, index, weights)
+    assert out.requires_grad and torch.equal(out.detach(), expected)
     with pytest.raises(RuntimeError, match="inference-only"):
         out.sum().backward()
+    assert wanting.grad is None
 
 
 # --- the grouped GEMM kernel -------------------------------------------------------------------

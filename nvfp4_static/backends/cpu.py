@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from nvfp4_static.backends import cpu_kernel
+from nvfp4_static.inference_only import records_gradients
 from nvfp4_static.kernels.launch import runs_eagerly
 from nvfp4_static.kernels.ops import cpu_static_nvfp4_linear
 from nvfp4_static.numerics import (
@@ -72,8 +73,7 @@ def static_nvfp4_linear_on_cpu(
     records one (gradients on, an input that requires them) takes the torch ops, whose output
     the converted layer's backward guard then sees."""
     operands = (x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
-    records_gradients = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    lib = None if records_gradients else cpu_kernel.library()
+    lib = None if records_gradients(x, bias) else cpu_kernel.library()
     if lib is not None and x.numel() <= lib.most_rows * x.shape[-1]:
         return cpu_kernel.static_nvfp4_linear_rows(lib, *operands, decoding_tables()[1])
     return torch_static_nvfp4_linear(*operands)

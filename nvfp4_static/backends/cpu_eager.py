@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from nvfp4_static.backends import cpu, cpu_kernel
+from nvfp4_static.inference_only import records_gradients
 
 __all__ = ["EagerCpuKernelCalls", "eager_linear"]
 
@@ -62,7 +63,7 @@ class EagerCpuKernelCalls:
             or not x.is_cpu
             or x.dtype not in _KERNEL_DTYPES
             or torch._C._len_torch_dispatch_stack()
-            or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
+            or records_gradients(x, bias)
         ):
             return None
         tensors = (weight.qdata, weight.scale, weight.per_tensor_scale, weight.act_per_tensor_scale, bias)

@@ -11,6 +11,7 @@ from nvfp4_static.deferred_read import DeferredRead
 from nvfp4_static.experts.eager import EagerExpertsLaunches
 from nvfp4_static.experts.layouts import ExpertsLayout
 from nvfp4_static.experts.routing import check_expert_indices, check_routing, combine, route
+from nvfp4_static.inference_only import InferenceOnly, records_gradients, refusing_gradients
 from nvfp4_static.kernels.ops import (
     grouped_static_nvfp4_linear,
     grouped_static_nvfp4_linear_reference,
@@ -18,7 +19,6 @@ from nvfp4_static.kernels.ops import (
 )
 from nvfp4_static.linear import (
     NVFP4StaticLinear,
-    _InferenceOnly,
     check_block_scale_codes,
     check_checkpoint_scale_values,
 )
@@ -352,6 +352,9 @@ class NVFP4StaticExperts(torch.nn.Module):
             )
         check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name, self.gate_up_proj.qdata.device)
         eager = not torch.compiler.is_compiling()
+        if not eager and records_gradients(hidden_states, top_k_weights):
+            out = self.forward(hidden_states.detach(), top_k_index, top_k_weights.detach())
+            return refusing_gradients(out, hidden_states, top_k_weights)
         if eager and top_k_index.device.type == "cpu":
             check_expert_indices(top_k_index, self.num_experts, self.layer_name)
         # On CUDA outside a graph capture: the count of indices in range, read at the next call.
@@ -363,7 +366,7 @@ class NVFP4StaticExperts(torch.nn.Module):
         if deferred:  # queued before the GEMMs, so that the next call's read need not wait for them
             self._indices_in_range.send(routing.pairs_in_range, tuple(top_k_index.shape))
         out = parts._down_and_combine(self._activated(gate_up), routing, top_k_weights, hidden_states.dtype)
-        return _InferenceOnly.apply(out) if out.requires_grad else out
+        return InferenceOnly.apply(out) if out.requires_grad else out
 
     def _weight_tensors(self) -> tuple:
         """Both projections' buffers, gate/up's then down's, each in ``_BUFFERS`` order."""
