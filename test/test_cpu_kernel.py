@@ -4,6 +4,7 @@ it, how it is built, what it refuses."""
 
 import concurrent.futures
 import contextlib
+import itertools
 import multiprocessing
 import os
 import stat
@@ -171,6 +172,73 @@ def test_calls_of_up_to_the_kernels_rows_take_it_and_more_the_torch_ops(lib, mon
     for shape in [(64,), (1, 64), (16, 64), (2, 8, 64), (17, 64), (3, 6, 64)]:
         cpu.static_nvfp4_linear(torch.zeros(shape, dtype=torch.bfloat16), *weights)
     assert taken == ["kernel"] * 4 + ["torch"] * 2
+
+
+def experts_operands(rows_per_expert, n=24, k=64, dtype=torch.bfloat16, seed=0):
+    """``grouped_static_nvfp4_linear``'s operands: rows sorted by expert (``rows_per_expert[e]``
+    for expert ``e``, some none), each expert's weight and global scales its own."""
+    experts = [linear_operands(max(rows, 1), n, k, seed + e, block_gains=True) for e, rows in enumerate(rows_per_expert)]
+    x = torch.cat([ops.x[:rows] for ops, rows in zip(experts, rows_per_expert)]).to(dtype)
+    offsets = torch.tensor([0, *itertools.accumulate(rows_per_expert)], dtype=torch.int32)
+    qdata = torch.stack([ops.weight_qdata for ops in experts])
+    scales = torch.stack([ops.weight_block_scales for ops in experts])
+    weight_scales = torch.stack([ops.weight_scale.reshape(()) for ops in experts])
+    act_scales = torch.stack([ops.act_scale.reshape(()) for ops in experts])
+    return x, offsets, qdata, scales, weight_scales, act_scales
+
+
+def each_expert_alone(x, offsets, qdata, scales, weight_scales, act_scales, linear):
+    out = torch.zeros(x.shape[0], qdata.shape[1], dtype=x.dtype)
+    bounds = offsets.tolist()
+    for e, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end > first:
+            out[first:end] = linear(x[first:end], qdata[e], scales[e], weight_scales[e], act_scales[e], None)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows_per_expert", [[1, 1, 1, 1], [0, 3, 0, 17, 1], [5]], ids=str)
+def test_grouped_experts_take_the_kernel_once_checked_equal_to_each_expert_alone(lib, monkeypatch, dtype, rows_per_expert):
+    """Each expert's slice of the stacked weights, read by address: the same outputs bit for bit
+    as the route on that expert's own tensors, and its definition's."""
+    args = experts_operands(rows_per_expert, dtype=dtype, seed=len(rows_per_expert))
+    alone = each_expert_alone(*args, linear=cpu.static_nvfp4_linear)
+    defined = each_expert_alone(*args, linear=references.static_nvfp4_linear_in_block_order)
+    monkeypatch.setattr(cpu, "static_nvfp4_linear", lambda *a: pytest.fail("an expert took the per-expert route"))
+    out = cpu.grouped_static_nvfp4_linear(*args)
+    assert torch.equal(out, alone) and torch.equal(out, defined)
+
+
+def grouped_fallback_cases():
+    """Stacked operands the kernel would not read as they are: each expert then takes the route."""
+    return {
+        "float16 rows": lambda args, lib, mp: (args[0].half(), *args[1:]),
+        "float64 global scales": lambda args, lib, mp: (*args[:4], args[4].double(), args[5]),
+        "strided stacked weight": lambda args, lib, mp: (
+            args[0], args[1], torch.cat([args[2], args[2]], dim=2)[:, :, : args[2].shape[2]], *args[3:]
+        ),
+        "an expert with more rows than the build takes": lambda args, lib, mp: (
+            mp.setattr(lib, "most_rows", 2), args
+        )[1],
+    }
+
+
+@pytest.mark.parametrize("case", list(grouped_fallback_cases()))
+def test_grouped_experts_the_kernel_would_misread_take_the_route_per_expert(lib, monkeypatch, case):
+    args = grouped_fallback_cases()[case](experts_operands([2, 0, 3]), lib, monkeypatch)
+    expected = each_expert_alone(*args, linear=cpu.static_nvfp4_linear)
+    alone = []
+    route = cpu.static_nvfp4_linear
+    monkeypatch.setattr(cpu, "static_nvfp4_linear", lambda *a: alone.append(1) or route(*a))
+    out = cpu.grouped_static_nvfp4_linear(*args)
+    assert len(alone) == 2 and torch.equal(out, expected.to(out.dtype))
+
+
+@pytest.mark.parametrize("width", [48, 80, 32], ids=str)
+def test_grouped_experts_refuse_rows_of_another_width_naming_the_shapes(lib, width):
+    x, *rest = experts_operands([2, 3])
+    with pytest.raises(ValueError, match=rf"activation \(5, {width}\): packed weight torch.uint8 \(24, 32\)"):
+        cpu.grouped_static_nvfp4_linear(torch.zeros(5, width, dtype=x.dtype), *rest)
 
 
 def cpu_flags() -> set:

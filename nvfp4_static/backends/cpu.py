@@ -152,19 +152,72 @@ def grouped_static_nvfp4_linear(
     ``x [R, K]`` is sorted by expert: rows ``expert_offsets[e]`` to ``expert_offsets[e + 1]`` go
     to expert ``e``, whose weight is ``weight_qdata[e]``, ``weight_block_scales[e]`` with global
     scales ``weight_per_tensor_scales[e]`` and ``act_per_tensor_scales[e]``. Returns ``[R, N]`` in
-    ``x.dtype``; rows from ``expert_offsets[-1]`` on are left unwritten. The torch reference of
-    the grouped Triton GEMM (``kernels.grouped_gemm``).
+    ``x.dtype``; rows from ``expert_offsets[-1]`` on are left unwritten. The reference of the
+    grouped Triton GEMM (``kernels.grouped_gemm``) on every device; on a CPU each expert's call of
+    the kernel skips the per-call checks and conversions the experts share (one check serves all).
     """
     out = x.new_empty((x.shape[0], weight_qdata.shape[1]))
     bounds = expert_offsets.tolist()
-    for expert, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if end > first:
-            out[first:end] = static_nvfp4_linear(
-                x[first:end],
-                weight_qdata[expert],
-                weight_block_scales[expert],
-                weight_per_tensor_scales[expert],
-                act_per_tensor_scales[expert],
-                None,
+    experts = [(expert, first, end) for expert, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > first]
+    weights = (weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales)
+    lib = _kernel_for_experts(x, *weights, most_rows=max((end - first for _, first, end in experts), default=0))
+    if lib is not None:
+        x_rows = x.contiguous()
+        k, n = x.shape[-1], weight_qdata.shape[1]
+        for expert, first, end in experts:
+            cpu_kernel.call_kernel(
+                lib, x_rows[first:end], end - first, k, n, _expert_addresses(expert, *weights), None, False,
+                out[first:end],
             )
+        return out
+    for expert, first, end in experts:
+        out[first:end] = static_nvfp4_linear(
+            x[first:end],
+            weight_qdata[expert],
+            weight_block_scales[expert],
+            weight_per_tensor_scales[expert],
+            act_per_tensor_scales[expert],
+            None,
+        )
     return out
+
+
+def _kernel_for_experts(
+    x, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales, most_rows: int
+) -> Optional[cpu_kernel.Kernel]:
+    """The CPU kernel, where every expert's call would take it on the stacked tensors as they are
+    (then one check of the operands serves all the experts, and each expert's call reads its slice
+    of them by address), else None: each expert takes ``static_nvfp4_linear``."""
+    operands = (x, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales)
+    if not (
+        x.device.type == "cpu"
+        and runs_eagerly(*operands)
+        and not records_gradients(x)
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and weight_qdata.dim() == 3
+        and all(t.is_contiguous() for t in operands[1:])
+        and weight_per_tensor_scales.dtype == act_per_tensor_scales.dtype == torch.float32
+        and weight_per_tensor_scales.shape == act_per_tensor_scales.shape == weight_qdata.shape[:1]
+    ):
+        return None
+    lib = cpu_kernel.library()
+    if lib is None or most_rows > lib.most_rows or x.dim() != 2:
+        return None
+    cpu_kernel.check_operands(
+        x, weight_qdata[0], weight_block_scales[0], weight_per_tensor_scales[0], act_per_tensor_scales[0], None
+    )
+    return lib
+
+
+def _expert_addresses(
+    expert: int, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales
+) -> cpu_kernel.WeightAddresses:
+    """Expert ``expert``'s operands within the stacked, contiguous tensors (one-byte codes,
+    float32 global scales)."""
+    return cpu_kernel.WeightAddresses(
+        act_per_tensor_scales.data_ptr() + 4 * expert,
+        weight_qdata.data_ptr() + expert * weight_qdata.stride(0),
+        weight_block_scales.data_ptr() + expert * weight_block_scales.stride(0),
+        decoding_tables()[1].data_ptr(),
+        weight_per_tensor_scales.data_ptr() + 4 * expert,
+    )
