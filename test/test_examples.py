@@ -344,6 +344,20 @@ def test_the_cpu_linear_benchmark_times_every_shape_and_m_with_agreeing_outputs(
         assert float(over_float) > 0 and float(over_general) > 0 and float(over_torch_ops) > 0
 
 
+def test_the_cpu_experts_benchmark_times_every_shape_with_equal_outputs():
+    """The script raises where the grouped output and the experts' own differ; each row holds
+    three positive times and two positive ratios, for every shape and token count asked."""
+    stdout = run_script(
+        "examples/benchmarks/bench_cpu_experts.py", "--experts", "4", "--top-k", "2", "--tokens", "1", "3",
+        "--shapes", "64x48", "32x16", "--rounds", "1", timeout=300,
+    )
+    rows = [line.split("|") for line in stdout.splitlines() if line.count("|") == 3 and "bf16" not in line]
+    assert [tuple(int(v) for v in row[0].split()) for row in rows] == [(64, 48, 1), (64, 48, 3), (32, 16, 1), (32, 16, 3)]
+    for _, times, over_bf16, over_alone in rows:
+        assert len(times.split()) == 3 and min(float(v) for v in times.split()) > 0
+        assert float(over_bf16) > 0 and float(over_alone) > 0
+
+
 def test_calibration_study_quick_mode_runs_under_a_minute(tmp_path):
     start = time.perf_counter()
     run_script("tutorials/calibration_study.py", "--quick", "--out-dir", str(tmp_path), timeout=300)
