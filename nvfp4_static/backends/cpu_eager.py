@@ -4,10 +4,11 @@ At decode a small CPU linear's kernel takes microseconds, and the general route 
 weight subclass's linear, the backend's checks of every operand and conversions of the global
 scales, ctypes converting sixteen arguments) costs more than that on the host: a 64 x 64 layer's
 call took 45 us through it and 12-13 us prepared, on 2 EPYC cores
-(``examples/benchmarks/RESULTS.md``, "Static NVFP4 linear on a CPU"). Here a layer checks its weight's tensors and bias once, as the general route checks
-them, and keeps their kernel arguments; a later call checks that it holds the same tensors at the
-same addresses and what the activation is, and calls the kernel with the same arguments as the
-general route, so the outputs are the same bit for bit.
+(``examples/benchmarks/RESULTS.md``, "Static NVFP4 linear on a CPU"). Here a layer checks its
+weight's tensors and bias once, as the general route checks them, and keeps their kernel
+arguments; a later call checks that it holds the same tensors at the same addresses and what the
+activation is, and calls the kernel with the same arguments as the general route, so the outputs
+are the same bit for bit.
 
 Taken: a plain, bfloat16 or float32 CPU activation of 1 to ``Kernel.most_rows`` rows, outside any
 tracing or dispatch mode and recording no gradients, with the weight on the ``cpu`` backend and
