@@ -15,27 +15,14 @@ down (768 -> 2048).
 """
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
-
 from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
+from bench_cpu_linear import best_of_rounds
 from nvfp4_static.backends import cpu, cpu_kernel
 from nvfp4_static.numerics import quantize_nvfp4
-
-
-def seconds_per_call(fn, budget_s: float = 0.3) -> float:
-    """Wall time of one call of ``fn``, over as many calls as fit in about ``budget_s``."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    calls = max(1, int(budget_s / max(time.perf_counter() - start, 1e-6)))
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
 
 
 def stacked_experts(experts: int, k: int, n: int, generator: torch.Generator):
@@ -100,10 +87,7 @@ def main():
                 }
                 if not torch.equal(calls["grouped"](), calls["alone"]()):
                     raise AssertionError(f"{k} x {n}, {tokens} tokens: the grouped output differs from the experts' own")
-                best = {name: float("inf") for name in names}
-                for _ in range(args.rounds):
-                    for name in names:
-                        best[name] = min(best[name], seconds_per_call(calls[name]))
+                best = best_of_rounds(calls, args.rounds)
                 cells = " ".join(f"{best[name] * 1e3:9.3f}" for name in names)
                 print(f"{k:>5} {n:>5} {tokens:>6} | {cells}      | {best['grouped'] / best['bf16']:12.3g} |"
                       f" {best['grouped'] / best['alone']:13.3g}")

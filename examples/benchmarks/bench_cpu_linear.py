@@ -44,6 +44,16 @@ def seconds_per_call(fn, budget_s: float = 0.3) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def best_of_rounds(calls: dict, rounds: int) -> dict:
+    """Each of ``calls``' least ``seconds_per_call`` over ``rounds`` rounds, the calls taken in
+    turn in each round so that drift of the machine's speed moves them alike."""
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            best[name] = min(best[name], seconds_per_call(fn))
+    return best
+
+
 def on_torch_ops(fn):
     """``fn`` run with the CPU kernel switched off."""
 
@@ -96,10 +106,7 @@ def main():
                     raise AssertionError(f"{K} x {N}, M = {M}: the prepared call differs from the general route's")
                 if not torch.allclose(out, reference, rtol=2**-8, atol=2**-8 * reference.abs().max().item()):
                     raise AssertionError(f"{K} x {N}, M = {M}: the kernel's output differs from the torch ops'")
-                best = {name: float("inf") for name in names}
-                for _ in range(args.rounds):
-                    for name in names:
-                        best[name] = min(best[name], seconds_per_call(calls[name]))
+                best = best_of_rounds(calls, args.rounds)
                 cells = " ".join(f"{best[name] * 1e3:9.3f}" for name in names)
                 print(
                     f"{K:>5} {N:>5} {M:>4} | {cells}      | {best['nvfp4'] / min(best['fp32'], best['bf16']):11.3g} |"

@@ -166,8 +166,7 @@ def grouped_static_nvfp4_linear(
         k, n = x.shape[-1], weight_qdata.shape[1]
         for expert, first, end in experts:
             cpu_kernel.call_kernel(
-                lib, x_rows[first:end], end - first, k, n, _expert_addresses(expert, *weights), None, False,
-                out[first:end],
+                lib, x_rows[first:end], end - first, k, n, _expert_addresses(expert, *weights), None, out[first:end]
             )
         return out
     for expert, first, end in experts:
@@ -188,15 +187,14 @@ def _kernel_for_experts(
     """The CPU kernel, where every expert's call would take it on the stacked tensors as they are
     (then one check of the operands serves all the experts, and each expert's call reads its slice
     of them by address), else None: each expert takes ``static_nvfp4_linear``."""
-    operands = (x, weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales)
+    weights = (weight_qdata, weight_block_scales, weight_per_tensor_scales, act_per_tensor_scales)
     if not (
         x.device.type == "cpu"
-        and runs_eagerly(*operands)
+        and runs_eagerly(x)
         and not records_gradients(x)
         and x.dtype in (torch.bfloat16, torch.float32)
         and weight_qdata.dim() == 3
-        and all(t.is_contiguous() for t in operands[1:])
-        and weight_per_tensor_scales.dtype == act_per_tensor_scales.dtype == torch.float32
+        and cpu_kernel.reads_as_they_are(*weights)
         and weight_per_tensor_scales.shape == act_per_tensor_scales.shape == weight_qdata.shape[:1]
     ):
         return None

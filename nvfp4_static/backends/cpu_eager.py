@@ -29,12 +29,11 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class _WeightArguments(NamedTuple):
-    """What a call passes the kernel for one weight: its tensors' addresses and shapes."""
+    """What a call passes the kernel for one weight: its shape and its tensors' addresses."""
 
     k: int
     n: int
     addresses: cpu_kernel.WeightAddresses
-    bias_is_bf16: bool
 
 
 class EagerCpuKernelCalls:
@@ -79,10 +78,7 @@ class EagerCpuKernelCalls:
         if lib is None or not 0 < rows <= lib.most_rows:
             return None
         out = torch.empty(x.shape[:-1] + (arguments.n,), dtype=x.dtype)
-        cpu_kernel.call_kernel(
-            lib, x.contiguous(), rows, arguments.k, arguments.n, arguments.addresses, bias,
-            arguments.bias_is_bf16, out,
-        )
+        cpu_kernel.call_kernel(lib, x.contiguous(), rows, arguments.k, arguments.n, arguments.addresses, bias, out)
         return out
 
     def _prepare(
@@ -101,12 +97,9 @@ class EagerCpuKernelCalls:
         if weight.linear_backend != "cpu" or weight.is_transposed() or qdata.dim() != 2:
             return None
         n, k = qdata.shape[0], 2 * qdata.shape[1]
-        weight_side_ready = (
-            all(t.is_cpu and t.is_contiguous() and type(t) is torch.Tensor for t in tensors[:4])
-            and weight_scale.dtype == act_scale.dtype == torch.float32
-            and (bias is None or (bias.is_cpu and bias.is_contiguous() and bias.dtype in _KERNEL_DTYPES))
-        )
-        if not weight_side_ready:
+        if not cpu_kernel.reads_as_they_are(qdata, scale, weight_scale, act_scale) or not (
+            bias is None or (bias.is_cpu and bias.is_contiguous() and bias.dtype in _KERNEL_DTYPES)
+        ):
             return None
         try:  # the general route's own checks, with an empty activation of the weight's width
             cpu_kernel.check_operands(torch.empty(0, k), qdata, scale, weight_scale, act_scale, bias)
@@ -116,7 +109,7 @@ class EagerCpuKernelCalls:
             act_scale.data_ptr(), qdata.data_ptr(), scale.data_ptr(), cpu.decoding_tables()[1].data_ptr(),
             weight_scale.data_ptr(),
         )
-        return _WeightArguments(k, n, addresses, bias is not None and bias.dtype == torch.bfloat16)
+        return _WeightArguments(k, n, addresses)
 
 
 def eager_linear(cpu_calls: Optional[EagerCpuKernelCalls], triton_launches, x: torch.Tensor, weight, bias):

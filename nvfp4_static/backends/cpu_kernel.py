@@ -183,7 +183,7 @@ def static_nvfp4_linear_rows(
         act_scale.data_ptr(), weight.data_ptr(), weight_scales.data_ptr(), scale_values.data_ptr(),
         weight_scale.data_ptr(),
     )
-    call_kernel(lib, x_rows, rows, k, n, addresses, bias, bias is not None and bias.dtype == torch.bfloat16, out)
+    call_kernel(lib, x_rows, rows, k, n, addresses, bias, out)
     out = out.reshape(*x.shape[:-1], n)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
@@ -207,23 +207,32 @@ def call_kernel(
     n: int,
     addresses: WeightAddresses,
     bias: Optional[torch.Tensor],
-    bias_is_bf16: bool,
     out: torch.Tensor,
 ) -> None:
     """Write ``out`` (``rows x n``, bfloat16 where ``x_rows`` is, else float32) from the contiguous
-    ``x_rows`` (``rows x k``, float32 or bfloat16) and checked operands; raise ``MemoryError`` where
-    the kernel could not allocate its workspace, ``ValueError`` for more rows than it takes."""
+    ``x_rows`` (``rows x k``, float32 or bfloat16), checked operands and ``bias`` (None, or a
+    contiguous ``[n]`` in bfloat16 or float32); raise ``MemoryError`` where the kernel could not
+    allocate its workspace, ``ValueError`` for more rows than it takes."""
     status = lib.nvfp4_linear(
         x_rows.data_ptr(), x_rows.dtype == torch.bfloat16, rows, k, addresses.act_scale, addresses.weight,
         addresses.weight_scales, addresses.scale_values, n, addresses.weight_scale,
-        None if bias is None else bias.data_ptr(), bias_is_bf16, out.data_ptr(), out.dtype == torch.bfloat16,
-        torch.get_num_threads(), _PRODUCTS_PER_THREAD,
+        None if bias is None else bias.data_ptr(), bias is not None and bias.dtype == torch.bfloat16,
+        out.data_ptr(), out.dtype == torch.bfloat16, torch.get_num_threads(), _PRODUCTS_PER_THREAD,
     )
     if status != 0:
         shapes = f"{rows} rows of {k} (a [{rows}, {k}] activation times a [{n}, {k}] weight)"
         if status == -1:
             raise MemoryError(f"nvfp4_static: the CPU kernel could not allocate its workspace for {shapes}")
         raise ValueError(f"nvfp4_static: the CPU kernel takes at most {lib.most_rows} rows, got {shapes}")
+
+
+def reads_as_they_are(*tensors: torch.Tensor) -> bool:
+    """Whether the kernel can read ``tensors`` (a weight's packed codes, block scales and global
+    scales, stacked or not) where they lie: plain, contiguous CPU tensors, the global scales (the
+    last two) float32. Elsewhere ``static_nvfp4_linear_rows`` makes copies it can read."""
+    return all(type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() for t in tensors) and all(
+        t.dtype == torch.float32 for t in tensors[-2:]
+    )
 
 
 def quantize_rows(lib: Kernel, rows: torch.Tensor, act_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
