@@ -52,18 +52,20 @@ def test_the_eager_rules_benchmark_patches_constants_the_table_has(benchmarks_on
             assert getattr(gemm, name) != value, (rule, name)
 
 
-def test_the_warp_specialized_benchmark_gives_tall_programs_their_whole_tile(benchmarks_on_path):
-    """Its "tall-ws-256" column: 256 rows per tall program at every M, where the table takes 192
-    at some (1-192, 257-384); the square tile keeps its 128."""
+def test_the_warp_specialized_benchmark_forms_of_the_table_take_the_rows_they_name(benchmarks_on_path):
+    """Its "table-whole" column: the tile's rows per program at every M; "table-192": 192 rows per
+    tall program where that leaves the programs as many (1-192, 257-384), else 256, and the square
+    tile's 128; the patch undone after each call."""
     from nvfp4_static.kernels import gemm_warp_specialized
 
     bench = importlib.import_module("bench_warp_specialized")
-    for M in (1, 160, 200, 300, 384, 512):
-        tall = bench.with_whole_tile_programs(lambda: gemm_warp_specialized.tokens_per_program(M, 256))
-        assert tall() == 256, M
-        square = bench.with_whole_tile_programs(lambda: gemm_warp_specialized.tokens_per_program(M, 128))
-        assert square() == 128, M
-    assert gemm_warp_specialized.tokens_per_program(150, 256) == 192  # the patch is undone
+    two_wgmmas = {1: 192, 160: 192, 200: 256, 300: 192, 384: 192, 385: 256, 512: 256}
+    for M, tall_rows in two_wgmmas.items():
+        for tile, rows, expected in ((256, bench.whole_tile_rows, 256), (128, bench.whole_tile_rows, 128),
+                                     (256, bench.two_wgmma_rows, tall_rows), (128, bench.two_wgmma_rows, 128)):
+            form = bench.with_rows_per_program(lambda: gemm_warp_specialized.tokens_per_program(M, tile), rows)
+            assert form() == expected, (M, tile)
+    assert gemm_warp_specialized.tokens_per_program(129, 256) == 144
 
 
 @pytest.mark.skipif(not decode.HAS_GLUON_HOPPER, reason="this Triton has no Gluon Hopper API")

@@ -570,11 +570,13 @@ GEMM_CONFIGS = (
 # 256 0.81 -> 0.98x, 512 0.69 -> 0.83x, M = 384 0.68 -> 0.61x (1.7 waves of half-empty row tiles).
 # On Hopper it runs warp-specialized (gemm_warp_specialized; the same output): GPU time at
 # M = 512 on an H200, 8192 x 8192 0.1141 -> 0.1012 ms (bf16 0.0957), 4096 x 14336 0.1149 ->
-# 0.1049 (bf16 0.0935); examples/benchmarks/RESULTS.md. There its programs take 192 rows where
-# that leaves them as many (M = 1-192 and 257-384; ``gemm_warp_specialized.tokens_per_program``):
-# operand kernel and GEMM, ms on an H200, 256 -> 192 rows per program, 8192 x 8192 at M = 300 /
-# 384 0.1346 / 0.1023 -> 0.0834 / 0.0844, 4096 x 14336 at M = 129 / 384 0.0708 / 0.1044 -> 0.0499
-# / 0.0889 (bench_warp_specialized.py).
+# 0.1049 (bf16 0.0935); examples/benchmarks/RESULTS.md. There its programs take 144 or 192 rows
+# where that leaves them as many (M = 1-144 and 257-288, 145-192 and 289-384;
+# ``gemm_warp_specialized.tokens_per_program``): operand kernel and GEMM, ms on an H200, 256 ->
+# 192 rows per program, 8192 x 8192 at M = 300 / 384 0.1346 / 0.1023 -> 0.0834 / 0.0844, 4096 x
+# 14336 at M = 384 0.1044 -> 0.0889; the whole route, 256 -> 192 -> 144 rows, 8192 x 8192 at
+# M = 129 0.0754 -> 0.0557 -> 0.0507, 4096 x 14336 at M = 257 0.1389 -> 0.0838 -> 0.0781
+# (bench_warp_specialized.py).
 # Above 128 rows, where the tall programs leave SMs idle, the tall tile runs with K split for one
 # program per SM where that fills them (``SPLIT_TALL_TILES``; warp-specialized only, its partial
 # products summed by the epilogue kernel). Operand kernel, GEMM and split sum, ms on an H200

@@ -1,8 +1,8 @@
 """The NVFP4 GEMM's 256 x 128 and 128 x 128 tiles on Hopper, warp-specialized, in Gluon.
 
 ``gemm.TALL_TILE``'s product (256 activation rows by 128 weight rows, 128-wide K tiles in the MMA
-order, ``W @ A^T`` with the dequantized weight as the wgmma's register operand; 192 rows per
-program where that leaves the programs as many, ``tokens_per_program``), or
+order, ``W @ A^T`` with the dequantized weight as the wgmma's register operand; 144 or 192 rows
+per program where that leaves the programs as many, ``tokens_per_program``), or
 ``gemm.SQUARE_TILE``'s (128 activation rows, for weights whose 256-row tiles would leave SMs
 idle), by three
 warpgroups with separate jobs: one loads each K tile's activation operand and packed weight by
@@ -43,15 +43,20 @@ except ImportError:
     HAS_GLUON_HOPPER = False
 
 TOKENS_PER_TILE = (256, 128)  # the activation rows of the tiles the kernel is built for
-# Where the tall tile's last row tile would hold at most 192 of its 256 rows (M = 1-192 or
-# 257-384), its programs take 192 rows each: as many programs, three quarters of the wgmma
-# work, the same output (each output element sums the same products in the same order).
-SHORT_TALL_TOKENS = 192
+# Activation rows per program by the tile's rows, fewest first: a wgmma of 128 tokens and one of
+# 16 or 64 (Gluon's tensors have power-of-2 shapes), or the whole tile's. Each program takes the
+# fewest that hold its share of M, so the programs are as many as the tile's would be
+# (``tokens_per_program``), with less wgmma work, the same output (each output element sums the
+# same products in the same order). Rows past M cost their wgmma work all the same: at M = 129,
+# 144 rows per program in place of 192 took 1-10% less time on four weights; 160 rows (128 +
+# 32) and three wgmmas' (176, 208, 224 rows) were no faster than 192 or 256 at any M measured
+# (H200, 2026-12-03, examples/benchmarks/RESULTS.md).
+PROGRAM_TOKENS = {256: (144, 192, 256), 128: (128,)}
 WEIGHT_ROWS_PER_TILE = 128
 BLOCK_K = 128
-# Stages of operands by rows per program: as many as an H100 SM's shared memory holds (72, 56
-# or 40 KiB each).
-STAGES = {256: 3, SHORT_TALL_TOKENS: 4, 128: 5}
+# Stages of operands by rows per program: as many as an H100 SM's shared memory holds (72, 56,
+# 44 or 40 KiB each), at most 5.
+STAGES = {256: 3, 192: 4, 144: 5, 128: 5}
 CONSUMER_REGISTERS = 232  # of the 256 a thread may have: the accumulator alone takes 128
 ROWS_PER_CONSUMER = 64  # the wgmma's M
 
@@ -130,7 +135,7 @@ if HAS_GLUON_HOPPER:
     def leading_tokens(block_m):
         """The tokens of a tile's first wgmma: all of them where ``block_m`` is a power of 2, else
         the largest power of 2 below it (192 tokens: a wgmma of 128, then one of 64, since
-        Gluon's tensors have power-of-2 shapes)."""
+        Gluon's tensors have power-of-2 shapes; 144: 128, then 16)."""
         return 1 << (block_m.bit_length() - 1)
 
     @gluon.constexpr_function
@@ -318,11 +323,10 @@ def _operand_descriptor(a: torch.Tensor, tokens: int) -> "TensorDescriptor":
 
 
 def tokens_per_program(M: int, tokens_per_tile: int) -> int:
-    """The activation rows each program takes for ``M`` rows in tiles of ``tokens_per_tile``:
-    ``SHORT_TALL_TOKENS`` in place of the tall tile's 256 where the programs stay as many."""
-    if tokens_per_tile > SHORT_TALL_TOKENS and ceil_div(M, SHORT_TALL_TOKENS) == ceil_div(M, tokens_per_tile):
-        return SHORT_TALL_TOKENS
-    return tokens_per_tile
+    """The activation rows each program takes for ``M`` rows in tiles of ``tokens_per_tile``: the
+    fewest of ``PROGRAM_TOKENS`` that hold each program's share of ``M``."""
+    share = ceil_div(M, ceil_div(M, tokens_per_tile))
+    return next(tokens for tokens in PROGRAM_TOKENS[tokens_per_tile] if tokens >= share)
 
 
 def kernel_arguments(
