@@ -237,7 +237,11 @@ def test_grouped_experts_the_kernel_would_misread_take_the_route_per_expert(lib,
 @pytest.mark.parametrize("width", [48, 80, 32], ids=str)
 def test_grouped_experts_refuse_rows_of_another_width_naming_the_shapes(lib, width):
     x, *rest = experts_operands([2, 3])
-    with pytest.raises(ValueError, match=rf"activation \(5, {width}\): packed weight torch.uint8 \(24, 32\)"):
+    message = (
+        rf"activation \(5, {width}\): packed weight torch.uint8 \(24, 32\).* \(the shapes of one expert of 2, "
+        rf"stacked as packed weights \(2, 24, 32\) and block scales \(2, 24, 4\)\)"
+    )
+    with pytest.raises(ValueError, match=message):
         cpu.grouped_static_nvfp4_linear(torch.zeros(5, width, dtype=x.dtype), *rest)
 
 

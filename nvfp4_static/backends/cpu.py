@@ -201,9 +201,15 @@ def _kernel_for_experts(
     lib = cpu_kernel.library()
     if lib is None or most_rows > lib.most_rows or x.dim() != 2:
         return None
-    cpu_kernel.check_operands(
-        x, weight_qdata[0], weight_block_scales[0], weight_per_tensor_scales[0], act_per_tensor_scales[0], None
-    )
+    try:
+        cpu_kernel.check_operands(
+            x, weight_qdata[0], weight_block_scales[0], weight_per_tensor_scales[0], act_per_tensor_scales[0], None
+        )
+    except ValueError as refused:
+        raise ValueError(
+            f"{refused} (the shapes of one expert of {weight_qdata.shape[0]}, stacked as packed weights "
+            f"{tuple(weight_qdata.shape)} and block scales {tuple(weight_block_scales.shape)})"
+        ) from None
     return lib
 
 
