@@ -168,6 +168,19 @@ def test_tall_programs_take_the_fewest_rows_that_hold_their_share(M, tile, token
     assert gemm_warp_specialized.tokens_per_program(M, tile) == tokens
 
 
+def test_every_program_size_is_one_or_two_wgmmas_with_its_stages():
+    """The kernel takes a program's rows as a wgmma of the largest power of 2 in them and one of
+    the rest, which must be a power of 2 as well (Gluon's shapes); each size has its stages, and
+    each tile's largest is the tile's rows."""
+    for tile, sizes in gemm_warp_specialized.PROGRAM_TOKENS.items():
+        assert sizes == tuple(sorted(sizes)) and sizes[-1] == tile
+        for tokens in sizes:
+            lead = 1 << (tokens.bit_length() - 1)
+            rest = tokens - lead
+            assert rest & (rest - 1) == 0 and rest % 16 == 0, tokens
+            assert tokens in gemm_warp_specialized.STAGES, tokens
+
+
 @needs_gluon_hopper
 @pytest.mark.parametrize("tokens", [0, 16, 64, 192, 512])
 def test_kernel_arguments_refuse_tiles_the_kernel_lacks(tokens):
