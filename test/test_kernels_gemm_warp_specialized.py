@@ -115,16 +115,18 @@ needs_gluon_hopper = pytest.mark.skipif(
         (384, 256, 192, [64, 128], 2),
         (129, 256, 144, [16, 128], 1),
         (288, 256, 144, [16, 128], 2),
+        (72, 128, 80, [16, 64], 4),
     ],
-    ids=["tall", "short-tall", "square", "split-square", "split-short-tall", "shortest-tall", "split-shortest-tall"],
+    ids=["tall", "short-tall", "square", "split-square", "split-short-tall", "shortest-tall", "split-shortest-tall",
+         "split-short-square"],
 )
 def test_sm90a_build_keeps_three_warpgroups_without_spills(M, tile, tokens, wgmma_tokens, split_k, tmp_path):
     """What the GPU tests cannot show on a machine without one: ptxas builds the kernel for
     sm_90a with a producer and two consumer warpgroups (setmaxnreg to the consumers' registers),
     the weight as the wgmma's register operand (m64 by the program's activation rows, one wgmma
-    per power of 2 in them: 192 as 128 + 64, 144 as 128 + 16), nothing spilled to local
-    memory, and its stages within one SM's shared memory; also where it writes a K split's
-    partial products."""
+    per power of 2 in them: 192 as 128 + 64, 144 as 128 + 16, 80 as 64 + 16), nothing spilled
+    to local memory, and its stages within one SM's shared memory; also where it writes a K
+    split's partial products."""
     from test_gemm_hopper_code import build_for_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -160,11 +162,13 @@ def test_sm90a_build_keeps_three_warpgroups_without_spills(M, tile, tokens, wgmm
     "M,tile,tokens",
     [(1, 256, 144), (144, 256, 144), (145, 256, 192), (192, 256, 192), (193, 256, 256), (256, 256, 256),
      (257, 256, 144), (288, 256, 144), (289, 256, 192), (384, 256, 192), (385, 256, 256), (512, 256, 256),
-     (513, 256, 192), (700, 256, 256), (1, 128, 128), (300, 128, 128), (512, 128, 128)],
+     (513, 256, 192), (700, 256, 256), (1, 128, 80), (80, 128, 80), (81, 128, 128), (160, 128, 80),
+     (161, 128, 128), (300, 128, 128), (512, 128, 128)],
 )
-def test_tall_programs_take_the_fewest_rows_that_hold_their_share(M, tile, tokens):
-    """As many programs as the tile's; each takes 144, 192 or 256 rows, the fewest holding its
-    share of M (M = 513 in three programs of 171 rows: 192)."""
+def test_programs_take_the_fewest_rows_that_hold_their_share(M, tile, tokens):
+    """As many programs as the tile's; each takes the fewest rows holding its share of M: 144,
+    192 or 256 in the tall tile (M = 513 in three programs of 171 rows: 192), 80 or 128 in the
+    square one."""
     assert gemm_warp_specialized.tokens_per_program(M, tile) == tokens
 
 
@@ -222,7 +226,7 @@ class CountingLaunches:
 @pytest.mark.parametrize(
     "M,N,K",
     [(512, 8192, 8192), (300, 14336, 4096), (257, 4160, 4128), (1, 96, 32), (700, 200, 14336), (384, 8192, 4096),
-     (150, 2048, 1024), (129, 4096, 2048)],
+     (150, 2048, 1024), (129, 4096, 2048), (72, 4096, 2048)],
     ids=str,
 )
 @pytest.mark.parametrize(
@@ -238,8 +242,8 @@ class CountingLaunches:
 def test_gpu_warp_specialized_equals_the_triton_tile_bit_for_bit(tile, dtype, with_bias, M, N, K, monkeypatch):
     """Row, column and K edges (M, N and K not multiples of the tile; one row; fewer weight rows
     than one tile's, so one consumer's rows are partly outside the weight), the tall tile's
-    programs of 144 and 192 rows (M = 1, 129, 150, 257, 300, 384: both of their wgmmas' tokens
-    full, partly or wholly past M), and K split for one program per SM (the split sized for the GPU: on 132
+    programs of 144 and 192 rows (M = 1, 129, 150, 257, 300, 384) and the square tile's of 80
+    (M = 1, 72, 150: both of their wgmmas' tokens full, partly or wholly past M), and K split for one program per SM (the split sized for the GPU: on 132
     SMs 2 to 56 splits on three to five of these weights, the last one shorter at K = 4128):
     the same output as the Triton kernel of the same tile and split, bit for bit, within the
     fp64 reference's bound."""

@@ -3,8 +3,8 @@
 ``gemm.TALL_TILE``'s product (256 activation rows by 128 weight rows, 128-wide K tiles in the MMA
 order, ``W @ A^T`` with the dequantized weight as the wgmma's register operand; 144 or 192 rows
 per program where that leaves the programs as many, ``tokens_per_program``), or
-``gemm.SQUARE_TILE``'s (128 activation rows, for weights whose 256-row tiles would leave SMs
-idle), by three
+``gemm.SQUARE_TILE``'s (128 activation rows, 80 where that leaves the programs as many; for
+weights whose 256-row tiles would leave SMs idle), by three
 warpgroups with separate jobs: one loads each K tile's activation operand and packed weight by
 TMA into a ring of shared-memory stages; each of the other two dequantizes its own 64 weight rows
 into its wgmma operand, multiplies, and hands the stage back through an mbarrier. The Triton
@@ -43,20 +43,21 @@ except ImportError:
     HAS_GLUON_HOPPER = False
 
 TOKENS_PER_TILE = (256, 128)  # the activation rows of the tiles the kernel is built for
-# Activation rows per program by the tile's rows, fewest first: a wgmma of 128 tokens and one of
-# 16 or 64 (Gluon's tensors have power-of-2 shapes), or the whole tile's. Each program takes the
-# fewest that hold its share of M, so the programs are as many as the tile's would be
+# Activation rows per program by the tile's rows, fewest first: a wgmma of 128 or 64 tokens and
+# one of 16 or 64 (Gluon's tensors have power-of-2 shapes), or the whole tile's. Each program
+# takes the fewest that hold its share of M, so the programs are as many as the tile's would be
 # (``tokens_per_program``), with less wgmma work, the same output (each output element sums the
 # same products in the same order). Rows past M cost their wgmma work all the same: at M = 129,
-# 144 rows per program in place of 192 took 1-10% less time on four weights; 160 rows (128 +
-# 32) and three wgmmas' (176, 208, 224 rows) were no faster than 192 or 256 at any M measured
-# (H200, 2026-12-03, examples/benchmarks/RESULTS.md).
-PROGRAM_TOKENS = {256: (144, 192, 256), 128: (128,)}
+# 144 rows per program in place of 192 took 1-9% less time on four weights, at M = 65-80, 80
+# rows in place of 128 took 1-16% less; 160 rows (128 + 32) and three wgmmas' (176, 208, 224
+# rows) were no faster than 192 or 256 at any M measured (H200, 2026-12-03,
+# examples/benchmarks/RESULTS.md).
+PROGRAM_TOKENS = {256: (144, 192, 256), 128: (80, 128)}
 WEIGHT_ROWS_PER_TILE = 128
 BLOCK_K = 128
 # Stages of operands by rows per program: as many as an H100 SM's shared memory holds (72, 56,
-# 44 or 40 KiB each), at most 5.
-STAGES = {256: 3, 192: 4, 144: 5, 128: 5}
+# 44, 40 or 28 KiB each), at most 5.
+STAGES = {256: 3, 192: 4, 144: 5, 128: 5, 80: 5}
 CONSUMER_REGISTERS = 232  # of the 256 a thread may have: the accumulator alone takes 128
 ROWS_PER_CONSUMER = 64  # the wgmma's M
 
