@@ -17,7 +17,7 @@ each other, bit for bit, before they are timed; with ``--rounds R`` each time is
 rounds over every column, interleaved. The table takes a wide tile where its programs fill most
 SMs (``gemm.wide_tile``); the last column names the one it takes, if any, with its K split.
 
-Usage: python bench_warp_specialized.py [--m 100 128 129 200 256 384 512 1024] [--shapes 8192x8192 ...]
+Usage: python bench_warp_specialized.py [--m 72 100 128 129 200 256 257 384 512 1024] [--shapes 8192x8192 ...]
     [--rounds 1]
 """
 
@@ -91,7 +91,7 @@ def with_rows_per_program(route, rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--m", type=int, nargs="+", default=[100, 128, 129, 200, 256, 384, 512, 1024])
+    parser.add_argument("--m", type=int, nargs="+", default=[72, 100, 128, 129, 200, 256, 257, 384, 512, 1024])
     parser.add_argument("--shapes", nargs="+", default=["8192x8192", "4096x14336", "14336x4096", "4096x4096"],
                         help="weights as KxN")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds per cell (median)")
