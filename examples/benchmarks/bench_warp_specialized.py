@@ -17,8 +17,8 @@ each other, bit for bit, before they are timed; with ``--rounds R`` each time is
 rounds over every column, interleaved. The table takes a wide tile where its programs fill most
 SMs (``gemm.wide_tile``); the last column names the one it takes, if any, with its K split.
 
-Usage: python bench_warp_specialized.py [--m 72 100 128 129 200 256 257 384 512 1024] [--shapes 8192x8192 ...]
-    [--rounds 1]
+Usage: python bench_warp_specialized.py [--m 72 100 128 129 200 256 257 384 512 1024]
+    [--shapes 8192x8192 ...] [--rounds 1]
 """
 
 import argparse
