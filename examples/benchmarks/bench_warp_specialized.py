@@ -1,21 +1,21 @@
 """The warp-specialized Gluon tiles (Hopper) against what they replace: Triton tiles at 65-512
 rows, cuBLAS's route at 513-2048.
 
-For each weight shape and M, GPU times from CUDA graphs (ms): bf16 ``F.linear``; the table's
-route for M (``static_nvfp4_linear``), as it runs (each warp-specialized program taking about its
-share of the rows: ``gemm_warp_specialized.tokens_per_program``), with programs of at most two
-wgmmas ("table-192": 192 rows as 128 + 64 where that leaves the programs as many, else the
-tile's) and with the whole tile's rows ("table-whole"); and the activation operand kernel
-followed by one GEMM: the bucket's own table entry (``gemm.gemm_config(M)``; above 512 rows
-cuBLAS after the weight's dequantization, its epilogue fused, as the table runs it where no tile
-replaces it), the tall 256 x 128 tile in Triton (``gemm.TALL_TILE_IN_TRITON``), and the tall and
-square (128 x 128) tiles warp-specialized (``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``), and each
-with its K split for one program per SM over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``,
-``gemm.SPLIT_TALL_TILES``: the tall one above 128 rows; their split sum included). Each
-warp-specialized output is checked equal to its Triton twin's, and the table's three forms to
-each other, bit for bit, before they are timed; with ``--rounds R`` each time is the median of R
-rounds over every column, interleaved. The table takes a wide tile where its programs fill most
-SMs (``gemm.wide_tile``); the last column names the one it takes, if any, with its K split.
+For each weight shape and M, GPU times from CUDA graphs (ms): bf16 ``F.linear``; the table's route
+for M (``static_nvfp4_linear``), as it runs (each warp-specialized program taking about its share
+of the rows: ``gemm_warp_specialized.tokens_per_program``), with 192 rows per program (128 + 64)
+where that leaves the programs as many, else the tile's ("table-192", without the programs of 144
+and 80 rows) and with the whole tile's rows ("table-whole"); and the activation operand kernel
+followed by one GEMM: the bucket's own table entry (``gemm.gemm_config(M)``; above 512 rows cuBLAS
+after the weight's dequantization, its epilogue fused, as the table runs it where no tile replaces
+it), the tall 256 x 128 tile in Triton (``gemm.TALL_TILE_IN_TRITON``), and the tall and square (128
+x 128) tiles warp-specialized (``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``), and each with its K split
+for one program per SM over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``,
+``gemm.SPLIT_TALL_TILES``: the tall one above 128 rows; their split sum included). Each warp-
+specialized output is checked equal to its Triton twin's, and the table's three forms to each
+other, bit for bit, before they are timed; with ``--rounds R`` each time is the median of R rounds
+over every column, interleaved. The table takes a wide tile where its programs fill most SMs
+(``gemm.wide_tile``); the last column names the one it takes, if any, with its K split.
 
 Usage: python bench_warp_specialized.py [--m 72 100 128 129 200 256 257 384 512 1024]
     [--shapes 8192x8192 ...] [--rounds 1]
@@ -34,8 +34,8 @@ from tune_gemm import make_weight
 
 from nvfp4_static.backends.triton_route import static_nvfp4_linear
 from nvfp4_static.kernels import gemm, gemm_activation_operand, gemm_warp_specialized
-from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.kernels.gemm import SPLIT_SQUARE_TILES, SPLIT_TALL_TILES, SQUARE_TILE, TALL_TILE, TALL_TILE_IN_TRITON
+from nvfp4_static.kernels.launch import ceil_div
 
 # Columns after bf16 and the table's route: the operand kernel followed by each tile.
 TABLE_COLUMNS = ("table", "table-192", "table-whole")
