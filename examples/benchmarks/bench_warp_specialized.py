@@ -11,8 +11,8 @@ after the weight's dequantization, its epilogue fused, as the table runs it wher
 it), the tall 256 x 128 tile in Triton (``gemm.TALL_TILE_IN_TRITON``), and the tall and square (128
 x 128) tiles warp-specialized (``gemm.TALL_TILE``, ``gemm.SQUARE_TILE``), and each with its K split
 for one program per SM over the bucket's row tiles (``gemm.SPLIT_SQUARE_TILES``,
-``gemm.SPLIT_TALL_TILES``: the tall one above 128 rows; their split sum included). Each warp-
-specialized output is checked equal to its Triton twin's, and the table's three forms to each
+``gemm.SPLIT_TALL_TILES``: the tall one above 128 rows; their split sum included). Each
+warp-specialized output is checked equal to its Triton twin's, and the table's three forms to each
 other, bit for bit, before they are timed; with ``--rounds R`` each time is the median of R rounds
 over every column, interleaved. The table takes a wide tile where its programs fill most SMs
 (``gemm.wide_tile``); the last column names the one it takes, if any, with its K split.
