@@ -59,10 +59,11 @@ def test_the_warp_specialized_benchmark_forms_of_the_table_take_the_rows_they_na
     from nvfp4_static.kernels import gemm_warp_specialized
 
     bench = importlib.import_module("bench_warp_specialized")
-    two_wgmmas = {1: 192, 160: 192, 200: 256, 300: 192, 384: 192, 385: 256, 512: 256}
-    for M, tall_rows in two_wgmmas.items():
-        for tile, rows, expected in ((256, bench.whole_tile_rows, 256), (128, bench.whole_tile_rows, 128),
-                                     (256, bench.two_wgmma_rows, tall_rows), (128, bench.two_wgmma_rows, 128)):
+    tall_rows_192_or_whole = {1: 192, 160: 192, 200: 256, 300: 192, 384: 192, 385: 256, 512: 256}
+    whole, rows_192 = bench.whole_tile_rows, bench.rows_192_or_whole_tile
+    for M, tall_rows in tall_rows_192_or_whole.items():
+        forms = ((256, whole, 256), (128, whole, 128), (256, rows_192, tall_rows), (128, rows_192, 128))
+        for tile, rows, expected in forms:
             form = bench.with_rows_per_program(lambda: gemm_warp_specialized.tokens_per_program(M, tile), rows)
             assert form() == expected, (M, tile)
     assert gemm_warp_specialized.tokens_per_program(129, 256) == 144

@@ -243,10 +243,10 @@ def test_gpu_warp_specialized_equals_the_triton_tile_bit_for_bit(tile, dtype, wi
     """Row, column and K edges (M, N and K not multiples of the tile; one row; fewer weight rows
     than one tile's, so one consumer's rows are partly outside the weight), the tall tile's
     programs of 144 and 192 rows (M = 1, 129, 150, 257, 300, 384) and the square tile's of 80
-    (M = 1, 72, 150: both of their wgmmas' tokens full, partly or wholly past M), and K split for one program per SM (the split sized for the GPU: on 132
-    SMs 2 to 56 splits on three to five of these weights, the last one shorter at K = 4128):
-    the same output as the Triton kernel of the same tile and split, bit for bit, within the
-    fp64 reference's bound."""
+    (M = 1, 72, 150: both of their wgmmas' tokens full, partly or wholly past M), and K split
+    for one program per SM (the split sized for the GPU: on 132 SMs 2 to 56 splits on three to
+    five of these weights, the last one shorter at K = 4128): the same output as the Triton
+    kernel of the same tile and split, bit for bit, within the fp64 reference's bound."""
     operand, *weight = gemm_operands(M, N, K, seed=M, device="cuda", config=tile)
     weight[-1] = weight[-1] if with_bias else None
     launches = CountingLaunches(monkeypatch)

@@ -70,7 +70,7 @@ def whole_tile_rows(M: int, tokens_per_tile: int) -> int:
     return tokens_per_tile
 
 
-def two_wgmma_rows(M: int, tokens_per_tile: int) -> int:
+def rows_192_or_whole_tile(M: int, tokens_per_tile: int) -> int:
     """Each program takes 192 rows (a wgmma of 128 tokens, one of 64) in place of the tall tile's
     256 where that leaves the programs as many, else its tile's rows."""
     if tokens_per_tile == 256 and ceil_div(M, 192) == ceil_div(M, 256):
@@ -142,7 +142,7 @@ def main():
 
             tables = {
                 "table": table,
-                "table-192": with_rows_per_program(table, two_wgmma_rows),
+                "table-192": with_rows_per_program(table, rows_192_or_whole_tile),
                 "table-whole": with_rows_per_program(table, whole_tile_rows),
             }
             if not all(torch.equal(tables["table"](), form()) for form in tables.values()):

@@ -593,9 +593,9 @@ GEMM_CONFIGS = (
 # with K split for one program per SM where that fills them (``SPLIT_SQUARE_TILES``), entry ->
 # split square (splits): 8192 x 8192 at M = 100 / 128 0.0493 / 0.0492 -> 0.0431 / 0.0443 (2; bf16
 # 0.0474 / 0.0470), 14336 x 4096 at M = 128 0.0475 -> 0.0419 (4), 4096 x 4096 at M = 128 0.0249
-# -> 0.0229 (4). At a bucket's first rows it lost a little with 128 rows per program (8192 x 8192
-# at M = 65 0.0490 -> 0.0507); its programs take 80 rows there (M = 1-80, 129-160), the whole
-# route 0.0402 ms against bf16's 0.0453 (``gemm_warp_specialized.PROGRAM_TOKENS``).
+# -> 0.0229 (4). At a bucket's first rows, with 128 rows per program, it loses a little (8192 x
+# 8192 at M = 65 0.0490 -> 0.0507); its programs take 80 rows there (M = 1-80, 129-160;
+# ``gemm_warp_specialized.PROGRAM_TOKENS``): the whole route 0.0402 ms against bf16's 0.0453.
 # N and K are fixed per layer, so the choice needs no guard in a compiled graph; the route
 # prepares the operand of the tile the bucket runs (``operand_config``).
 TALL_TILE = replace(TALL_TILE_IN_TRITON, warp_specialized=True)
