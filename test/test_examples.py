@@ -7,6 +7,7 @@ import math
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,11 +29,13 @@ missing_encoder_deps = [name for name in ENCODER_DEPS if importlib.util.find_spe
 @pytest.fixture(scope="module", autouse=True)
 def example_cache(tmp_path_factory):
     """One cache folder for the module's runs of the LLM examples (``quantize_llm.load_model``),
-    never the user's."""
+    never the user's; removed after the module, as the float32 model in it takes about 0.5 GB
+    that pytest would otherwise keep for its last three runs."""
     folder = tmp_path_factory.mktemp("example_cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("NVFP4_STATIC_EXAMPLE_CACHE", str(folder))
         yield folder
+    shutil.rmtree(folder)
 
 
 @pytest.fixture(scope="module")
