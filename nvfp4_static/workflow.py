@@ -10,9 +10,10 @@
 3. ``step="prepare_for_loading"``: empty ``NVFP4StaticLinear`` layers for ``load_state_dict``
    (``nvfp4_static.load_quantized`` does this from what a checkpoint records instead).
 
-torchao hands a handler the module alone. Layer names make messages actionable, so the
-``filter_fn`` ``is_quantizable`` records each module's name as ``quantize_`` walks the model;
-with torchao's default filter a layer is described by its shape.
+torchao hands a handler the module alone. ``is_quantizable``, the ``filter_fn`` of this config,
+is what sees the whole model: it records each module's name as ``quantize_`` walks the model,
+finds the linears tied to another module's weight and selects registered experts. Prepare warns
+where a layer comes through another filter (torchao's default among them).
 """
 
 import weakref
@@ -54,6 +55,9 @@ __all__ = ["is_quantizable", "layer_name", "sweep_weight_block_scales"]
 _LAYER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 _CONVERT_PROGRESS = ConvertProgress()
 _WEIGHT_HELD_ELSEWHERE: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+# Each expert's observed linear inside observed experts, and the experts' name: the steps take the
+# experts as one module, never one of their linears alone.
+EXPERTS_HOLDING: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 # The Hessian each weight recipe reads, gathered during calibration.
 HESSIAN_ACCUMULATORS = {"hessian_mse": BlockHessianAccumulator, "gptq": FullHessianAccumulator}
 # What each step put in place of a module, so that a module two parents hold (visited twice by
@@ -77,6 +81,16 @@ def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
         check_converted_layers_on_load(module)
     _LAYER_NAMES[module] = fqn
     return isinstance(module, torch.nn.Linear) or _is_experts(module)
+
+
+WITHOUT_IS_QUANTIZABLE = (
+    "nvfp4_static: quantize_ reached a layer through a filter_fn that does not call "
+    "is_quantizable (torchao's default selects nn.Linear alone). Without it, messages name layers "
+    "by their shapes, a linear whose weight another module also holds (an lm_head tied to the "
+    "embedding) is quantized apart from it, the experts of mixture-of-experts layers stay float, "
+    "and load_state_dict checks converted layers one at a time (a refused load can leave the "
+    "layers before it loaded). Pass filter_fn=is_quantizable, or a filter that calls it"
+)
 
 
 def selects_a_layer(model: torch.nn.Module, filter_fn) -> bool:
@@ -110,9 +124,12 @@ def _record_weights_held_elsewhere(model: torch.nn.Module) -> None:
 
 
 def layer_name(module: torch.nn.Module) -> str:
-    """The name ``is_quantizable`` recorded for ``module``, else a description of its shape."""
+    """The name ``is_quantizable`` recorded for ``module`` or, for a layer prepare or convert
+    made, the name it carries; else a description of its shape."""
     if module in _LAYER_NAMES:
         return _LAYER_NAMES[module]
+    if getattr(module, "layer_name", ""):
+        return module.layer_name
     if not isinstance(module, torch.nn.Linear):
         return type(module).__name__
     return f"{type(module).__name__}({module.in_features} -> {module.out_features})"
@@ -122,6 +139,15 @@ def layer_name(module: torch.nn.Module) -> str:
 def _nvfp4_static_transform(
     module: torch.nn.Module, config: NVFP4StaticActivationConfig
 ) -> torch.nn.Module:
+    if module in EXPERTS_HOLDING:
+        raise ValueError(
+            f"nvfp4_static: layer '{module.layer_name}' is one expert's linear of experts "
+            f"'{EXPERTS_HOLDING[module]}', which step='{config.step}' takes as one module: run it "
+            f"with the filter_fn prepare ran with (is_quantizable, or a filter that calls it); the "
+            f"layers quantize_ reached before this one are done, and running it again finishes the rest"
+        )
+    if config.step != "convert" and module not in _LAYER_NAMES:
+        warn(WITHOUT_IS_QUANTIZABLE)
     if _is_experts(module):
         # Imported here: the experts' steps are built on this module's steps for linears.
         from nvfp4_static.experts.handlers import EXPERTS_STEPS

@@ -4,6 +4,7 @@ each."""
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -584,3 +585,42 @@ def test_a_linear_whose_weight_is_tied_to_another_module_stays_float_and_tied():
     assert isinstance(model.mlp.up, NVFP4StaticLinear)
     with pytest.raises(ValueError, match="'lm_head'.*tied to 'embed'"):
         prepare(make(TiedLM), strict=True)
+
+
+def _warnings_of(call) -> list[str]:
+    """The messages of the warnings ``call()`` gives under Python's default filter, which shows
+    a message once per line of code that leads to it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        call()
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("step", ["prepare", "prepare_for_loading"])
+@pytest.mark.parametrize(
+    "filter_fn",
+    [None, lambda module, fqn: isinstance(module, torch.nn.Linear) and fqn != "mlp.down"],
+    ids=["torchao's default", "a filter of its own"],
+)
+def test_a_filter_that_does_not_call_is_quantizable_is_warned_about_once_per_call(filter_fn, step):
+    """Only ``is_quantizable`` sees the whole model: without it the tied ``lm_head`` is
+    quantized apart from the embedding, which the warning says, once for the call's 2-3 layers."""
+    model = make(TiedLM)
+    messages = _warnings_of(
+        lambda: quantize_(model, NVFP4StaticActivationConfig(step=step), filter_fn=filter_fn)
+    )
+    assert len(messages) == 1, messages
+    for part in ("filter_fn that does not call is_quantizable", "an lm_head tied to the embedding",
+                 "experts of mixture-of-experts layers stay float", "Pass filter_fn=is_quantizable"):
+        assert part in messages[0]
+    assert type(model.lm_head) is not torch.nn.Linear  # what the warning is about
+
+
+def test_a_filter_that_calls_is_quantizable_gets_no_such_warning():
+    model = make(TiedLM)
+    messages = _warnings_of(lambda: prepare(model, filter_fn=lambda m, fqn: is_quantizable(m, fqn) and fqn != "mlp.down"))
+    assert messages == [
+        "nvfp4_static: layer 'lm_head' is left unquantized: its weight is tied to 'embed', and a "
+        "quantized copy would untie them"
+    ]
+    assert type(model.mlp.down) is torch.nn.Linear and isinstance(model.mlp.up, NVFP4StaticObservedLinear)

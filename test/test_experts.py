@@ -508,6 +508,38 @@ def test_routing_counts_the_pairs_whose_index_is_an_expert_or_the_no_expert_inde
     assert int(routing.expert_offsets[-1]) == top_k_index.numel() - len(indices) - 1
 
 
+@pytest.mark.parametrize(
+    "filter_fn",
+    [None, lambda module, fqn: isinstance(module, torch.nn.Linear)],
+    ids=["torchao's default filter", "a filter of its own"],
+)
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_filter_that_reaches_one_experts_linear_alone_is_refused_and_a_rerun_finishes(architecture, filter_fn):
+    """A filter that selects ``nn.Linear`` alone walks into prepared experts and reaches their
+    per-expert linears, which the experts convert together: refused there, naming both, with
+    those experts as they were; convert with ``is_quantizable`` then finishes the model."""
+    model = prepare(tiny_model(architecture))
+    with torch.no_grad():
+        model(token_ids(0))
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'model\.layers\.0\.mlp\.experts\.gate_up_proj\.0' is one expert's linear of "
+        r"experts 'model\.layers\.0\.mlp\.experts', which step='convert' takes as one module: run it "
+        r"with the filter_fn prepare ran with \(is_quantizable",
+    ):
+        quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=filter_fn)
+    for layer in model.model.layers:
+        assert isinstance(layer.mlp.experts, NVFP4StaticObservedExperts)
+        assert all(type(linear) is NVFP4StaticObservedLinear for linear in layer.mlp.experts.gate_up_proj)
+    convert(model)
+    reference = prepare(tiny_model(architecture))
+    with torch.no_grad():
+        reference(token_ids(0))
+    convert(reference)
+    with torch.no_grad():
+        assert torch.equal(model(token_ids(8)).logits, reference(token_ids(8)).logits)
+
+
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_converted_model_stays_close_to_the_float_model(architecture):
     ids = token_ids(9)

@@ -415,8 +415,9 @@ def test_strict_mode_raises_on_a_100_wide_linear():
         )
 
 
+@pytest.mark.parametrize("again_filter", [is_quantizable, None], ids=["is_quantizable", "torchao's default filter"])
 @pytest.mark.parametrize("step", ["prepare", "convert"], ids=["prepared", "converted"])
-def test_preparing_a_layer_again_names_it_and_says_how_to_start_over(step):
+def test_preparing_a_layer_again_names_it_and_says_how_to_start_over(step, again_filter):
     """A prepare refused at a later layer (strict, a weight dtype) has prepared the layers before
     it; preparing again then meets one of those."""
     model = make(MLP)
@@ -427,7 +428,7 @@ def test_preparing_a_layer_again_names_it_and_says_how_to_start_over(step):
         quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=is_quantizable)
     message = r"'up' is already NVFP4Static\w+; prepare runs once .* load the float model again"
     with pytest.raises(ValueError, match=message):
-        quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=is_quantizable)
+        quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=again_filter)
 
 
 def test_unsupported_weight_dtype_is_an_error():

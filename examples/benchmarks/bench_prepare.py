@@ -9,9 +9,9 @@ gate and up 4096 -> 14336, down 14336 -> 4096): 224 linears. Rows, each the medi
 
 - ``module swap``: every ``nn.Linear`` replaced by a new ``nn.Linear`` holding the same
   parameters, the least any ``quantize_`` module-swapping handler does;
-- ``prepare``: ``quantize_(stack, NVFP4StaticActivationConfig(step="prepare"))`` for each
-  ``weight_scale`` that prepares differently (``"mse"``; ``"hessian_mse"`` adds a Hessian
-  accumulator per layer).
+- ``prepare``: ``quantize_(stack, NVFP4StaticActivationConfig(step="prepare"),
+  filter_fn=is_quantizable)`` for each ``weight_scale`` that prepares differently (``"mse"``;
+  ``"hessian_mse"`` adds a Hessian accumulator per layer).
 """
 
 import argparse

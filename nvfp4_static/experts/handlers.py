@@ -46,8 +46,8 @@ def _prepare(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
     check_dtype(gate_up, f"{layout.gate_up} of layer '{name}'")
     check_dtype(down, f"{layout.down} of layer '{name}'")
     return NVFP4StaticObservedExperts(
-        [_observed_expert_linear(gate_up, e, f"{name}.gate_up_proj.{e}", config) for e in range(len(gate_up))],
-        [_observed_expert_linear(down, e, f"{name}.down_proj.{e}", config) for e in range(len(down))],
+        [_observed_expert_linear(gate_up, e, name, "gate_up_proj", config) for e in range(len(gate_up))],
+        [_observed_expert_linear(down, e, name, "down_proj", config) for e in range(len(down))],
         getattr(module, layout.act_fn),
         layout,
         config.activation_calibrator(f"{name}.gate_up_proj (pooled over experts)"),
@@ -58,16 +58,19 @@ def _prepare(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> to
 
 
 def _observed_expert_linear(
-    weights: torch.Tensor, expert: int, name: str, config: NVFP4StaticActivationConfig
+    weights: torch.Tensor, expert: int, experts_name: str, projection: str, config: NVFP4StaticActivationConfig
 ) -> NVFP4StaticObservedLinear:
     """Expert ``expert``'s linear of the 3-D ``weights``, sharing its memory, prepared as any
-    linear named ``name``."""
+    linear, named after the experts module ``experts_name`` and its ``projection``."""
+    name = f"{experts_name}.{projection}.{expert}"
     out_features, in_features = weights.shape[1:]
     with torch.device("meta"):
         linear = torch.nn.Linear(in_features, out_features, bias=False)
     linear.weight = torch.nn.Parameter(weights.detach()[expert], requires_grad=weights.requires_grad)
     workflow._LAYER_NAMES[linear] = name
-    return workflow.prepare_linear(linear, config)
+    observed = workflow.prepare_linear(linear, config)
+    workflow.EXPERTS_HOLDING[observed] = experts_name
+    return observed
 
 
 def _convert(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
