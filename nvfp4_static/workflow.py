@@ -193,6 +193,16 @@ def already_prepared_message(name: str, module: torch.nn.Module) -> str:
     )
 
 
+def prepared_before_loading_message(name: str, module: torch.nn.Module) -> str:
+    """What ``step="prepare_for_loading"`` says of a layer prepared for calibration: it makes
+    empty converted layers of a float model, and would drop the layer's statistics."""
+    return (
+        f"nvfp4_static: layer '{name}' is {type(module).__name__}, prepared for calibration; "
+        f"step='prepare_for_loading' makes empty converted layers of the float model: load the "
+        f"float model again to load a checkpoint into it, or convert this one"
+    )
+
+
 def why_left_float(module: torch.nn.Linear):
     """Why prepare leaves ``module`` float (None: it quantizes it): a quantized copy would
     change what the layer computes, untie a shared weight, or NVFP4 cannot hold its shape."""
@@ -448,6 +458,10 @@ def _prepare_for_loading(
     module: torch.nn.Linear, config: NVFP4StaticActivationConfig
 ) -> torch.nn.Module:
     name = layer_name(module)
+    if isinstance(module, NVFP4StaticLinear):
+        return module
+    if isinstance(module, NVFP4StaticObservedLinear):
+        raise ValueError(prepared_before_loading_message(name, module))
     if left_float_says_why(module, name, config.strict):
         return module
     return NVFP4StaticLinear.placeholder(module, config.recipe(), name, config.backend)

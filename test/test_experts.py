@@ -9,6 +9,7 @@ transformers' eager forward loops over experts, with one ``NVFP4StaticLinear`` p
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -453,6 +454,22 @@ def test_a_layer_that_saw_no_tokens_is_refused_naming_it():
 @pytest.fixture(scope="module")
 def converted_holder():
     return convert(calibrated_experts([routed_batch(48, seed) for seed in range(2)]))
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_prepare_for_loading_refuses_prepared_experts_as_they_were_and_keeps_converted_ones(architecture, converted_holder):
+    loading = NVFP4StaticActivationConfig(step="prepare_for_loading")
+    holder = calibrated_experts([routed_batch(8, 0)], architecture)
+    prepared = holder.experts
+    with pytest.raises(ValueError, match=r"layer 'experts' is NVFP4StaticObservedExperts, prepared for calibration; "
+                       r"step='prepare_for_loading' makes empty converted layers .* load the float model again"):
+        quantize_(holder, loading, filter_fn=is_quantizable)
+    assert holder.experts is prepared and sum(prepared.tokens_per_expert) == 8 * TOP_K  # its statistics kept
+    converted = converted_holder.experts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_(converted_holder, loading, filter_fn=is_quantizable)
+    assert converted_holder.experts is converted
 
 
 ROUTINGS = {

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 import weakref
 
 import pytest
@@ -429,6 +430,25 @@ def test_preparing_a_layer_again_names_it_and_says_how_to_start_over(step, again
     message = r"'up' is already NVFP4Static\w+; prepare runs once .* load the float model again"
     with pytest.raises(ValueError, match=message):
         quantize_(model, NVFP4StaticActivationConfig(step="prepare"), filter_fn=again_filter)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_prepare_for_loading_refuses_a_prepared_model_as_it_was_and_keeps_a_converted_one(strict):
+    """Empty converted layers are made of float layers: a prepared layer would lose its
+    statistics (refused, naming it), a converted one is what loading needs already."""
+    loading = NVFP4StaticActivationConfig(step="prepare_for_loading", strict=strict)
+    prepared = prepare(make(MLP))
+    layers = (prepared.up, prepared.down)
+    with pytest.raises(ValueError, match=r"layer 'up' is NVFP4StaticObservedLinear, prepared for calibration; "
+                       r"step='prepare_for_loading' makes empty converted layers .* load the float model again"):
+        quantize_(prepared, loading, filter_fn=is_quantizable)
+    assert (prepared.up, prepared.down) == layers
+    converted = quantized(make(MLP))
+    layers = (converted.up, converted.down)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_(converted, loading, filter_fn=is_quantizable)
+    assert converted.up is layers[0] and converted.down is layers[1]
 
 
 def test_unsupported_weight_dtype_is_an_error():

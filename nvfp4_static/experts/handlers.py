@@ -169,6 +169,8 @@ def _summed_hessian(linears, name: str) -> Optional[BlockHessianAccumulator]:
 
 def _prepare_for_loading(module: torch.nn.Module, config: NVFP4StaticActivationConfig) -> torch.nn.Module:
     name = workflow.layer_name(module)
+    if isinstance(module, NVFP4StaticObservedExperts):
+        raise ValueError(workflow.prepared_before_loading_message(name, module))
     if isinstance(module, NVFP4StaticExperts) or workflow.left_float_says_why(module, name, config.strict):
         return module
     return NVFP4StaticExperts.placeholder(module, experts_layout(module), config.recipe(), name, config.backend)
