@@ -23,6 +23,7 @@ from nvfp4_static.numerics import (
     BLOCK_SIZE,
     E2M1_MAX,
     block_amax,
+    check_dtype,
     dequantize_nvfp4,
     e4m3_positive_values,
     per_tensor_amax_to_scale,
@@ -198,6 +199,24 @@ def _block_errors(
         return _pairwise_sum(dw * dw)
     weighted = _pairwise_sum(upper_hessian * dw.unsqueeze(-2))
     return _pairwise_sum(dw * weighted)
+
+
+def check_sweep_operands(weight: torch.Tensor, hessian: Optional[torch.Tensor]) -> None:
+    """Refuse a sweep's operands that the kernels would misread: a weight that is not 2-D
+    ``[N, K]`` with K a multiple of 16 in a supported dtype, a Hessian not ``[K // 16, 16, 16]``."""
+    check_dtype(weight, "fp8_scale_sweep weight")
+    if weight.ndim != 2 or weight.shape[1] % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"nvfp4_static.kernels.fp8_scale_sweep: weight of shape {tuple(weight.shape)} must be "
+            f"2-D [N, K] with K a multiple of {BLOCK_SIZE}; pad it with pad_to_block_multiple"
+        )
+    expected = (weight.shape[1] // BLOCK_SIZE, BLOCK_SIZE, BLOCK_SIZE)
+    if hessian is not None and tuple(hessian.shape) != expected:
+        raise ValueError(
+            f"nvfp4_static.kernels.fp8_scale_sweep: Hessian of shape {tuple(hessian.shape)} for a "
+            f"weight of shape {tuple(weight.shape)}; it must be {list(expected)}, one 16 x 16 "
+            f"matrix per input block"
+        )
 
 
 def fp8_scale_sweep(

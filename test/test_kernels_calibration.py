@@ -1,5 +1,5 @@
-"""kernels/histogram.py, scale_sweep.py, block_hessian.py and their ops: each Triton kernel equals
-its reference.
+"""kernels/histogram.py, scale_sweep.py, block_hessian.py and their ops, and the sweep's C kernel
+on a CPU (backends/cpu_sweep.c): each kernel equals its reference.
 
 On CPU the kernels run under Triton's interpreter: ``LAUNCHES`` gathers every launch the
 ``_interpreted`` tests check, each beside its test, and the ``interpreted`` fixture runs them all
@@ -275,6 +275,91 @@ def test_sweep_launcher_refuses_a_global_amax_whose_reciprocals_overflow():
     weight = torch.zeros(2, 32)
     with pytest.raises(ValueError, match="too small"):
         launch_fp8_scale_sweep(weight, torch.tensor(1e-34))
+
+
+# The CPU sweep kernel (backends/cpu_sweep.c): tiles of 16 rows, so row counts below, at and past
+# a tile; strided rows; several pieces on several threads.
+CPU_SWEEP_SHAPES = [(2, 16), (37, 160), (64, 512)]
+
+
+def through_the_cpu_kernel(monkeypatch):
+    """Make the torch reference fail inside the op, so that a sweep that returns took the kernel."""
+
+    def refuse(*args):
+        raise AssertionError("took the torch reference")
+
+    monkeypatch.setattr(references, "fp8_scale_sweep", refuse)
+
+
+@pytest.mark.parametrize("weighting", ["plain", "hessian", "asymmetric hessian"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", CPU_SWEEP_SHAPES, ids=str)
+def test_cpu_sweep_kernel_matches_reference(monkeypatch, shape, dtype, weighting):
+    weight = sweep_weight(*shape, dtype, seed=shape[0])
+    global_amax = weight.abs().max().float()
+    hessian = {
+        "plain": None,
+        "hessian": block_hessian_for(shape[1], seed=shape[1]),
+        "asymmetric hessian": torch.randn(shape[1] // 16, 16, 16, generator=torch.Generator().manual_seed(3)),
+    }[weighting]
+    expected = references.fp8_scale_sweep(weight, global_amax, hessian)
+    through_the_cpu_kernel(monkeypatch)
+    assert_same_scales(kernels.fp8_scale_sweep(weight, global_amax, hessian), expected)
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e30], ids=["1e-30", "1e30"])
+@pytest.mark.parametrize("weighting", ["plain", "hessian"])
+def test_cpu_sweep_kernel_extreme_magnitudes(monkeypatch, weighting, magnitude):
+    """1e30 squares overflow to inf: no candidate has a finite error and both give scale 0."""
+    weight = torch.randn(32, 16, generator=torch.Generator().manual_seed(8)) * magnitude
+    hessian = block_hessian_for(16, seed=9) if weighting == "hessian" else None
+    expected = references.fp8_scale_sweep(weight, weight.abs().max(), hessian)
+    through_the_cpu_kernel(monkeypatch)
+    assert_same_scales(kernels.fp8_scale_sweep(weight, weight.abs().max(), hessian), expected)
+
+
+@pytest.mark.parametrize("layout", ["rows apart", "transposed"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_sweep_kernel_reads_strided_weights_in_pieces_on_threads(monkeypatch, layout, threads):
+    from nvfp4_static.backends import cpu_sweep
+
+    full = sweep_weight(96, 256, torch.bfloat16, seed=4)
+    weight = full[:, 64:224] if layout == "rows apart" else full[:80, :96].t()
+    hessian = block_hessian_for(weight.shape[1], seed=5)
+    expected = [references.fp8_scale_sweep(weight, weight.abs().max().float(), h) for h in (None, hessian)]
+    through_the_cpu_kernel(monkeypatch)
+    monkeypatch.setattr(cpu_sweep, "ROWS_PER_PIECE", 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for h, scales in zip((None, hessian), expected):
+            assert_same_scales(kernels.fp8_scale_sweep(weight, weight.abs().max().float(), h), scales)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "weight_shape, hessian_shape, error, message",
+    [
+        ((32,), None, ValueError, r"weight of shape \(32,\) must be 2-D \[N, K\]"),
+        ((2, 4, 16), None, ValueError, r"weight of shape \(2, 4, 16\) must be 2-D"),
+        ((4, 24), None, ValueError, r"weight of shape \(4, 24\) must be 2-D \[N, K\] with K a multiple of 16"),
+        ((4, 32), (2, 16, 8), ValueError, r"Hessian of shape \(2, 16, 8\) for a weight of shape \(4, 32\); it must be \[2, 16, 16\]"),
+        ((4, 32), (3, 16, 16), ValueError, r"Hessian of shape \(3, 16, 16\) .* must be \[2, 16, 16\]"),
+        ((4, 32), (16, 16), ValueError, r"Hessian of shape \(16, 16\) .* must be \[2, 16, 16\]"),
+    ],
+    ids=["1-D", "3-D", "K of 24", "Hessian of 16 x 8", "Hessian of 3 blocks", "one 2-D Hessian"],
+)
+def test_sweep_refuses_operands_it_would_misread_naming_their_shapes(weight_shape, hessian_shape, error, message):
+    weight = torch.randn(weight_shape)
+    hessian = None if hessian_shape is None else torch.randn(hessian_shape)
+    with pytest.raises(error, match=message):
+        kernels.fp8_scale_sweep(weight, torch.tensor(1.0), hessian)
+
+
+def test_sweep_refuses_an_integer_weight_naming_its_dtype():
+    with pytest.raises(TypeError, match="fp8_scale_sweep weight has dtype torch.int32"):
+        kernels.fp8_scale_sweep(torch.ones(4, 32, dtype=torch.int32), torch.tensor(1.0))
 
 
 def assert_hessian_within_fp32_rounding(got, x, initial):

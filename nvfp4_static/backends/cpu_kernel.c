@@ -25,22 +25,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bits.h"
+
 #define BLOCK 16
 
 /* Twice the E2M1 value of each 4-bit code: the sign is the high bit. */
 static const int8_t TWICE_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-static float from_bits(uint32_t bits) {
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-static uint32_t to_bits(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    return bits;
-}
 
 /* The FP8 E4M3 value nearest to v in [2^-6, 448] (all normal there), ties to even: float32's
  * 23 mantissa bits rounded to 3. */

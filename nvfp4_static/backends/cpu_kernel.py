@@ -1,4 +1,5 @@
-"""The CPU's own kernel for the static NVFP4 linear (``cpu_kernel.c``).
+"""The CPU's own kernels: the static NVFP4 linear (``cpu_kernel.c``) and, in the same library,
+the FP8 weight-scale sweep (``cpu_sweep.c``, called by ``backends.cpu_sweep``).
 
 Torch ops on a CPU dequantize the weight into float32 before multiplying it, 11-19x float
 ``F.linear``'s time at one token (``examples/benchmarks/RESULTS.md``). The C kernel quantizes the
@@ -33,7 +34,8 @@ from nvfp4_static.numerics import BLOCK_SIZE
 
 SWITCH_ENV_VAR = "NVFP4_STATIC_CPU_KERNEL"
 CACHE_ENV_VAR = "NVFP4_STATIC_CACHE_DIR"
-SOURCE = Path(__file__).with_name("cpu_kernel.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernel.c", "cpu_sweep.c"))
+HEADERS = (Path(__file__).with_name("cpu_bits.h"),)
 # No -ffast-math, and no fused multiply-adds: every operation rounds as torch's does.
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-pthread")
 NATIVE_FLAGS = ("-march=native",)
@@ -74,8 +76,9 @@ def library() -> Optional[Kernel]:
             except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
                 detail = getattr(error, "stderr", None) or str(error)
                 warn(
-                    f"nvfp4_static: the CPU kernel ({SOURCE.name}) could not be built, so static "
-                    f"NVFP4 linears on a CPU run torch ops, several times slower: "
+                    f"nvfp4_static: the CPU kernel ({', '.join(s.name for s in SOURCES)}) could not be "
+                    f"built, so static NVFP4 linears and the weight-scale sweep on a CPU run torch "
+                    f"ops, several times slower: "
                     f"{str(detail).strip()[-600:]}. Install a C compiler or point $CC at one; "
                     f"${SWITCH_ENV_VAR}=0 silences this.",
                     RuntimeWarning,
@@ -99,7 +102,8 @@ def _build() -> Path:
 
 def _build_with(command: list[str]) -> Path:
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in (*SOURCES, *HEADERS):
+        key.update(source.read_bytes())
     key.update(" ".join(command).encode())
     key.update(_cpu_description().encode())
     directory = _cache_directory()
@@ -109,7 +113,7 @@ def _build_with(command: list[str]) -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         partial = Path(scratch) / built.name
         subprocess.run(
-            [*command, str(SOURCE), "-o", str(partial), "-lm"],
+            [*command, *map(str, SOURCES), "-o", str(partial), "-lm"],
             check=True, capture_output=True, text=True, timeout=120,
         )
         os.replace(partial, built)  # atomic: another process may be building the same file
@@ -152,6 +156,8 @@ def _load(path: Path) -> Kernel:
         pointer, i32, i64, i64, pointer, pointer, pointer, pointer, i64, pointer, pointer, i32, pointer, i32, i32, i64,
     ]
     lib.nvfp4_linear.restype = i32
+    lib.nvfp4_fp8_scale_sweep.argtypes = [pointer, i32, i64, i64, i64, pointer, pointer, pointer, pointer]
+    lib.nvfp4_fp8_scale_sweep.restype = None
     lib.most_rows = lib.nvfp4_most_rows()
     return lib
 

@@ -49,6 +49,7 @@ import torch
 from torch.library import triton_op
 
 from nvfp4_static import references
+from nvfp4_static.backends import cpu_sweep
 from nvfp4_static.kernels.launch import runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 
@@ -208,6 +209,11 @@ def _fp8_scale_sweep_op(
 @_fp8_scale_sweep_op.register_kernel("cuda")
 def _fp8_scale_sweep_cuda(weight, global_amax, hessian=None):
     return launch_fp8_scale_sweep(weight, global_amax, hessian)
+
+
+@_fp8_scale_sweep_op.register_kernel("cpu")
+def _fp8_scale_sweep_cpu(weight, global_amax, hessian=None):
+    return cpu_sweep.fp8_scale_sweep(weight, global_amax, hessian)
 
 
 @_fp8_scale_sweep_op.register_fake

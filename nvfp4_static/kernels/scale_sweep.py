@@ -28,7 +28,7 @@ import triton.language as tl
 from nvfp4_static import references
 from nvfp4_static.kernels.act_quantize import round_to_e2m1_magnitude
 from nvfp4_static.kernels.launch import ceil_div
-from nvfp4_static.numerics import BLOCK_SIZE, check_dtype, e4m3_positive_values
+from nvfp4_static.numerics import BLOCK_SIZE, e4m3_positive_values
 
 NUM_CANDIDATES = e4m3_positive_values().numel()
 
@@ -171,12 +171,7 @@ def launch_fp8_scale_sweep(
     weight: torch.Tensor, global_amax: torch.Tensor, hessian: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """Run the sweep kernel on ``weight`` ``[N, K]``; returns ``[N, K // 16]`` float8_e4m3fn."""
-    check_dtype(weight, "fp8_scale_sweep weight")
-    if weight.ndim != 2 or weight.shape[1] % BLOCK_SIZE != 0:
-        raise ValueError(
-            f"nvfp4_static.kernels.fp8_scale_sweep: weight of shape {tuple(weight.shape)} must be "
-            f"2-D [N, K] with K a multiple of {BLOCK_SIZE}; pad it with pad_to_block_multiple"
-        )
+    references.check_sweep_operands(weight, hessian)
     n_rows, k = weight.shape
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     reciprocals, dequant_scales = references.sweep_candidate_factors(global_amax, weight.device)

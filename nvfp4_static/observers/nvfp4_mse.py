@@ -30,8 +30,9 @@ class NVFP4MSECalibrator(Observer):
     per-tensor scale ``global_amax / (448 * 6)`` (block amax ``global_amax * c / 448``) and keeps
     the one minimising ``sum (w - deq(q(w)))^2``, or ``dw^T H dw`` with the per-input-block
     Hessian ``H`` (``BlockHessianAccumulator``). Ties go to the smallest candidate. The search
-    runs in ``nvfp4_static.kernels.fp8_scale_sweep`` (a fused kernel on CUDA), chunked so no
-    per-candidate buffer the size of the weight is ever allocated.
+    runs in ``nvfp4_static.kernels.fp8_scale_sweep``: a fused kernel on CUDA, the C kernel of
+    ``backends.cpu_sweep`` on a CPU, neither allocating a per-candidate buffer the size of the
+    weight.
 
     One weight per calibrator: a second ``collect`` without ``reset()`` raises. An all-zero
     weight (``global_amax == 0``) gets FP8's smallest normal, 2^-6, in every block; a global
