@@ -304,6 +304,25 @@ def _gptq_block_steps(
     return values, errors
 
 
+def check_gptq_block_operands(
+    block: torch.Tensor, upper_block: torch.Tensor, reciprocals: torch.Tensor, dequant_scales: torch.Tensor
+) -> None:
+    """Refuse ``gptq_block`` operands that the kernels would misread: a block that is not
+    float32 ``[N, 16]``, a ``U`` block not ``[16, 16]``, factors not two equal 1-D tensors."""
+    problems = []
+    if block.ndim != 2 or block.shape[1] != BLOCK_SIZE or block.dtype != torch.float32:
+        problems.append(f"block must be float32 [N, {BLOCK_SIZE}], got {block.dtype} {tuple(block.shape)}")
+    if tuple(upper_block.shape) != (BLOCK_SIZE, BLOCK_SIZE):
+        problems.append(f"the U block must be [{BLOCK_SIZE}, {BLOCK_SIZE}], got {tuple(upper_block.shape)}")
+    if reciprocals.ndim != 1 or reciprocals.shape != dequant_scales.shape:
+        problems.append(
+            f"the candidates' factors must be two 1-D tensors of one length, got "
+            f"{tuple(reciprocals.shape)} and {tuple(dequant_scales.shape)}"
+        )
+    if problems:
+        raise ValueError("nvfp4_static.kernels.gptq_block: " + "; ".join(problems))
+
+
 def gptq_block(
     block: torch.Tensor, upper_block: torch.Tensor, reciprocals: torch.Tensor, dequant_scales: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -363,6 +363,45 @@ def test_gptq_block_kernel_equals_the_reference_interpreted(interpreted, case):
     assert_same_block_result(launched.returned, expected)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, block_index", [(6, 1), (37, 2), (200, 0)], ids=str)
+def test_gptq_block_op_on_a_cpu_takes_its_c_kernel_equal_to_the_reference(monkeypatch, rows, block_index, threads):
+    """The op's CPU kernel (backends/cpu_gptq.c), in 16-row tiles and, with 200 rows, in pieces
+    on torch's threads; the torch reference made to fail inside the op, so the kernel ran."""
+    from nvfp4_static.backends import cpu_gptq
+
+    operands = block_operands(rows, seed=rows, block_index=block_index)
+    expected = references.gptq_block(*operands)
+    assert len(set(expected[2].tolist())) > 1  # rows choose different scales
+
+    def refuse(*args):
+        raise AssertionError("took the torch reference")
+
+    monkeypatch.setattr(references, "gptq_block", refuse)
+    monkeypatch.setattr(cpu_gptq, "ROWS_PER_PIECE", 32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_same_block_result(kernels.gptq_block(*operands), expected)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda ops: (ops[0].to(torch.bfloat16), *ops[1:]), r"block must be float32 \[N, 16\], got torch.bfloat16 \(6, 16\)"),
+        (lambda ops: (ops[0][:, :8], *ops[1:]), r"block must be float32 \[N, 16\], got torch.float32 \(6, 8\)"),
+        (lambda ops: (ops[0], ops[1][:8], *ops[2:]), r"the U block must be \[16, 16\], got \(8, 16\)"),
+        (lambda ops: (*ops[:3], ops[3][:5]), r"two 1-D tensors of one length, got \(126,\) and \(5,\)"),
+    ],
+    ids=["bf16 block", "8 columns", "U of 8 rows", "factors of two lengths"],
+)
+def test_gptq_block_op_refuses_operands_it_would_misread(change, message):
+    with pytest.raises(ValueError, match=message):
+        kernels.gptq_block(*change(block_operands(6, seed=6)))
+
+
 @requires_cuda
 def test_gptq_block_op_equals_the_reference_on_cuda():
     for rows in (37, 1000, 4100):

@@ -25,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_bits.h"
+#include "cpu_float.h"
 
 #define BLOCK 16
 

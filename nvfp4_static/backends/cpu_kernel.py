@@ -1,5 +1,6 @@
 """The CPU's own kernels: the static NVFP4 linear (``cpu_kernel.c``) and, in the same library,
-the FP8 weight-scale sweep (``cpu_sweep.c``, called by ``backends.cpu_sweep``).
+the FP8 weight-scale sweep (``cpu_sweep.c``, called by ``backends.cpu_sweep``) and GPTQ's block
+search (``cpu_gptq.c``, called by ``backends.cpu_gptq``).
 
 Torch ops on a CPU dequantize the weight into float32 before multiplying it, 11-19x float
 ``F.linear``'s time at one token (``examples/benchmarks/RESULTS.md``). The C kernel quantizes the
@@ -15,6 +16,7 @@ Its numerics (``cpu_kernel.c``): the activation quantized as ``numerics`` quanti
 16-block's product exact, the blocks summed in float32 in K order.
 """
 
+import concurrent.futures
 import ctypes
 import hashlib
 import math
@@ -25,7 +27,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -34,8 +36,8 @@ from nvfp4_static.numerics import BLOCK_SIZE
 
 SWITCH_ENV_VAR = "NVFP4_STATIC_CPU_KERNEL"
 CACHE_ENV_VAR = "NVFP4_STATIC_CACHE_DIR"
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernel.c", "cpu_sweep.c"))
-HEADERS = (Path(__file__).with_name("cpu_bits.h"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernel.c", "cpu_sweep.c", "cpu_gptq.c"))
+HEADERS = (Path(__file__).with_name("cpu_float.h"),)
 # No -ffast-math, and no fused multiply-adds: every operation rounds as torch's does.
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-pthread")
 NATIVE_FLAGS = ("-march=native",)
@@ -85,6 +87,19 @@ def library() -> Optional[Kernel]:
                 )
             _tried = True  # after _library: the check outside the lock reads them in this order
         return _library
+
+
+def in_row_pieces(rows: int, piece_rows: int, call: Callable[[int, int], None]) -> None:
+    """``call(first, count)`` for pieces of ``piece_rows`` rows of ``rows``, on up to torch's
+    thread count: each call a kernel call through ctypes, which releases the GIL."""
+    firsts = range(0, rows, piece_rows)
+    threads = min(torch.get_num_threads(), len(firsts))
+    if threads <= 1:
+        for first in firsts:
+            call(first, min(piece_rows, rows - first))
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda first: call(first, min(piece_rows, rows - first)), firsts))
 
 
 def _compiler() -> list[str]:
@@ -158,6 +173,8 @@ def _load(path: Path) -> Kernel:
     lib.nvfp4_linear.restype = i32
     lib.nvfp4_fp8_scale_sweep.argtypes = [pointer, i32, i64, i64, i64, pointer, pointer, pointer, pointer]
     lib.nvfp4_fp8_scale_sweep.restype = None
+    lib.nvfp4_gptq_block.argtypes = [pointer, i64, i64, pointer, pointer, pointer, i64, pointer, pointer, pointer]
+    lib.nvfp4_gptq_block.restype = None
     lib.most_rows = lib.nvfp4_most_rows()
     return lib
 

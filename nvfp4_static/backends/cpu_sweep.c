@@ -17,23 +17,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_bits.h"
+#include "cpu_float.h"
 
 #define BLOCK 16
 #define LANES 16
 #define CANDIDATES 126
-
-/* 1.5 * 2^22: added to a value of [0, 2) and subtracted again, it rounds it to a multiple of 1/2,
- * ties to even; times 2 or 4, to a multiple of 1 or 2 in [2, 4) and [4, 8). */
-#define E2M1_SNAP 6291456.0f
-
-/* a in [0, 6] rounded onto the E2M1 grid, ties to even (numerics.round_to_e2m1 of |a|): the
- * snap constant scaled by a's binade (1 below 2) makes the grid step one ulp of the sum. */
-static inline float round_to_e2m1_magnitude(float a) {
-    float binade = from_bits(to_bits(a < 1.0f ? 1.0f : a) & 0x7F800000u);
-    float snap = binade * E2M1_SNAP;
-    return (a + snap) - snap;
-}
 
 /* references._pairwise_sum of 16 terms in each lane (terms[j][lane]; overwritten): adjacent
  * pairs, then pairs of those. The terms before `first` are never read: the reference has zeros

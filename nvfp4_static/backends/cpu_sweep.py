@@ -6,7 +6,6 @@ The kernel chooses the same scales bit for bit. Without the built library (no C 
 ``NVFP4_STATIC_CPU_KERNEL=0``) the reference runs.
 """
 
-import concurrent.futures
 from typing import Optional
 
 import torch
@@ -15,8 +14,7 @@ from nvfp4_static import references
 from nvfp4_static.backends import cpu_kernel
 from nvfp4_static.numerics import BLOCK_SIZE
 
-# Weight rows per piece of work: pieces run on torch's threads, each a call of the kernel,
-# which releases the GIL (ctypes).
+# Weight rows per kernel call; the calls run on torch's threads (cpu_kernel.in_row_pieces).
 ROWS_PER_PIECE = 64
 
 
@@ -36,20 +34,12 @@ def fp8_scale_sweep(
     upper = None if hessian is None else references.upper_triangular_hessian(hessian).contiguous()
     codes = torch.empty(n_rows, k // BLOCK_SIZE, dtype=torch.uint8)
 
-    def sweep(first: int) -> None:
-        rows = min(ROWS_PER_PIECE, n_rows - first)
+    def sweep(first: int, rows: int) -> None:
         lib.nvfp4_fp8_scale_sweep(
             weight[first].data_ptr(), weight.dtype == torch.bfloat16, rows, k, weight.stride(0),
             reciprocals.data_ptr(), dequant_scales.data_ptr(), None if upper is None else upper.data_ptr(),
             codes[first].data_ptr(),
         )
 
-    firsts = range(0, n_rows, ROWS_PER_PIECE)
-    threads = min(torch.get_num_threads(), len(firsts))
-    if threads <= 1:
-        for first in firsts:
-            sweep(first)
-    else:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(sweep, firsts))
+    cpu_kernel.in_row_pieces(n_rows, ROWS_PER_PIECE, sweep)
     return codes.view(torch.float8_e4m3fn)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nvfp4_static import references
 from nvfp4_static.kernels.launch import ceil_div
 from nvfp4_static.kernels.act_quantize import round_to_e2m1_magnitude
 from nvfp4_static.numerics import BLOCK_SIZE
@@ -104,11 +105,7 @@ def launch_gptq_block(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the kernel on ``block`` ``[N, 16]`` float32 (rows may be strided, columns
     contiguous); returns ``references.gptq_block``'s ``(values, errors, choices)``."""
-    if block.ndim != 2 or block.shape[1] != BLOCK_SIZE or block.dtype != torch.float32:
-        raise ValueError(
-            f"nvfp4_static.kernels.gptq_block: block must be float32 [N, {BLOCK_SIZE}], got "
-            f"{block.dtype} {tuple(block.shape)}"
-        )
+    references.check_gptq_block_operands(block, upper_block, reciprocals, dequant_scales)
     n_rows = block.shape[0]
     block = block if block.stride(1) == 1 else block.contiguous()
     values = torch.empty(n_rows, BLOCK_SIZE, dtype=torch.float32, device=block.device)

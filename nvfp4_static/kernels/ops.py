@@ -49,7 +49,7 @@ import torch
 from torch.library import triton_op
 
 from nvfp4_static import references
-from nvfp4_static.backends import cpu_sweep
+from nvfp4_static.backends import cpu_gptq, cpu_sweep
 from nvfp4_static.kernels.launch import runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 
@@ -239,6 +239,11 @@ def _gptq_block_op(
 @_gptq_block_op.register_kernel("cuda")
 def _gptq_block_cuda(block, upper_block, reciprocals, dequant_scales):
     return launch_gptq_block(block, upper_block, reciprocals, dequant_scales)
+
+
+@_gptq_block_op.register_kernel("cpu")
+def _gptq_block_cpu(block, upper_block, reciprocals, dequant_scales):
+    return cpu_gptq.gptq_block(block, upper_block, reciprocals, dequant_scales)
 
 
 @_gptq_block_op.register_fake

@@ -1,0 +1,113 @@
+"""Convert's weight searches on a CPU, their C kernels against the torch references.
+
+    python examples/benchmarks/bench_cpu_calibration_kernels.py [--shapes 576x1536 1536x576 2048x2048] [--rounds 2]
+
+For each weight shape (N x K, a bfloat16 ``randn`` weight, blocks of gains 2^-4 .. 1) and each
+search: the FP8 block-scale sweep unweighted (``sweep``) and weighted by the block Hessian of 64
+``randn`` tokens (``sweep, Hessian``), and GPTQ under the full Hessian of those tokens
+(``gptq``: ``gptq.gptq_quantize_nvfp4``, whose per-block scale search and rounding is the
+kernel's part), seconds per search of the whole weight: with the torch reference
+(``references.fp8_scale_sweep`` on one thread, as the package runs it where the kernel is not
+built; ``references.gptq_block`` in GPTQ), with the C kernel on one thread (``kernel, 1
+thread``) and on torch's thread count (``kernel, N threads``, what convert runs). Each cell is the
+best of ``--rounds`` interleaved rounds; the results of all three are checked equal bit for bit
+first. The last column is the reference's time over the kernel's on N threads.
+"""
+
+import argparse
+import time
+
+import torch
+
+from unittest import mock
+
+from nvfp4_static import references
+from nvfp4_static.backends import cpu_kernel, cpu_sweep
+from nvfp4_static.gptq import gptq_quantize_nvfp4
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def on_threads(threads: int, fn):
+    def run():
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(before)
+
+    return run
+
+
+def without_kernel(fn):
+    """``fn`` run with the CPU library reported missing: the torch references."""
+
+    def run():
+        with mock.patch.object(cpu_kernel, "library", lambda: None):
+            return fn()
+
+    return run
+
+
+def as_bits(result):
+    """A search's result as tensors compared bit for bit."""
+    if isinstance(result, torch.Tensor):
+        return [result.view(torch.uint8)]
+    return [getattr(result, name) for name in result._fields]
+
+
+def searches(weight: torch.Tensor, tokens: torch.Tensor) -> dict:
+    global_amax = weight.abs().max().float()
+    hessian = references.block_hessian(tokens)
+    return {
+        "sweep": lambda: cpu_sweep.fp8_scale_sweep(weight, global_amax),
+        "sweep, Hessian": lambda: cpu_sweep.fp8_scale_sweep(weight, global_amax, hessian),
+        "gptq": lambda: gptq_quantize_nvfp4(weight, tokens.T @ tokens, global_amax, dampening=0.01, name=""),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["576x1536", "1536x576", "2048x2048"], help="N x K weight shapes")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if cpu_kernel.library() is None:
+        raise SystemExit("the CPU kernels are not built here (no C compiler, or NVFP4_STATIC_CPU_KERNEL=0)")
+    threads = torch.get_num_threads()
+    generator = torch.Generator().manual_seed(0)
+    header = f"| N x K | search | reference | kernel, 1 thread | kernel, {threads} threads | reference / kernel |"
+    rows = []
+    for shape in args.shapes:
+        n, k = map(int, shape.split("x"))
+        gains = 2.0 ** torch.randint(-4, 1, (n, k // 16, 1), generator=generator).float()
+        weight = (torch.randn(n, k // 16, 16, generator=generator) * gains).reshape(n, k).to(torch.bfloat16)
+        tokens = torch.randn(64, k, generator=generator)
+        for search, run in searches(weight, tokens).items():
+            forms = {"reference": without_kernel(run), "kernel, 1 thread": on_threads(1, run), "kernel, N threads": run}
+            results = [as_bits(form()) for form in forms.values()]
+            assert all(
+                all(torch.equal(a, b) for a, b in zip(results[0], other)) for other in results[1:]
+            ), f"{shape} {search}: results differ"
+            times = {name: [] for name in forms}
+            for _ in range(args.rounds):
+                for name, form in forms.items():
+                    times[name].append(seconds(form))
+            best = {name: min(each) for name, each in times.items()}
+            rows.append(
+                f"| {n} x {k} | {search} | {best['reference']:.3f} | {best['kernel, 1 thread']:.3f} | "
+                f"{best['kernel, N threads']:.3f} | {best['reference'] / best['kernel, N threads']:.1f} |"
+            )
+            print(rows[-1], flush=True)
+    print()
+    print(header)
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
