@@ -272,8 +272,9 @@ def quantize_nvfp4(
 
 
 def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
-    """E2M1-representable float32 ``values [..., K]`` as packed codes, uint8 ``[..., K // 2]``
-    (element ``2i`` in the low nibble)."""
+    """Float32 ``values [..., K]`` in [-6, 6] rounded onto the E2M1 grid (to nearest, ties to
+    even: torchao's ``f32_to_f4_unpacked``) and packed, uint8 ``[..., K // 2]`` (element ``2i``
+    in the low nibble)."""
     return pack_uint4(f32_to_f4_unpacked(values.contiguous()))
 
 
