@@ -2,6 +2,7 @@
 needing a GPU), the activation dtypes, error measures and bounds, numeric edges, the operands of
 a quantized linear, and the calibrate-then-convert flow on the small models of ``models.py``."""
 
+import contextlib
 import warnings
 from typing import NamedTuple, Optional
 
@@ -10,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchao.quantization import quantize_
 
-from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable
+from nvfp4_static import NVFP4StaticActivationConfig, is_quantizable, references
 from nvfp4_static.numerics import (
     E4M3_MIN_NORMAL,
     per_tensor_amax_to_scale,
@@ -92,6 +93,27 @@ def captured_twice_then_replayed_backwards(call, stream) -> tuple[list, int]:
         for counts in kept:
             counts.zero_()
     return outs, len(kept)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """torch's intra-op thread count set to ``threads`` while the block runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def reference_refused(monkeypatch, name: str) -> None:
+    """Make ``references.<name>`` fail, so that an op on CPU tensors that returns took its C
+    kernel (``backends``) and not the torch reference."""
+
+    def refuse(*args):
+        raise AssertionError(f"took the torch reference {name}")
+
+    monkeypatch.setattr(references, name, refuse)
 
 
 def gpu_tolerance(K: int, dtype: torch.dtype) -> float:

@@ -7,7 +7,9 @@ bit, under Triton's interpreter on CPU (``LAUNCHES``, run in one child process) 
 import pytest
 import torch
 
-from conftest import DIM, calibration_batches, convert, make, prepare, quantized, requires_cuda
+from conftest import (
+    DIM, calibration_batches, convert, make, prepare, quantized, reference_refused, requires_cuda, torch_threads,
+)
 from models import MLP
 from triton_interpreter import run_interpreted
 
@@ -373,18 +375,10 @@ def test_gptq_block_op_on_a_cpu_takes_its_c_kernel_equal_to_the_reference(monkey
     operands = block_operands(rows, seed=rows, block_index=block_index)
     expected = references.gptq_block(*operands)
     assert len(set(expected[2].tolist())) > 1  # rows choose different scales
-
-    def refuse(*args):
-        raise AssertionError("took the torch reference")
-
-    monkeypatch.setattr(references, "gptq_block", refuse)
+    reference_refused(monkeypatch, "gptq_block")
     monkeypatch.setattr(cpu_gptq, "ROWS_PER_PIECE", 32)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         assert_same_block_result(kernels.gptq_block(*operands), expected)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import DTYPE_IDS, DTYPES, requires_cuda
+from conftest import DTYPE_IDS, DTYPES, reference_refused, requires_cuda, torch_threads
 from triton_interpreter import run_interpreted
 
 from nvfp4_static import kernels, references
@@ -282,15 +282,6 @@ def test_sweep_launcher_refuses_a_global_amax_whose_reciprocals_overflow():
 CPU_SWEEP_SHAPES = [(2, 16), (37, 160), (64, 512)]
 
 
-def through_the_cpu_kernel(monkeypatch):
-    """Make the torch reference fail inside the op, so that a sweep that returns took the kernel."""
-
-    def refuse(*args):
-        raise AssertionError("took the torch reference")
-
-    monkeypatch.setattr(references, "fp8_scale_sweep", refuse)
-
-
 @pytest.mark.parametrize("weighting", ["plain", "hessian", "asymmetric hessian"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("shape", CPU_SWEEP_SHAPES, ids=str)
@@ -303,7 +294,7 @@ def test_cpu_sweep_kernel_matches_reference(monkeypatch, shape, dtype, weighting
         "asymmetric hessian": torch.randn(shape[1] // 16, 16, 16, generator=torch.Generator().manual_seed(3)),
     }[weighting]
     expected = references.fp8_scale_sweep(weight, global_amax, hessian)
-    through_the_cpu_kernel(monkeypatch)
+    reference_refused(monkeypatch, "fp8_scale_sweep")
     assert_same_scales(kernels.fp8_scale_sweep(weight, global_amax, hessian), expected)
 
 
@@ -314,7 +305,7 @@ def test_cpu_sweep_kernel_extreme_magnitudes(monkeypatch, weighting, magnitude):
     weight = torch.randn(32, 16, generator=torch.Generator().manual_seed(8)) * magnitude
     hessian = block_hessian_for(16, seed=9) if weighting == "hessian" else None
     expected = references.fp8_scale_sweep(weight, weight.abs().max(), hessian)
-    through_the_cpu_kernel(monkeypatch)
+    reference_refused(monkeypatch, "fp8_scale_sweep")
     assert_same_scales(kernels.fp8_scale_sweep(weight, weight.abs().max(), hessian), expected)
 
 
@@ -327,33 +318,29 @@ def test_cpu_sweep_kernel_reads_strided_weights_in_pieces_on_threads(monkeypatch
     weight = full[:, 64:224] if layout == "rows apart" else full[:80, :96].t()
     hessian = block_hessian_for(weight.shape[1], seed=5)
     expected = [references.fp8_scale_sweep(weight, weight.abs().max().float(), h) for h in (None, hessian)]
-    through_the_cpu_kernel(monkeypatch)
+    reference_refused(monkeypatch, "fp8_scale_sweep")
     monkeypatch.setattr(cpu_sweep, "ROWS_PER_PIECE", 16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for h, scales in zip((None, hessian), expected):
             assert_same_scales(kernels.fp8_scale_sweep(weight, weight.abs().max().float(), h), scales)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(
-    "weight_shape, hessian_shape, error, message",
+    "weight_shape, hessian_shape, message",
     [
-        ((32,), None, ValueError, r"weight of shape \(32,\) must be 2-D \[N, K\]"),
-        ((2, 4, 16), None, ValueError, r"weight of shape \(2, 4, 16\) must be 2-D"),
-        ((4, 24), None, ValueError, r"weight of shape \(4, 24\) must be 2-D \[N, K\] with K a multiple of 16"),
-        ((4, 32), (2, 16, 8), ValueError, r"Hessian of shape \(2, 16, 8\) for a weight of shape \(4, 32\); it must be \[2, 16, 16\]"),
-        ((4, 32), (3, 16, 16), ValueError, r"Hessian of shape \(3, 16, 16\) .* must be \[2, 16, 16\]"),
-        ((4, 32), (16, 16), ValueError, r"Hessian of shape \(16, 16\) .* must be \[2, 16, 16\]"),
+        ((32,), None, r"weight of shape \(32,\) must be 2-D \[N, K\]"),
+        ((2, 4, 16), None, r"weight of shape \(2, 4, 16\) must be 2-D"),
+        ((4, 24), None, r"weight of shape \(4, 24\) must be 2-D \[N, K\] with K a multiple of 16"),
+        ((4, 32), (2, 16, 8), r"Hessian of shape \(2, 16, 8\) for a weight of shape \(4, 32\); it must be \[2, 16, 16\]"),
+        ((4, 32), (3, 16, 16), r"Hessian of shape \(3, 16, 16\) .* must be \[2, 16, 16\]"),
+        ((4, 32), (16, 16), r"Hessian of shape \(16, 16\) .* must be \[2, 16, 16\]"),
     ],
     ids=["1-D", "3-D", "K of 24", "Hessian of 16 x 8", "Hessian of 3 blocks", "one 2-D Hessian"],
 )
-def test_sweep_refuses_operands_it_would_misread_naming_their_shapes(weight_shape, hessian_shape, error, message):
+def test_sweep_refuses_operands_it_would_misread_naming_their_shapes(weight_shape, hessian_shape, message):
     weight = torch.randn(weight_shape)
     hessian = None if hessian_shape is None else torch.randn(hessian_shape)
-    with pytest.raises(error, match=message):
+    with pytest.raises(ValueError, match=message):
         kernels.fp8_scale_sweep(weight, torch.tensor(1.0), hessian)
 
 

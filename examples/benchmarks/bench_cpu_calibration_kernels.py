@@ -10,29 +10,23 @@ kernel's part), seconds per search of the whole weight: with the torch reference
 (``references.fp8_scale_sweep`` on one thread, as the package runs it where the kernel is not
 built; ``references.gptq_block`` in GPTQ), with the C kernel on one thread (``kernel, 1
 thread``) and on torch's thread count (``kernel, N threads``, what convert runs). Each cell is the
-best of ``--rounds`` interleaved rounds; the results of all three are checked equal bit for bit
-first. The last column is the reference's time over the kernel's on N threads.
+best of ``--rounds`` interleaved rounds (``bench_cpu_linear.best_of_rounds``); the results of all
+three are checked equal bit for bit first. The last column is the reference's time over the kernel's on N threads.
 """
 
 import argparse
-import time
 
 import torch
 
-from unittest import mock
-
+from bench_cpu_linear import best_of_rounds, on_torch_ops
 from nvfp4_static import references
 from nvfp4_static.backends import cpu_kernel, cpu_sweep
 from nvfp4_static.gptq import gptq_quantize_nvfp4
 
 
-def seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def on_threads(threads: int, fn):
+    """``fn`` run with torch's thread count set to ``threads``."""
+
     def run():
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -40,16 +34,6 @@ def on_threads(threads: int, fn):
             return fn()
         finally:
             torch.set_num_threads(before)
-
-    return run
-
-
-def without_kernel(fn):
-    """``fn`` run with the CPU library reported missing: the torch references."""
-
-    def run():
-        with mock.patch.object(cpu_kernel, "library", lambda: None):
-            return fn()
 
     return run
 
@@ -88,16 +72,12 @@ def main():
         weight = (torch.randn(n, k // 16, 16, generator=generator) * gains).reshape(n, k).to(torch.bfloat16)
         tokens = torch.randn(64, k, generator=generator)
         for search, run in searches(weight, tokens).items():
-            forms = {"reference": without_kernel(run), "kernel, 1 thread": on_threads(1, run), "kernel, N threads": run}
+            forms = {"reference": on_torch_ops(run), "kernel, 1 thread": on_threads(1, run), "kernel, N threads": run}
             results = [as_bits(form()) for form in forms.values()]
             assert all(
                 all(torch.equal(a, b) for a, b in zip(results[0], other)) for other in results[1:]
             ), f"{shape} {search}: results differ"
-            times = {name: [] for name in forms}
-            for _ in range(args.rounds):
-                for name, form in forms.items():
-                    times[name].append(seconds(form))
-            best = {name: min(each) for name, each in times.items()}
+            best = best_of_rounds(forms, args.rounds)
             rows.append(
                 f"| {n} x {k} | {search} | {best['reference']:.3f} | {best['kernel, 1 thread']:.3f} | "
                 f"{best['kernel, N threads']:.3f} | {best['reference'] / best['kernel, N threads']:.1f} |"

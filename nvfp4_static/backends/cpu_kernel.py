@@ -79,8 +79,8 @@ def library() -> Optional[Kernel]:
                 detail = getattr(error, "stderr", None) or str(error)
                 warn(
                     f"nvfp4_static: the CPU kernel ({', '.join(s.name for s in SOURCES)}) could not be "
-                    f"built, so static NVFP4 linears and the weight-scale sweep on a CPU run torch "
-                    f"ops, several times slower: "
+                    f"built, so static NVFP4 linears, the weight-scale sweep and GPTQ's block search "
+                    f"on a CPU run torch ops, several times slower: "
                     f"{str(detail).strip()[-600:]}. Install a C compiler or point $CC at one; "
                     f"${SWITCH_ENV_VAR}=0 silences this.",
                     RuntimeWarning,
