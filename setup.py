@@ -6,7 +6,7 @@ setup(
     description="Static-activation NVFP4 quantization for PyTorch, as a torchao quantize_ config",
     packages=find_packages(include=["nvfp4_static", "nvfp4_static.*"]),
     # The CPU kernel's C source, compiled on the user's machine at its first use.
-    package_data={"nvfp4_static.backends": ["cpu_kernel.c", "cpu_sweep.c", "cpu_gptq.c", "cpu_float.h"]},
+    package_data={"nvfp4_static.backends": ["cpu_kernel.c", "cpu_sweep.c", "cpu_gptq.c", "cpu_quantize.c", "cpu_float.h"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11",

@@ -1,5 +1,5 @@
-/* Float32 helpers the CPU kernels share (cpu_kernel.c, cpu_sweep.c, cpu_gptq.c): a float's bits
- * and back, and the rounding onto the E2M1 grid that the sweep and GPTQ run. */
+/* Float32 helpers the CPU kernels share (cpu_kernel.c, cpu_sweep.c, cpu_gptq.c, cpu_quantize.c): a
+ * float's bits and back, the rounding onto the E2M1 grid, and a block's FP8 scale. */
 #ifndef NVFP4_STATIC_CPU_FLOAT_H
 #define NVFP4_STATIC_CPU_FLOAT_H
 
@@ -28,6 +28,25 @@ static inline float round_to_e2m1_magnitude(float a) {
     float binade = from_bits(to_bits(a < 1.0f ? 1.0f : a) & 0x7F800000u);
     float snap = binade * E2M1_SNAP;
     return (a + snap) - snap;
+}
+
+/* The FP8 E4M3 value nearest to v in [2^-6, 448] (all normal there), ties to even: float32's
+ * 23 mantissa bits rounded to 3. */
+static inline float round_to_e4m3(float v) {
+    uint32_t bits = to_bits(v);
+    bits += 0x7FFFFu + ((bits >> 20) & 1u);
+    return from_bits(bits & 0xFFF00000u);
+}
+
+/* A block's FP8 scale from its largest magnitude, as numerics.compute_block_scales computes it:
+ * (amax / 6) / global_scale, clamped to [2^-6, 448], rounded to E4M3. */
+static inline float block_scale_of(float amax, float global_scale) {
+    float scale = (amax / 6.0f) / global_scale;
+    if (scale < 0.015625f)
+        scale = 0.015625f;
+    if (scale > 448.0f)
+        scale = 448.0f;
+    return round_to_e4m3(scale);
 }
 
 #endif

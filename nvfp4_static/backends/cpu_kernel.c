@@ -32,14 +32,6 @@
 /* Twice the E2M1 value of each 4-bit code: the sign is the high bit. */
 static const int8_t TWICE_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-/* The FP8 E4M3 value nearest to v in [2^-6, 448] (all normal there), ties to even: float32's
- * 23 mantissa bits rounded to 3. */
-static float round_to_e4m3(float v) {
-    uint32_t bits = to_bits(v);
-    bits += 0x7FFFFu + ((bits >> 20) & 1u);
-    return from_bits(bits & 0xFFF00000u);
-}
-
 /* One block of 16 activations: twice their E2M1 values into q2, its FP8 block scale returned
  * (NaN where the block holds a NaN, which then reaches every output of its row, as in torch). */
 static float quantize_block(const float *x, float global_scale, float one_over_global, int8_t *q2) {
@@ -56,12 +48,7 @@ static float quantize_block(const float *x, float global_scale, float one_over_g
         memset(q2, 0, BLOCK);
         return NAN;
     }
-    float scale = (amax / 6.0f) / global_scale;
-    if (scale < 0.015625f)
-        scale = 0.015625f;
-    if (scale > 448.0f)
-        scale = 448.0f;
-    scale = round_to_e4m3(scale);
+    float scale = block_scale_of(amax, global_scale);
     float reciprocal = one_over_global / scale;
     for (int j = 0; j < BLOCK; j++) {
         float v = x[j] * reciprocal;

@@ -1,6 +1,7 @@
 """The CPU's own kernels: the static NVFP4 linear (``cpu_kernel.c``) and, in the same library,
-the FP8 weight-scale sweep (``cpu_sweep.c``, called by ``backends.cpu_sweep``) and GPTQ's block
-search (``cpu_gptq.c``, called by ``backends.cpu_gptq``).
+the FP8 weight-scale sweep (``cpu_sweep.c``, called by ``backends.cpu_sweep``), GPTQ's block
+search (``cpu_gptq.c``, called by ``backends.cpu_gptq``) and the weight's quantize at convert
+(``cpu_quantize.c``, called by ``backends.cpu_quantize``).
 
 Torch ops on a CPU dequantize the weight into float32 before multiplying it, 11-19x float
 ``F.linear``'s time at one token (``examples/benchmarks/RESULTS.md``). The C kernel quantizes the
@@ -36,7 +37,7 @@ from nvfp4_static.numerics import BLOCK_SIZE
 
 SWITCH_ENV_VAR = "NVFP4_STATIC_CPU_KERNEL"
 CACHE_ENV_VAR = "NVFP4_STATIC_CACHE_DIR"
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernel.c", "cpu_sweep.c", "cpu_gptq.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernel.c", "cpu_sweep.c", "cpu_gptq.c", "cpu_quantize.c"))
 HEADERS = (Path(__file__).with_name("cpu_float.h"),)
 # No -ffast-math, and no fused multiply-adds: every operation rounds as torch's does.
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-pthread")
@@ -79,8 +80,8 @@ def library() -> Optional[Kernel]:
                 detail = getattr(error, "stderr", None) or str(error)
                 warn(
                     f"nvfp4_static: the CPU kernel ({', '.join(s.name for s in SOURCES)}) could not be "
-                    f"built, so static NVFP4 linears, the weight-scale sweep and GPTQ's block search "
-                    f"on a CPU run torch ops, several times slower: "
+                    f"built, so static NVFP4 linears, the weight-scale sweep, GPTQ's block search and "
+                    f"the weights' quantize at convert on a CPU run torch ops, several times slower: "
                     f"{str(detail).strip()[-600:]}. Install a C compiler or point $CC at one; "
                     f"${SWITCH_ENV_VAR}=0 silences this.",
                     RuntimeWarning,
@@ -175,6 +176,8 @@ def _load(path: Path) -> Kernel:
     lib.nvfp4_fp8_scale_sweep.restype = None
     lib.nvfp4_gptq_block.argtypes = [pointer, i64, i64, pointer, pointer, pointer, i64, pointer, pointer, pointer]
     lib.nvfp4_gptq_block.restype = None
+    lib.nvfp4_quantize_weight.argtypes = [pointer, i32, i64, i64, i64, pointer, pointer, pointer, pointer]
+    lib.nvfp4_quantize_weight.restype = i64
     lib.most_rows = lib.nvfp4_most_rows()
     return lib
 

@@ -32,7 +32,8 @@ the CPU's C kernel (``backends/cpu_kernel.py``) where it is built and takes the 
 the torch ops.
 
 ``quantize_weight_nvfp4`` is a plain function, not an op: convert runs it eagerly, the activation
-quantize kernel on a 2D CUDA weight, the torch reference on every other.
+quantize kernel on a 2D CUDA weight, the CPU's C kernel on a CPU one, the torch reference on
+every other.
 
 Without the ``triton`` package (CPU-only installs: it comes with torch's CUDA wheels, not with
 this package) every op keeps its name, schema and torch fallback, so the CPU workflow runs as
@@ -49,7 +50,7 @@ import torch
 from torch.library import triton_op
 
 from nvfp4_static import references
-from nvfp4_static.backends import cpu_gptq, cpu_sweep
+from nvfp4_static.backends import cpu_gptq, cpu_quantize, cpu_sweep
 from nvfp4_static.kernels.launch import runs_eagerly
 from nvfp4_static.numerics import BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 
@@ -310,12 +311,16 @@ def quantize_weight_nvfp4(
     A 2D CUDA weight runs the activation quantize kernel (under ``block_scales`` when given,
     FP8 ``[N, K/16]``, e.g. the weight sweep's; else computing them from block maxes): one read
     of the weight and no temporaries, where the torch reference makes several float32 and int32
-    copies of it. Every other weight (CPU, other ranks, no Triton, under tracing) takes the
-    reference.
+    copies of it. A CPU weight runs the CPU's C kernel (``backends.cpu_quantize``), which takes
+    the reference where it cannot. Every other weight (other ranks, no Triton, under tracing)
+    takes the reference.
     """
     if block_scales is not None:
         _check_given_block_scales(weight, block_scales)
-    if not (HAS_TRITON and weight.is_cuda and weight.dim() == 2 and runs_eagerly(weight, per_tensor_scale, block_scales)):
+    eager = runs_eagerly(weight, per_tensor_scale, block_scales)
+    if eager and weight.is_cpu:
+        return cpu_quantize.quantize_nvfp4(weight, per_tensor_scale, block_scales)
+    if not (HAS_TRITON and weight.is_cuda and weight.dim() == 2 and eager):
         return quantize_nvfp4(weight, per_tensor_scale, block_scales)
     M, K = weight.shape
     per_tensor_scale = per_tensor_scale.to(device=weight.device, dtype=torch.float32)
