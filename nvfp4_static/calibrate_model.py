@@ -16,7 +16,7 @@ from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
 from nvfp4_static.arguments import check_flags
-from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.config import NVFP4StaticActivationConfig, config_or_default
 from nvfp4_static.layerwise import _home_device, _map_tensors
 from nvfp4_static.norm_smoothing import (
     DEFAULT_ALPHA,
@@ -63,7 +63,8 @@ def calibrate_model(
         ``model``, its selected linears converted.
 
     Raises:
-        TypeError: ``batches`` is not a sequence (a tensor, say).
+        TypeError: ``batches`` is not a sequence (a tensor, say), or ``config`` is not an
+            ``NVFP4StaticActivationConfig``; the model is left as it was.
         ValueError: no batches, a ``filter_fn`` that selects no layer, ``smooth_alpha`` outside
             [0, 1], or smoothing refused (see ``smooth_norm_inputs``); in these cases the model
             is left as it was.
@@ -75,6 +76,7 @@ def calibrate_model(
     if not batches:
         raise ValueError("nvfp4_static: calibrate_model needs at least one calibration batch")
     check_flags("calibrate_model", progress=progress)
+    config = config_or_default("calibrate_model", config)
     if not selects_a_layer(model, filter_fn):
         raise ValueError(
             "nvfp4_static: calibrate_model: filter_fn selects no linear layer (or registered experts) of the "
@@ -82,7 +84,6 @@ def calibrate_model(
         )
     if smooth_alpha is not None:
         check_alpha(smooth_alpha, "calibrate_model", "smooth_alpha")
-    config = config or NVFP4StaticActivationConfig()
     forward = forward or _default_forward
     device = _home_device(model)
     if smooth_alpha is not None:

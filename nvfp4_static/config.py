@@ -169,3 +169,17 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(
             f"NVFP4StaticActivationConfig: {name}={value!r} is not one of {', '.join(choices)}"
         )
+
+
+def config_or_default(function: str, config: Optional[NVFP4StaticActivationConfig]) -> NVFP4StaticActivationConfig:
+    """``config``, or the default recipe for None; anything else (a dict, the class itself,
+    another torchao config) refused, naming ``function``, before it changes the model."""
+    if config is None:
+        return NVFP4StaticActivationConfig()
+    if not isinstance(config, NVFP4StaticActivationConfig):
+        what = f"the class {config.__name__}" if isinstance(config, type) else f"a {type(config).__name__}"
+        raise TypeError(
+            f"nvfp4_static: {function}: config must be an NVFP4StaticActivationConfig instance "
+            f"(e.g. NVFP4StaticActivationConfig(weight_scale='mse')) or None, got {what}"
+        )
+    return config

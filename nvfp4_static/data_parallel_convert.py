@@ -19,7 +19,7 @@ import torch
 from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
-from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.config import NVFP4StaticActivationConfig, config_or_default
 from nvfp4_static.convert_progress import MIN_LAYERS_FOR_A_BAR
 from nvfp4_static.distributed import (
     _collective_device,
@@ -82,7 +82,7 @@ def convert_data_parallel(
     whose layers differ from rank 0's, makes every rank raise the same error, with the model
     unchanged. ``side_task``: a ``SideTask`` one rank runs beside its (smaller) share.
     """
-    config = dataclasses.replace(config or NVFP4StaticActivationConfig(), step="convert")
+    config = dataclasses.replace(config_or_default("convert_data_parallel", config), step="convert")
     linears = _converted_linears(model, filter_fn)
     jobs = [_CONVERT if experts is None else _EXPERT_JOBS.get(config.weight_scale) for _, experts in linears]
     try:

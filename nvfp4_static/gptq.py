@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from nvfp4_static import kernels
-from nvfp4_static.numerics import BLOCK_SIZE, E4M3_MIN_NORMAL, e4m3_positive_values
+from nvfp4_static.numerics import BLOCK_SIZE, E4M3_MIN_NORMAL, e4m3_positive_values, unit_scale_factor
 from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
 from nvfp4_static.references import (
     sweep_candidate_factors,
@@ -147,6 +147,10 @@ def gptq_quantize_nvfp4(
             f"{what}: weight global amax {float(global_amax):.3g} is too small: the smallest FP8 "
             f"block scale's reciprocal overflows float32 (below about 4e-33)"
         )
+    factor = unit_scale_factor(float(global_amax))  # the same values and scales, no float32 under/overflow
+    if factor != 1.0:
+        w.mul_(factor)
+        global_amax = global_amax * factor
     reciprocals, dequant_scales = sweep_candidate_factors(global_amax, w.device)
     upper = damped_inverse_hessian_cholesky(hessian.to(w.device), dampening, name)
     # Thousands of small ops, as in the sweep: on a CPU one intra-op thread is many times faster.

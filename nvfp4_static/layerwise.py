@@ -43,7 +43,7 @@ from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
 from nvfp4_static.arguments import check_flags
-from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.config import NVFP4StaticActivationConfig, config_or_default
 from nvfp4_static.data_parallel_convert import SideTask, convert_data_parallel
 from nvfp4_static.distributed import (
     _error_text,
@@ -294,7 +294,7 @@ def calibrate_layer_by_layer(
     """
     flags = dict(propagate_quantized=propagate_quantized, offload=offload, progress=progress)
     check_flags("calibrate_layer_by_layer", **flags, **({} if prefetch is None else {"prefetch": prefetch}))
-    config = config or NVFP4StaticActivationConfig()
+    config = config_or_default("calibrate_layer_by_layer", config)
     prepare = dataclasses.replace(config, step="prepare")
     convert = dataclasses.replace(config, step="convert")
     forward = forward or _default_forward

@@ -11,7 +11,7 @@ from nvfp4_static.backends.cpu_eager import EagerCpuKernelCalls, eager_linear
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.inference_only import InferenceOnly, detached, records_gradients, refusing_gradients
 from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale, largest_at_most
-from nvfp4_static.tensor import NVFP4StaticTensor
+from nvfp4_static.tensor import NVFP4StaticTensor, copy_refusal
 
 __all__ = [
     "NVFP4StaticLinear",
@@ -252,12 +252,17 @@ class NVFP4StaticLinear(torch.nn.Linear):
 
     def check_loadable(self, state_dict: dict, prefix: str) -> None:
         """Raise for what loading this layer's entries of ``state_dict`` would refuse, or load
-        without an error and compute garbage with: another recipe, damaged scales. Loading checks
+        without an error and compute garbage with: another recipe, a weight that is not NVFP4 or
+        whose tensors differ in shape or dtype (``copy_refusal``), damaged scales. Loading checks
         this before copying anything into the layer."""
         name = self.layer_name or prefix[:-1]
         if prefix + "_extra_state" in state_dict:
             self.check_saved_state(state_dict[prefix + "_extra_state"])
-        check_checkpoint_scales(state_dict.get(prefix + "weight"), name)
+        weight = state_dict.get(prefix + "weight")
+        refusal = None if weight is None else copy_refusal(self.weight, weight)
+        if refusal is not None:
+            raise ValueError(f"nvfp4_static: checkpoint for layer '{name}': {refusal}")
+        check_checkpoint_scales(weight, name)
 
     def check_saved_state(self, state) -> None:
         """Refuse a saved extra state of another recipe than this layer's."""

@@ -45,6 +45,7 @@ __all__ = [
     "dequantize_nvfp4",
     "times_block_scales",
     "fake_quantize_nvfp4",
+    "unit_scale_factor",
 ]
 
 BLOCK_SIZE = 16
@@ -182,6 +183,16 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     q = torch.round(x * steps_per_unit) / steps_per_unit
     # q already carries x's sign; this only gives it back to the NaN made 1.5.
     return torch.copysign(torch.nan_to_num(q, nan=1.5, posinf=math.inf, neginf=-math.inf), x)
+
+
+def unit_scale_factor(magnitude: float, slack: int = 32) -> float:
+    """A power of two that takes ``magnitude`` (a weight's global amax) into [0.5, 1), or 1.0
+    where it lies within ``2^slack`` of that range. The weight searches (the FP8 sweep, GPTQ) sum
+    squared errors in float32, which underflow below a max |w| of about 1e-19 and overflow above
+    about 1e18; the weight and its global amax scaled by this factor give every candidate the
+    same error times one power of two, so the same choice, exactly, with no under- or overflow."""
+    exponent = math.frexp(magnitude)[1]
+    return 1.0 if abs(exponent) <= slack else math.ldexp(1.0, -exponent)
 
 
 def scale_reciprocal_overflows(per_tensor_scale: torch.Tensor, block_scale: float = E4M3_MIN_NORMAL) -> bool:

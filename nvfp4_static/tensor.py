@@ -165,18 +165,21 @@ class NVFP4StaticTensor(NVFP4Tensor):
         weight_per_tensor_scale = per_tensor_amax_to_scale(weight_global_amax.to(weight.device))
         scalars = (act_per_tensor_scale, act_global_amax, weight_per_tensor_scale, weight_global_amax, weight_max)
         values = _host_values(weight.device, *scalars)
-        output_scale = None
+        output_scale, all_zero = None, False
         if values is not None:
             _check_amaxes(*values)
             act_scale, _, weight_scale, _, _ = values
             output_scale = float(act_scale * weight_scale)
-            if block_scales_e4m3 is None and weight_scale == 0:
+            all_zero = bool(weight_scale == 0)
+            if block_scales_e4m3 is None and all_zero:
                 # An all-zero weight: block max would be 0 / 0 under its zero global scale. It
-                # takes the sweep's smallest normal block scale; any scale quantizes it to zeros.
+                # takes the sweep's smallest normal block scale.
                 rows, columns = weight.shape[-2], weight.shape[-1] // BLOCK_SIZE
                 block_scales_e4m3 = torch.full((rows, columns), E4M3_MIN_NORMAL, device=weight.device)
                 block_scales_e4m3 = block_scales_e4m3.to(torch.float8_e4m3fn)
         qdata, scale = quantize_weight_nvfp4(weight.detach(), weight_per_tensor_scale, block_scales_e4m3)
+        if all_zero:  # its elements were scaled to 0 / 0, NaN, whose E2M1 code differs by device
+            qdata = torch.zeros_like(qdata)
         return cls(
             qdata,
             scale,
@@ -569,22 +572,36 @@ def _fits_packed_along(codes_shape: torch.Size, scales_shape: torch.Size, packed
 BEFORE_COPY: list = []
 
 
+def copy_refusal(dst: "NVFP4StaticTensor", src) -> Optional[str]:
+    """Why ``dst.copy_(src)`` refuses ``src``, None where it copies: ``src`` must be an
+    NVFP4StaticTensor whose four tensors have ``dst``'s shapes (the codes' and block scales'
+    dtypes every NVFP4StaticTensor checks when made). Loading checks it for every layer before
+    copying into any: ``copy_`` copies the four one by one."""
+    if not isinstance(src, NVFP4StaticTensor):
+        return (
+            f"a {type(src).__name__} cannot be copied into an NVFP4StaticTensor: the checkpoint and "
+            f"the model disagree on which layers are quantized. Load an NVFP4 checkpoint into a model "
+            f"prepared with step='prepare_for_loading', and a float checkpoint into a float model."
+        )
+    for name in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale"):
+        ours, theirs = getattr(dst, name), getattr(src, name)
+        if ours.shape != theirs.shape:
+            return f"the NVFP4 weight's {name} has shape {tuple(theirs.shape)}, the model's {tuple(ours.shape)}"
+    return None
+
+
 @implements([aten.copy_.default])
 def _copy_(func, types, args, kwargs):
     dst, src = args[0], args[1]
-    if not isinstance(dst, NVFP4StaticTensor) or not isinstance(src, NVFP4StaticTensor):
-        plain = src if isinstance(dst, NVFP4StaticTensor) else dst
+    if not isinstance(dst, NVFP4StaticTensor):
         raise ValueError(
-            f"nvfp4_static: cannot copy a {type(plain).__name__} into an NVFP4StaticTensor (or "
-            f"back): the checkpoint and the model disagree on which layers are quantized. Load an "
-            f"NVFP4 checkpoint into a model prepared with step='prepare_for_loading', and a float "
-            f"checkpoint into a float model."
+            f"nvfp4_static: cannot copy an NVFP4StaticTensor into a {type(dst).__name__}: the checkpoint "
+            f"and the model disagree on which layers are quantized. Load an NVFP4 checkpoint into a "
+            f"model prepared with step='prepare_for_loading', and a float checkpoint into a float model."
         )
-    if dst.qdata.shape != src.qdata.shape or dst.scale.shape != src.scale.shape:
-        raise ValueError(
-            f"nvfp4_static: cannot copy NVFP4 weight of shape {tuple(src.shape)} into one of shape "
-            f"{tuple(dst.shape)}"
-        )
+    refusal = copy_refusal(dst, src)
+    if refusal is not None:
+        raise ValueError(f"nvfp4_static: cannot copy into an NVFP4 weight of shape {tuple(dst.shape)}: {refusal}")
     for before_copy in BEFORE_COPY:
         before_copy(dst, src)
     for name in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale"):

@@ -76,11 +76,18 @@ def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
 
         quantize_(model, config, filter_fn=lambda m, fqn: is_quantizable(m, fqn) and fqn != "lm_head")
     """
+    selected = isinstance(module, torch.nn.Linear) or _is_experts(module)
     if fqn == "":  # quantize_ asks about the root first: the one time the whole model is seen
+        if selected:
+            raise ValueError(
+                f"nvfp4_static: the model given to quantize_ is itself a {type(module).__name__}, which "
+                f"quantize_ cannot replace (it keeps the root it was given, so the step would do "
+                f"nothing); wrap it in a parent module, e.g. torch.nn.Sequential(layer)"
+            )
         _record_weights_held_elsewhere(module)
         check_converted_layers_on_load(module)
     _LAYER_NAMES[module] = fqn
-    return isinstance(module, torch.nn.Linear) or _is_experts(module)
+    return selected
 
 
 WITHOUT_IS_QUANTIZABLE = (

@@ -8,14 +8,19 @@ import warnings
 
 import pytest
 import torch
-from torchao.quantization import quantize_
+from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
 from conftest import DIM, calibration_batches, convert, make, prepare, quantized, sqnr_db
 from models import MLP
+from tiny_llama import tiny_llama, token_ids
 from nvfp4_static import (
     NVFP4StaticActivationConfig,
     NVFP4StaticLinear,
     NVFP4StaticObservedLinear,
+    NVFP4StaticTensor,
+    calibrate_layer_by_layer,
+    calibrate_model,
+    convert_data_parallel,
     export_checkpoint,
     is_quantizable,
     load_quantized,
@@ -141,6 +146,26 @@ def test_an_all_zero_weight_converts_to_a_layer_that_outputs_its_bias(weight_sca
     hidden = torch.randn(5, 128)
     with torch.no_grad():
         assert torch.equal(model.down(hidden), model.down.bias.expand(5, DIM))
+
+
+@pytest.mark.parametrize("gain", [2.0**-80, 2.0**-60, 2.0**60, 2.0**80], ids=["2^-80", "2^-60", "2^60", "2^80"])
+@pytest.mark.parametrize("weight_scale", ["mse", "hessian_mse", "gptq"])
+def test_a_weight_scaled_by_a_power_of_two_converts_to_the_same_codes_and_block_scales(weight_scale, gain):
+    """The searches sum squared errors in float32: a weight far from unit magnitude had every
+    candidate's error underflow to 0 (the smallest scale won) or overflow (scale 0), and came out
+    at 0 dB without a warning."""
+    converted = []
+    for factor in (1.0, gain):
+        model = prepare(make(MLP), weight_scale=weight_scale)
+        with torch.no_grad():
+            model.down.weight.mul_(factor)
+        calibrate(model, calibration_batches())
+        convert(model, weight_scale=weight_scale)
+        converted.append(model.down.weight)
+    unit, scaled = converted
+    assert torch.equal(scaled.qdata, unit.qdata)
+    assert torch.equal(scaled.scale.view(torch.uint8), unit.scale.view(torch.uint8))
+    assert torch.equal(scaled.per_tensor_scale, unit.per_tensor_scale * gain)
 
 
 # --- modules replaced that should not be --------------------------------------------------------
@@ -369,16 +394,37 @@ def test_a_checkpoint_with_an_impossible_block_scale_is_refused_before_anything_
     assert_same_tensors(empty, converted_tensors(placeholder))
 
 
+def with_fields(weight, **fields):
+    """``weight`` rebuilt with some of its four tensors replaced."""
+    parts = {name: getattr(weight, name) for name in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale")}
+    parts.update(fields)
+    return NVFP4StaticTensor(parts["qdata"], parts["scale"], 16, weight.orig_dtype, parts["per_tensor_scale"],
+                             parts["act_per_tensor_scale"])
+
+
+def filled(weight, part, value):
+    """``weight`` after filling ``part`` of it with ``value``."""
+    part.fill_(value)
+    return weight
+
+
+# Damage that a layer's checks see; the last two would each copy part of the layer (and the
+# layers before it) and then fail. (Codes or block scales of another dtype the tensor refuses.)
+DAMAGES = {
+    "block-scale": lambda w: filled(w, w.scale.view(torch.uint8)[0, 0], 0x7F),
+    "activation-scale": lambda w: filled(w, w.act_per_tensor_scale, float("nan")),
+    "weight-scale": lambda w: filled(w, w.per_tensor_scale, -1.0),
+    "float-weight": lambda w: w.dequantize(),
+    "activation-scale-of-shape-1": lambda w: with_fields(w, act_per_tensor_scale=w.act_per_tensor_scale.reshape(1)),
+}
+
+
 def damage_down(state: dict, damage: str) -> None:
     """Make ``state``'s last converted layer, ``down``, one a load refuses."""
-    if damage == "block-scale":
-        state["down.weight"].scale.view(torch.uint8)[0, 0] = 0x7F
-    elif damage == "activation-scale":
-        state["down.weight"].act_per_tensor_scale.fill_(float("nan"))
-    elif damage == "weight-scale":
-        state["down.weight"].per_tensor_scale.fill_(-1.0)
-    else:
+    if damage == "recipe":
         state["down._extra_state"] = {**state["down._extra_state"], "weight_scale": "max"}
+    else:
+        state["down.weight"] = DAMAGES[damage](state["down.weight"])
 
 
 class Outer(torch.nn.Module):
@@ -390,7 +436,7 @@ class Outer(torch.nn.Module):
         self.head = torch.nn.Linear(DIM, 4)
 
 
-@pytest.mark.parametrize("damage", ["block-scale", "activation-scale", "weight-scale", "recipe"])
+@pytest.mark.parametrize("damage", [*DAMAGES, "recipe"])
 @pytest.mark.parametrize("target", ["placeholder", "converted", "placeholder-inside-another-model"])
 def test_model_load_state_dict_refusing_its_last_layer_loads_none_of_the_others(damage, target):
     """torch loads module by module; the layers before the refused one were loaded when each
@@ -624,3 +670,58 @@ def test_a_filter_that_calls_is_quantizable_gets_no_such_warning():
         "quantized copy would untie them"
     ]
     assert type(model.mlp.down) is torch.nn.Linear and isinstance(model.mlp.up, NVFP4StaticObservedLinear)
+
+
+# --- what quantize_ and the whole-model functions are handed ------------------------------------
+
+
+@pytest.mark.parametrize("step", ["prepare", "prepare_for_loading", "convert"])
+@pytest.mark.parametrize("filter_fn", [is_quantizable, lambda m, fqn: is_quantizable(m, fqn) and fqn != "lm_head"],
+                         ids=["is_quantizable", "a filter calling it"])
+def test_a_bare_linear_handed_to_quantize_is_refused_telling_to_wrap_it(step, filter_fn):
+    """quantize_ keeps the root it was handed: the step would silently do nothing (and convert
+    would then blame a missing prepare)."""
+    layer = torch.nn.Linear(DIM, 32)
+    before = copy.deepcopy(layer.state_dict())
+    with pytest.raises(ValueError, match=r"the model given to quantize_ is itself a Linear.*wrap it in a parent "
+                                         r"module, e.g. torch.nn.Sequential\(layer\)"):
+        quantize_(layer, NVFP4StaticActivationConfig(step=step), filter_fn=filter_fn)
+    assert type(layer) is torch.nn.Linear
+    assert all(torch.equal(value, layer.state_dict()[key]) for key, value in before.items())
+
+
+def test_calibrate_model_on_a_bare_linear_is_refused_telling_to_wrap_it():
+    layer = torch.nn.Linear(DIM, 32)
+    with pytest.raises(ValueError, match="is itself a Linear.*wrap it"):
+        calibrate_model(layer, [torch.randn(4, DIM)], progress=False)
+    assert type(layer) is torch.nn.Linear
+
+
+NOT_OUR_CONFIGS = {
+    "a dict": {"act_calibration": "max"},
+    "the class": NVFP4StaticActivationConfig,
+    "another torchao config": Int8WeightOnlyConfig(),
+    "a recipe's name": "b_min+mse",
+}
+NOT_OUR_CONFIGS_NAMED = {"a dict": "a dict", "the class": "the class NVFP4StaticActivationConfig",
+                         "another torchao config": "a Int8WeightOnlyConfig", "a recipe's name": "a str"}
+
+
+@pytest.mark.parametrize("kind", NOT_OUR_CONFIGS)
+@pytest.mark.parametrize("entry", ["calibrate_model", "calibrate_layer_by_layer", "convert_data_parallel"])
+def test_a_config_that_is_not_ours_is_refused_naming_it_before_the_model_changes(entry, kind):
+    """calibrate_model folded the smoothing into the norms first, then failed inside
+    dataclasses.replace: a retry smoothed the model twice."""
+    model = tiny_llama()
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    calls = {
+        "calibrate_model": lambda: calibrate_model(model, [token_ids(0)], NOT_OUR_CONFIGS[kind], progress=False),
+        "calibrate_layer_by_layer": lambda: calibrate_layer_by_layer(model, [token_ids(0)], NOT_OUR_CONFIGS[kind],
+                                                                     device="cpu", progress=False),
+        "convert_data_parallel": lambda: convert_data_parallel(model, NOT_OUR_CONFIGS[kind]),
+    }
+    with pytest.raises(TypeError, match=rf"{entry}: config must be an NVFP4StaticActivationConfig instance .* or "
+                                        rf"None, got {NOT_OUR_CONFIGS_NAMED[kind]}$"):
+        calls[entry]()
+    after = model.state_dict()
+    assert all(torch.equal(value, after[key]) for key, value in before.items())

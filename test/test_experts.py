@@ -317,9 +317,19 @@ def test_a_batch_the_experts_would_refuse_leaves_every_statistic_as_it_was(bad_h
     assert all(torch.equal(b, a) for b, a in zip(before[3], after[3], strict=True))
 
 
+@pytest.mark.parametrize("step", ["prepare", "prepare_for_loading"])
+def test_a_bare_experts_module_handed_to_quantize_is_refused_telling_to_wrap_it(step):
+    experts = standalone_experts().experts
+    with pytest.raises(ValueError, match=rf"the model given to quantize_ is itself a {type(experts).__name__}.*wrap it"):
+        quantize_(experts, NVFP4StaticActivationConfig(step=step), filter_fn=is_quantizable)
+    assert type(experts) is ARCHITECTURES["qwen3_moe"][2]
+
+
 BAD_ROUTINGS = {
     "float index": lambda h, i, w: (h, i.float(), w),
     "bool index": lambda h, i, w: (h, i > 3, w),
+    "uint8 index": lambda h, i, w: (h, i.to(torch.uint8), w),  # -1 wraps to 255: every slot to no expert
+    "uint32 index": lambda h, i, w: (h, i.to(torch.uint32), w),
     "weights transposed": lambda h, i, w: (h, i, w.t().contiguous()),
     "one weight per token": lambda h, i, w: (h, i, w[:, :1]),
     "1-d weights": lambda h, i, w: (h, i, w[:, 0]),
@@ -339,7 +349,7 @@ def test_routing_that_does_not_describe_each_tokens_experts_is_refused(bad, stat
     else:
         before = copy.deepcopy((holder.experts.pooled_gate_up_calibrator.state_dict(),
                                 list(holder.experts.tokens_per_expert)))
-    with pytest.raises(ValueError, match=r"take hidden_states \[tokens, hidden\], an integer top_k_index"):
+    with pytest.raises(ValueError, match=r"take hidden_states \[tokens, hidden\], a signed integer top_k_index"):
         holder.experts(*bad(*routed_batch(6, seed=3)))
     if state == "observed":
         state_after = holder.experts.pooled_gate_up_calibrator.state_dict()
@@ -944,6 +954,56 @@ def test_a_checkpoint_with_a_bad_expert_block_scale_is_refused_naming_the_expert
     assert all(torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
                            after[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else after[k])
                for k, v in before.items())
+
+
+# Stored otherwise than convert writes them: copied, the codes and block scales would be
+# converted as numbers (other values without an error); a scale of another shape would copy part
+# of the layer and then fail.
+EXPERT_TENSORS_STORED_OTHERWISE = {
+    "block scales as their byte codes": ("gate_up_proj.scale", lambda t: t.view(torch.uint8),
+                                         r"gate_up_proj': its scale is torch.uint8, the model's torch.float8_e4m3fn"),
+    "block scales as float32": ("down_proj.scale", lambda t: t.float(),
+                                r"down_proj': its scale is torch.float32, the model's torch.float8_e4m3fn"),
+    "codes as int16": ("down_proj.qdata", lambda t: t.to(torch.int16),
+                       r"down_proj': its qdata is torch.int16, the model's torch.uint8"),
+    "activation scales of shape [E, 1]": ("gate_up_proj.act_per_tensor_scale", lambda t: t[:, None],
+                                          r"gate_up_proj': its act_per_tensor_scale has shape \(\d+, 1\), the model's "
+                                          r"\(\d+,\)"),
+    "codes of another shape": ("down_proj.qdata", lambda t: t[:, :, :-8],
+                               r"down_proj': its qdata has shape"),
+}
+
+
+@pytest.mark.parametrize("stored", EXPERT_TENSORS_STORED_OTHERWISE.values(), ids=EXPERT_TENSORS_STORED_OTHERWISE.keys())
+@pytest.mark.parametrize("into", ["load_quantized", "placeholder"])
+def test_expert_tensors_stored_otherwise_are_refused_before_anything_is_copied(converted_model, stored, into):
+    field, change, message = stored
+    state = dict(converted_model.state_dict())
+    key = f"model.layers.1.mlp.experts.{field}"
+    state[key] = change(state[key].clone())
+    fresh = tiny_model("qwen3_moe", seed=1)
+    if into == "placeholder":
+        quantize_(fresh, NVFP4StaticActivationConfig(step="prepare_for_loading", weight_scale="max"),
+                  filter_fn=is_quantizable)
+    before = plain_tensors(fresh)
+    # load_quantized's own check of every tensor's shape speaks first where a shape differs
+    refused = rf"experts 'model.layers.1.mlp.experts.{message}|size mismatch for '{key}'"
+    with pytest.raises((ValueError, RuntimeError), match=refused):
+        load_quantized(fresh, state) if into == "load_quantized" else fresh.load_state_dict(state)
+    after = plain_tensors(fresh)
+    assert before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def plain_tensors(model):
+    """Every tensor of ``model``'s state, NVFP4 weights as their four tensors, FP8 ones as bytes."""
+    tensors = {}
+    for key, value in model.state_dict().items():
+        parts = {f"{key}.{f}": getattr(value, f) for f in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale")} \
+            if hasattr(value, "qdata") else {key: value}
+        for name, t in parts.items():
+            if isinstance(t, torch.Tensor):
+                tensors[name] = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone()
+    return tensors
 
 
 def test_converting_converted_experts_with_another_recipe_is_refused():

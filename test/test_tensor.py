@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import requires_cuda
 from torch._dynamo.testing import CompileCounter
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 from torchao.utils import TorchAOBaseTensor
@@ -80,14 +81,26 @@ def test_from_float_takes_amaxes_as_python_numbers_or_larger_than_the_weight():
     assert (larger.dequantize().float() - reference).norm() / reference.norm() < 0.2
 
 
+def check_all_zero_weight_quantized_to_zeros(weight_global_amax, device):
+    """Its block max under a zero global scale is 0 / 0, and each element 0 times an infinite
+    reciprocal, NaN: its codes are zeros on every device, not the device's code for NaN."""
+    weight = torch.zeros(64, 128, dtype=torch.bfloat16, device=device)
+    q = NVFP4StaticTensor.from_float(weight, ACT_AMAX, weight_global_amax=weight_global_amax)
+    out = F.linear(torch.randn(3, 128, dtype=torch.bfloat16, device=device), q)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(q.qdata, torch.zeros(64, 64, dtype=torch.uint8, device=device))
+    assert torch.equal(q.scale.float().cpu(), torch.full((64, 8), 2.0**-6))
+
+
 @pytest.mark.parametrize("weight_global_amax", [None, 0.0], ids=["its own", "zero given"])
 def test_from_float_quantizes_an_all_zero_weight_to_zeros(weight_global_amax):
-    """Its block max under a zero global scale was 0 / 0: NaN outputs."""
-    weight = torch.zeros(64, 128, dtype=torch.bfloat16)
-    q = NVFP4StaticTensor.from_float(weight, ACT_AMAX, weight_global_amax=weight_global_amax)
-    out = F.linear(torch.randn(3, 128, dtype=torch.bfloat16), q)
-    assert torch.equal(out, torch.zeros_like(out))
-    assert torch.equal(q.scale.float(), torch.full((64, 8), 2.0**-6))
+    check_all_zero_weight_quantized_to_zeros(weight_global_amax, "cpu")
+
+
+@requires_cuda
+@pytest.mark.parametrize("weight_global_amax", [None, 0.0], ids=["its own", "zero given"])
+def test_gpu_from_float_quantizes_an_all_zero_weight_to_zeros(weight_global_amax):
+    check_all_zero_weight_quantized_to_zeros(weight_global_amax, "cuda")
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])

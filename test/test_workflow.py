@@ -515,18 +515,26 @@ def test_loading_a_checkpoint_of_other_shapes_is_an_error():
     quantize_(
         model, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable
     )
-    with pytest.raises(RuntimeError, match="size mismatch"):
+    biases = [model.up.bias.clone(), model.down.bias.clone()]
+    with pytest.raises(ValueError, match=r"layer 'up': the NVFP4 weight's qdata has shape \(128, 32\), the model's "
+                                         r"\(256, 32\)"):
         model.load_state_dict(state)
+    assert not model.up.loaded and not model.down.loaded
+    assert torch.equal(model.up.bias, biases[0]) and torch.equal(model.down.bias, biases[1])
 
 
 def test_loading_a_float_checkpoint_into_a_quantized_model_is_an_error():
+    """Refused before anything is copied: torch would load the biases and leave the weights."""
     state = make(MLP).state_dict()
-    model = make(MLP)
+    model = make(MLP, seed=1)
     quantize_(
         model, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable
     )
-    with pytest.raises(RuntimeError, match="prepare_for_loading"):
+    biases = [model.up.bias.clone(), model.down.bias.clone()]
+    with pytest.raises(ValueError, match="layer 'up': a Tensor cannot be copied into an NVFP4StaticTensor.*prepare_for_loading"):
         model.load_state_dict(state)
+    assert not model.up.loaded and not model.down.loaded
+    assert torch.equal(model.up.bias, biases[0]) and torch.equal(model.down.bias, biases[1])
 
 
 @pytest.mark.parametrize("weight_scale", ["mse", "hessian_mse"])

@@ -156,17 +156,29 @@ class NVFP4StaticGroupedLinear(torch.nn.Module):
         counters["max_abs"].scatter_reduce_(0, expert_of_row, magnitude.amax(dim=-1).float(), "amax")
 
     def check_scales(self, state_dict: dict, prefix: str, layer_name: str) -> None:
-        """Refuse a checkpoint's scales that convert never produces, naming the expert."""
+        """Refuse a checkpoint's tensors of other shapes than these experts', codes or block
+        scales of another dtype (copied, they would be converted as numbers: other values without
+        an error), and scales that convert never produces, naming the expert."""
+        for field in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale"):
+            theirs, ours = state_dict.get(prefix + field), getattr(self, field)
+            if not isinstance(theirs, torch.Tensor):
+                continue  # missing, or not a tensor: load_state_dict names it
+            if theirs.shape != ours.shape:
+                problem = f"its {field} has shape {tuple(theirs.shape)}, the model's {tuple(ours.shape)}"
+            elif field in ("qdata", "scale") and theirs.dtype != ours.dtype:
+                problem = f"its {field} is {theirs.dtype}, the model's {ours.dtype}"
+            else:
+                continue
+            raise ValueError(f"nvfp4_static: checkpoint for experts '{layer_name}': {problem}")
         act_scales = state_dict.get(prefix + "act_per_tensor_scale")
         weight_scales = state_dict.get(prefix + "per_tensor_scale")
         block_scales = state_dict.get(prefix + "scale")
         if isinstance(act_scales, torch.Tensor) and isinstance(weight_scales, torch.Tensor):
             for expert, (act_scale, weight_scale) in enumerate(zip(act_scales.cpu(), weight_scales.cpu())):
                 check_checkpoint_scale_values(act_scale, weight_scale, f"{layer_name}.{expert}")
-        if isinstance(block_scales, torch.Tensor) and block_scales.dtype == torch.float8_e4m3fn:
+        if isinstance(block_scales, torch.Tensor):
             for expert, scales in enumerate(block_scales):
                 check_block_scale_codes(scales, f"{layer_name}.{expert}")
-        # Missing or of another dtype: load_state_dict names it.
 
     def expert_weight(self, expert: int, rows: slice, orig_dtype: torch.dtype) -> NVFP4StaticTensor:
         """Rows ``rows`` of expert ``expert``'s weight, as the weight of an ``NVFP4StaticLinear``:

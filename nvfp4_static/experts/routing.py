@@ -37,12 +37,12 @@ def check_routing(
         or top_k_index.shape[0] != tokens
         or top_k_index.dtype.is_floating_point
         or top_k_index.dtype.is_complex
-        or top_k_index.dtype == torch.bool
+        or not top_k_index.dtype.is_signed  # bool, and unsigned types, where -1 wraps around
         or top_k_weights.shape != top_k_index.shape
         or not top_k_weights.dtype.is_floating_point
     ):
         raise ValueError(
-            f"nvfp4_static: experts '{name}' take hidden_states [tokens, hidden], an integer top_k_index "
+            f"nvfp4_static: experts '{name}' take hidden_states [tokens, hidden], a signed integer top_k_index "
             f"[tokens, k] and floating-point top_k_weights of the same shape; got hidden_states "
             f"{list(hidden_states.shape)}, top_k_index {list(top_k_index.shape)} {top_k_index.dtype}, "
             f"top_k_weights {list(top_k_weights.shape)} {top_k_weights.dtype}"

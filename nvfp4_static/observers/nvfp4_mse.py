@@ -12,6 +12,7 @@ from nvfp4_static.numerics import (
     E4M3_MIN_NORMAL,
     pad_to_block_multiple,
     per_tensor_amax_to_scale,
+    unit_scale_factor,
 )
 from nvfp4_static.observers.base import Observer
 
@@ -161,6 +162,9 @@ class NVFP4MSECalibrator(Observer):
                 f"(below about 4e-33)"
             )
         else:
+            factor = unit_scale_factor(self._host_global_amax)  # the same choice, no float32 under/overflow
+            if factor != 1.0:
+                weight, global_amax = weight * factor, global_amax * factor
             self._block_scales_e4m3 = kernels.fp8_scale_sweep(weight, global_amax, self.hessian)
 
     @property
