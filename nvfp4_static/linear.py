@@ -9,8 +9,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from nvfp4_static.backends.cpu_eager import EagerCpuKernelCalls, eager_linear
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
+from nvfp4_static.config import ACT_CALIBRATIONS, WEIGHT_SCALES
 from nvfp4_static.inference_only import InferenceOnly, detached, records_gradients, refusing_gradients
-from nvfp4_static.numerics import BLOCK_SIZE, is_usable_act_per_tensor_scale, largest_at_most
+from nvfp4_static.numerics import BLOCK_SIZE, LARGEST_GLOBAL_SCALE, is_usable_act_per_tensor_scale, largest_at_most
 from nvfp4_static.tensor import NVFP4StaticTensor, copy_refusal
 
 __all__ = [
@@ -25,6 +26,10 @@ CHECKPOINT_FORMAT = "nvfp4_static"
 CHECKPOINT_VERSION = 1
 # Set in the extra state of a layer saved before a checkpoint was loaded into it.
 EMPTY_PLACEHOLDER = "empty_placeholder"
+# The recipe a converted layer records: the config's two choices, or IMPORTED for both where
+# the layer came from another format's checkpoint (``serving_import``).
+IMPORTED = "imported"
+RECIPE_CHOICES = {"act_calibration": (*ACT_CALIBRATIONS, IMPORTED), "weight_scale": (*WEIGHT_SCALES, IMPORTED)}
 
 
 def saved_recipe(state, layer_name: str) -> dict:
@@ -47,7 +52,14 @@ def saved_recipe(state, layer_name: str) -> dict:
             f"placeholder (step='prepare_for_loading' with no checkpoint loaded into it): its "
             f"weights are zeros; save the model after loading or converting it"
         )
-    return {k: v for k, v in state.items() if k not in ("format", "version")}
+    recipe = {k: v for k, v in state.items() if k not in ("format", "version")}
+    if recipe.keys() != RECIPE_CHOICES.keys() or any(recipe[k] not in RECIPE_CHOICES[k] for k in recipe):
+        raise ValueError(
+            f"nvfp4_static: checkpoint for layer '{layer_name}' records recipe {recipe}; a converted "
+            f"layer records act_calibration and weight_scale, one of {RECIPE_CHOICES} each (the "
+            f"checkpoint is damaged or was edited)"
+        )
+    return recipe
 
 
 def check_checkpoint_scales(weight: torch.Tensor, layer_name: str) -> None:
@@ -78,18 +90,19 @@ def check_block_scale_codes(scale: torch.Tensor, layer_name: str) -> None:
 
 
 def check_checkpoint_scale_values(act_scale: torch.Tensor, weight_scale: torch.Tensor, layer_name: str) -> None:
-    """``check_checkpoint_scales`` for one weight's two global scales (scalars)."""
-    if not is_usable_act_per_tensor_scale(act_scale):
+    """``check_checkpoint_scales`` for one weight's two global scales (scalars). Neither can
+    exceed ``LARGEST_GLOBAL_SCALE``: a larger weight scale overflows the outputs to Inf."""
+    if not is_usable_act_per_tensor_scale(act_scale) or float(act_scale) > LARGEST_GLOBAL_SCALE:
         raise ValueError(
             f"nvfp4_static: checkpoint for layer '{layer_name}' has activation scale "
-            f"{float(act_scale)}; convert only produces finite scales above about 2e-37 (the "
-            f"checkpoint is damaged or was edited)"
+            f"{float(act_scale)}; convert only produces scales from about 2e-37 to "
+            f"{LARGEST_GLOBAL_SCALE:.4g} (the checkpoint is damaged or was edited)"
         )
-    if not bool(torch.isfinite(weight_scale)) or float(weight_scale) < 0:
+    if not bool(torch.isfinite(weight_scale)) or not 0 <= float(weight_scale) <= LARGEST_GLOBAL_SCALE:
         raise ValueError(
             f"nvfp4_static: checkpoint for layer '{layer_name}' has weight scale "
-            f"{float(weight_scale)}; convert only produces finite scales >= 0 (the checkpoint is "
-            f"damaged or was edited)"
+            f"{float(weight_scale)}; convert only produces scales from 0 to "
+            f"{LARGEST_GLOBAL_SCALE:.4g} (the checkpoint is damaged or was edited)"
         )
 
 

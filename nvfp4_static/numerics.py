@@ -59,6 +59,10 @@ E4M3_DYNAMIC_RANGE = E4M3_MAX / E4M3_MIN_NORMAL  # 28672
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# The largest global scale convert makes: float32's largest amax over 6 x 448, with room for
+# the division's rounding. A checkpoint's larger scale was not made by convert.
+LARGEST_GLOBAL_SCALE = torch.finfo(torch.float32).max / (E2M1_MAX * E4M3_MAX) * (1 + 2.0**-20)
+
 # How far a weight's max |w| may exceed the global amax it is quantized under: the float32
 # rounding of a weight dequantized under that amax (GPTQ's), whose largest values reach it.
 AMAX_ROUNDING = 2.0**-16

@@ -41,7 +41,7 @@ from nvfp4_static.export import (
     MODELOPT_QUANT_CONFIG_FILE,
     PER_TENSOR_SCALES_METADATA,
 )
-from nvfp4_static.linear import NVFP4StaticLinear, check_block_scale_codes
+from nvfp4_static.linear import IMPORTED, RECIPE_CHOICES, NVFP4StaticLinear, check_block_scale_codes
 from nvfp4_static.numerics import BLOCK_SIZE, E2M1_MAX, E4M3_MAX
 from nvfp4_static.tensor import NVFP4StaticTensor, host_scale_product
 
@@ -429,7 +429,7 @@ def _layer_from_checkpoint(
     )
     act_global_amax = float(input_scale) * E4M3_MAX * E2M1_MAX
     stats = {"g_amax": act_global_amax, "set_by": f"{format} checkpoint"}
-    recipe = {"act_calibration": "imported", "weight_scale": "imported"}
+    recipe = dict.fromkeys(RECIPE_CHOICES, IMPORTED)
     return NVFP4StaticLinear(weight, bias, recipe, name, stats)
 
 

@@ -78,6 +78,7 @@ class NVFP4StaticTensor(NVFP4Tensor):
     ):
         _check_layout(block_size, is_swizzled_scales)
         _check_data(qdata, scale, orig_dtype)
+        _check_global_scales(per_tensor_scale, act_per_tensor_scale)
         self = super().__new__(
             cls,
             qdata,
@@ -554,6 +555,18 @@ def _check_data(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtyp
             f"nvfp4_static: an NVFP4StaticTensor stands for a weight of dtype "
             f"{', '.join(map(str, SUPPORTED_DTYPES))}; got orig_dtype={orig_dtype}"
         )
+
+
+def _check_global_scales(per_tensor_scale, act_per_tensor_scale) -> None:
+    """Refuse global scales that are not one-element tensors: the weight's and the activation's
+    scale are what makes the tensor static, and every route reads both."""
+    for name, value in (("per_tensor_scale", per_tensor_scale), ("act_per_tensor_scale", act_per_tensor_scale)):
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise ValueError(
+                f"nvfp4_static: an NVFP4StaticTensor holds its {name} as a one-element float32 "
+                f"tensor (a static weight needs both global scales); got {got}"
+            )
 
 
 def _fits_packed_along(codes_shape: torch.Size, scales_shape: torch.Size, packed: int) -> bool:

@@ -332,8 +332,8 @@ def test_an_empty_calibration_batch_changes_nothing(config):
 # --- unchecked loads and misuse after convert ---------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [float("nan"), 0.0, -1.0, float("inf"), 1e-40],
-                         ids=["nan", "zero", "negative", "inf", "too_small"])
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, -1.0, float("inf"), 1e-40, 1e36, 3e38],
+                         ids=["nan", "zero", "negative", "inf", "too_small", "too_large", "near_float32_max"])
 def test_a_checkpoint_with_an_impossible_activation_scale_is_refused(bad):
     state = quantized(make(MLP)).state_dict()
     state["down.weight"].act_per_tensor_scale.fill_(bad)
@@ -347,12 +347,29 @@ def test_a_checkpoint_with_an_impossible_activation_scale_is_refused(bad):
         placeholder.load_state_dict(state)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), -1.0], ids=["nan", "negative"])
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("-inf"), 1e36, 1e38],
+                         ids=["nan", "negative", "minus_inf", "too_large", "overflowing"])
 def test_a_checkpoint_with_an_impossible_weight_scale_is_refused(bad):
     state = quantized(make(MLP)).state_dict()
     state["up.weight"].per_tensor_scale.fill_(bad)
+    target = make(MLP, seed=1)
+    before = {name: value.clone() for name, value in target.state_dict().items()}
     with pytest.raises(ValueError, match="'up' has weight scale"):
-        load_quantized(make(MLP, seed=1), state)
+        load_quantized(target, state)
+    assert all(torch.equal(before[name], value) for name, value in target.state_dict().items())
+
+
+def test_the_largest_global_scales_convert_makes_load():
+    """A weight holding float32's largest value gets convert's largest weight scale, and a
+    checkpoint of it loads: the bound on checkpoint scales refuses only what convert never makes."""
+    model = make(MLP)
+    with torch.no_grad():
+        model.down.weight[0, 0] = torch.finfo(torch.float32).max
+    state = quantized(model).state_dict()
+    assert float(state["down.weight"].per_tensor_scale) > 1e35
+    target = make(MLP, seed=1)
+    load_quantized(target, state)
+    assert torch.equal(target.down.weight.per_tensor_scale, state["down.weight"].per_tensor_scale)
 
 
 def converted_tensors(model):
@@ -496,6 +513,34 @@ def test_a_checkpoint_entry_that_is_not_a_tensor_is_refused_and_the_float_model_
 def test_load_quantized_refuses_what_is_not_a_state_dict(checkpoint):
     with pytest.raises(TypeError, match=rf"takes a state dict or the path of a file holding one; got a {type(checkpoint).__name__}"):
         load_quantized(make(MLP), checkpoint)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {"act_calibration": "bogus", "weight_scale": "mse"},
+        {"act_calibration": "b_min", "weight_scale": "MSE"},
+        {"act_calibration": "b_min", "weight_scale": None},
+        {"act_calibration": "b_min"},
+        {"act_calibration": "b_min", "weight_scale": "mse", "margin": 2.0},
+        {"act_calibration": "imported", "weight_scale": ["mse"]},
+    ],
+    ids=["unknown_calibration", "wrong_case", "none", "missing_choice", "extra_entry", "list"],
+)
+@pytest.mark.parametrize("into", ["load_quantized", "placeholder"])
+def test_a_checkpoint_recording_a_recipe_no_convert_makes_is_refused(recipe, into):
+    """load_quantized builds each layer from the recipe its checkpoint records, so a damaged
+    record would otherwise become the model's recipe, reported by the layer and exported."""
+    state = quantized(make(MLP)).state_dict()
+    state["up._extra_state"] = {"format": "nvfp4_static", "version": 1, **recipe}
+    target = make(MLP, seed=1)
+    if into == "placeholder":
+        quantize_(target, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)
+    before = converted_tensors(target)
+    with pytest.raises(ValueError, match=r"'up' records recipe .*the checkpoint is damaged or was edited"):
+        load_quantized(target, state) if into == "load_quantized" else target.load_state_dict(state)
+    assert_same_tensors(before, converted_tensors(target))
+    assert type(target.up) is (torch.nn.Linear if into == "load_quantized" else NVFP4StaticLinear)
 
 
 @pytest.mark.parametrize("version", [2, "1", None], ids=["newer", "string", "missing"])

@@ -919,7 +919,7 @@ def test_prepare_for_loading_gives_placeholders_that_refuse_to_run_until_loaded(
         assert torch.equal(fresh(token_ids(8)).logits, converted_model(token_ids(8)).logits)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), 0.0, -1.0, float("inf")])
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, -1.0, float("inf"), 1e37])
 def test_a_checkpoint_with_a_bad_expert_scale_is_refused_naming_the_expert(converted_model, bad):
     state = dict(converted_model.state_dict())
     key = "model.layers.0.mlp.experts.down_proj.act_per_tensor_scale"

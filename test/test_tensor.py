@@ -129,12 +129,17 @@ def constructor_variants():
         "1-d scales": lambda: built(scale=q.scale.reshape(-1)),
         "an int8 weight": lambda: built(orig_dtype=torch.int8),
         "a float64 weight": lambda: built(orig_dtype=torch.float64),
+        "no weight scale": lambda: built(per_tensor_scale=None),
+        "no activation scale": lambda: built(act_per_tensor_scale=None),
+        "a float activation scale": lambda: built(act_per_tensor_scale=0.5),
+        "a weight scale per row": lambda: built(per_tensor_scale=q.per_tensor_scale.expand(64).clone()),
+        "an empty activation scale": lambda: built(act_per_tensor_scale=torch.ones(0)),
     }
 
 
 @pytest.mark.parametrize("variant", constructor_variants().keys())
 def test_codes_and_scales_that_do_not_describe_one_weight_are_refused(variant):
-    with pytest.raises(ValueError, match="an NVFP4StaticTensor (holds uint8 codes|stands for a weight of dtype)"):
+    with pytest.raises(ValueError, match="an NVFP4StaticTensor (holds uint8 codes|stands for a weight of dtype|holds its)"):
         constructor_variants()[variant]()
 
 
