@@ -4,9 +4,10 @@
 is (e.g. on CPU) and holds one decoder layer at a time on ``device``:
 
 1. the parts before the first decoder layer (embeddings, rotary embeddings) move to
-   ``device``, and each batch runs through the model until the first decoder layer is called:
-   a forward pre-hook records that call's arguments (the hidden states and everything the
-   model passes its layers: position embeddings, attention mask, positions...) and stops the
+   ``device``, and each batch runs through the model with every decoder layer's forward
+   replaced by a stand-in that records its call's arguments (the first layer's hidden states,
+   and everything the model passes each layer: position embeddings, its attention mask,
+   positions...) and hands the hidden states on without computing; the last one stops the
    forward. Those parts move back;
 2. for each decoder layer in turn: move it to ``device``, prepare its linears, run every
    cached batch through it (calibrating them), convert it, keep its outputs as the next
@@ -61,8 +62,9 @@ from nvfp4_static.workflow import is_quantizable, selects_a_layer
 __all__ = ["calibrate_layer_by_layer", "find_decoder_layers"]
 
 
-class _FirstLayerReached(Exception):
-    """Raised by the pre-hook to stop the forward once the first layer's inputs are recorded."""
+class _LayersReached(Exception):
+    """Raised by the last decoder layer's stand-in to stop the forward once every layer's
+    arguments are recorded (what follows the layers, such as ``lm_head``, never runs)."""
 
 
 def find_decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
@@ -188,33 +190,79 @@ def _put_back(moves: list, home: torch.device) -> None:
     moves.clear()
 
 
-def _capture_first_layer_inputs(model, layers, batches, forward, device, cache_device) -> list:
-    """``(args, kwargs)`` of the first decoder layer's call, for every batch, on
-    ``cache_device``."""
-    records = []
+def _capture_layer_inputs(model, layers, batches, forward, device, cache_device) -> tuple[list, list]:
+    """``(hidden, calls)``: for every batch ``b``, the first decoder layer's hidden states
+    ``hidden[b]`` and each layer's call ``calls[b][i]`` (``(args, kwargs)``, its hidden states
+    None), on ``cache_device``. The layers do not run: while the forward runs, each layer's
+    forward is a stand-in that records its arguments and hands the hidden states on, so that a
+    model giving its layers different arguments (sliding-window and full-attention masks) has
+    each layer replayed with its own. Layers given the same objects share one record."""
+    hidden, calls = [], []
+    distinct: list = []  # this batch's calls: (as given, as recorded)
 
-    def hook(module, args, kwargs):
-        move = lambda t: t.detach().to(cache_device)  # noqa: E731
-        records.append((_map_tensors(args, move), _map_tensors(_without_cache(kwargs), move)))
-        raise _FirstLayerReached
+    def stand_in(index):
+        def record(*args, **kwargs):
+            if len(calls[-1]) != index:
+                raise RuntimeError(
+                    f"nvfp4_static: the model's forward called decoder layer {index} after "
+                    f"{len(calls[-1])} of its layers: layer-by-layer calibration needs each layer "
+                    f"called once per forward, in order"
+                )
+            given = _hidden_states_of_call(args, kwargs)
+            call = _with_hidden_states(args, _without_cache(kwargs), None)
+            recorded = next((kept for seen, kept in distinct if _same_objects(seen, call)), None)
+            if recorded is None:
+                recorded = _map_tensors(call, lambda t: t.detach().to(cache_device))
+                distinct.append((call, recorded))
+            if index == 0:
+                hidden.append(given.detach().to(cache_device))
+            calls[-1].append(recorded)
+            if index == len(layers) - 1:
+                raise _LayersReached
+            return given
 
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+        return record
+
+    own_forwards = [layer.__dict__.get("forward") for layer in layers]  # e.g. accelerate's
+    for index, layer in enumerate(layers):
+        layer.forward = stand_in(index)
     try:
         with torch.no_grad():
             for batch in batches:
-                before = len(records)
+                calls.append([])
+                distinct.clear()
                 try:
                     forward(model, _map_tensors(batch, lambda t: t.to(device)))
-                except _FirstLayerReached:
+                except _LayersReached:
                     pass
-                if len(records) != before + 1:
+                if len(calls[-1]) != len(layers):
                     raise RuntimeError(
-                        "nvfp4_static: the model's forward did not call its first decoder layer "
-                        "(or called it outside forward): cannot record the layers' inputs"
+                        f"nvfp4_static: the model's forward called {len(calls[-1])} of its "
+                        f"{len(layers)} decoder layers (or called them outside forward): cannot "
+                        f"record the layers' inputs"
                     )
     finally:
-        handle.remove()
-    return records
+        distinct.clear()
+        for layer, own in zip(layers, own_forwards):
+            if own is None:
+                del layer.forward
+            else:
+                layer.forward = own
+    return hidden, calls
+
+
+def _same_objects(first, second) -> bool:
+    """Whether two calls' arguments are the same tensors (the same objects, not equal values)
+    and equal numbers, strings and flags, in the same structure."""
+    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
+        return first is second
+    if isinstance(first, (tuple, list)) and type(first) is type(second):
+        return len(first) == len(second) and all(map(_same_objects, first, second))
+    if isinstance(first, dict) and isinstance(second, dict):
+        return first.keys() == second.keys() and all(_same_objects(first[k], second[k]) for k in first)
+    if isinstance(first, (bool, int, float, str)) and type(first) is type(second):
+        return first == second
+    return first is second
 
 
 def _layer_output(layer, call, hidden, device, cache_device):
@@ -254,7 +302,7 @@ def calibrate_layer_by_layer(
         model: a decoder model with a ``layers`` ``ModuleList`` (see ``find_decoder_layers``);
             its weights stay where they are (CPU) except the layer being calibrated.
         batches: the calibration batches (this rank's, with ``group``), each passed to
-            ``forward``; kept only until the first layer's inputs are recorded.
+            ``forward``; kept only until the layers' inputs are recorded.
         config: an ``NVFP4StaticActivationConfig`` (its ``step`` is ignored); default recipe.
         device: where each layer is calibrated; default CUDA when available, else CPU.
         cache_device: where the layers' inputs are kept between layers (``"cpu"`` to save
@@ -339,19 +387,16 @@ def calibrate_layer_by_layer(
     with clock.phase("record inputs"):
         hooks, moves = _move_outside(model, layers, device)
         try:
-            records = _capture_first_layer_inputs(model, layers, batches, forward, device,
-                                                  cache_device)
+            hidden, calls = _capture_layer_inputs(model, layers, batches, forward, device, cache_device)
         finally:
             for hook in hooks:
                 hook.remove()
             _put_back(moves, home)
-    hidden = [_hidden_states_of_call(args, kwargs) for args, kwargs in records]
-    inputs = [_with_hidden_states(args, kwargs, None) for args, kwargs in records]  # no 2nd copy
-    del records
     smoothing, first_tokens = None, 0
     if smooth_alpha is not None and any(counts):
         def first_batch_through(layer, hidden):
-            return _layer_output(layer, inputs[0], hidden, device, cache_device)
+            index = next(i for i, candidate in enumerate(layers) if candidate is layer)
+            return _layer_output(layer, calls[0][index], hidden, device, cache_device)
 
         first = hidden[0] if hidden and rank == anchor_source else None
         smoothing = LayerSmoothing(smooth_alpha, first, first_batch_through, group, anchor_source,
@@ -372,13 +417,13 @@ def calibrate_layer_by_layer(
             layer_filter = layer_filter_of(name)
             following = layers[index + 1] if index + 1 < len(layers) else None
 
-            def run(b, last_use, layer=layer):
+            def run(b, last_use, layer=layer, index=index):
                 """Batch ``b`` through the layer; its input is dropped after its last use, so
                 that the cache holds about one copy of the activations, not two."""
                 given = hidden[b]
                 if last_use:
                     hidden[b] = None
-                return _layer_output(layer, inputs[b], given, device, cache_device)
+                return _layer_output(layer, calls[b][index], given, device, cache_device)
 
             def calibration_run(b):
                 return run(b, last_use=not propagate_quantized)

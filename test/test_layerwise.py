@@ -10,10 +10,16 @@ from conftest import requires_cuda
 from distributed_worker import converted_scales
 from tiny_llama import all_but_lm_head, convert_llama, logits, prepared_and_calibrated, tiny_llama, token_ids
 
-from nvfp4_static import NVFP4StaticActivationConfig, calibrate_layer_by_layer, smooth_norm_inputs, workflow
+from nvfp4_static import (
+    NVFP4StaticActivationConfig,
+    calibrate_layer_by_layer,
+    calibrate_model,
+    smooth_norm_inputs,
+    workflow,
+)
 from nvfp4_static.layer_mover import LayerMover
 from nvfp4_static.layerwise import (
-    _capture_first_layer_inputs,
+    _capture_layer_inputs,
     _default_forward,
     _move_outside,
     _put_back,
@@ -155,7 +161,7 @@ def test_recording_the_first_layer_inputs_moves_only_what_runs_before_it():
     model, cpu = tiny_llama(), torch.device("cpu")
     _, layers = find_decoder_layers(model)
     hooks, moves = _move_outside(model, layers, cpu)
-    _capture_first_layer_inputs(model, layers, [token_ids(0)], _default_forward, cpu, cpu)
+    _capture_layer_inputs(model, layers, [token_ids(0)], _default_forward, cpu, cpu)
     for hook in hooks:
         hook.remove()
     moved = [slot[0] for slot, _, _ in moves]
@@ -174,7 +180,7 @@ def test_after_the_recording_the_moved_modules_get_their_own_tensors_back(monkey
     hooks, moves = _move_outside(model, layers, cpu)
     hooks.append(rotary.register_forward_pre_hook(  # after the move, as dynamic RoPE does
         lambda module, args: module.register_buffer("inv_freq", replaced, persistent=False)))
-    _capture_first_layer_inputs(model, layers, [token_ids(0)], _default_forward, cpu, cpu)
+    _capture_layer_inputs(model, layers, [token_ids(0)], _default_forward, cpu, cpu)
     for hook in hooks:
         hook.remove()
     copied, to = [], torch.Tensor.to
@@ -184,6 +190,82 @@ def test_after_the_recording_the_moved_modules_get_their_own_tensors_back(monkey
     assert embedding.weight.data.data_ptr() == weight.data_ptr()
     assert rotary.inv_freq is replaced and rotary.inv_freq is not inv_freq
     assert moves == []  # nothing keeps the device copies alive
+
+
+def sliding_window_qwen3():
+    """Layers 0 and 2 attend to every earlier token, layer 1 to the last 4: the model hands
+    layer 1 another attention mask than the others."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=128, use_sliding_window=True,
+                         sliding_window=4, layer_types=["full_attention", "sliding_attention", "full_attention"])
+    return Qwen3ForCausalLM._from_config(config, dtype=torch.float32).eval()
+
+
+def test_each_layer_is_replayed_with_the_arguments_the_model_gives_it():
+    model, cpu = sliding_window_qwen3(), torch.device("cpu")
+    _, layers = find_decoder_layers(model)
+    hidden, calls = _capture_layer_inputs(model, layers, [token_ids(0), token_ids(1)], _default_forward, cpu, cpu)
+    assert len(hidden) == len(calls) == 2 and all(len(batch) == 3 for batch in calls)
+    for first, sliding, last in calls:
+        assert last is first  # the same objects: recorded once
+        full_mask, sliding_mask = first[1]["attention_mask"], sliding[1]["attention_mask"]
+        assert torch.is_tensor(sliding_mask)  # full attention's may be None (causal in the kernel)
+        assert full_mask is None or not torch.equal(full_mask, sliding_mask)
+        assert first[0][0] is None and sliding[0][0] is None  # the hidden states, given positionally
+    assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+def test_layer_by_layer_equals_whole_model_where_layers_get_different_masks():
+    config = NVFP4StaticActivationConfig(weight_scale="mse")
+    batches = [token_ids(seed, length=32) for seed in BATCHES]
+    whole = calibrate_model(sliding_window_qwen3(), batches, config, filter_fn=all_but_lm_head, progress=False)
+    layered = calibrate_layer_by_layer(sliding_window_qwen3(), batches, config, device="cpu",
+                                       filter_fn=all_but_lm_head, progress=False)
+    a, b = converted_scales(whole), converted_scales(layered)
+    assert a.keys() == b.keys() and len(a) == 21
+    for name in a:
+        assert all(torch.equal(x, y) for x, y in zip(a[name], b[name])), name
+
+
+def test_a_forward_of_its_own_that_a_layer_holds_is_given_back():
+    """accelerate's hooks replace a module's forward on the instance."""
+    model = tiny_llama()
+    _, layers = find_decoder_layers(model)
+    wrapped = layers[1].forward
+    layers[1].forward = lambda *args, **kwargs: wrapped(*args, **kwargs)
+    own = layers[1].forward
+    layer_by_layer("b_min", "max", model=model)
+    assert layers[1].__dict__["forward"] is own and "forward" not in layers[0].__dict__
+
+
+class Stack(torch.nn.Module):
+    """Three layers, called in the order ``calls`` gives (indices into them)."""
+
+    def __init__(self, calls):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32)) for _ in range(3))
+        self.calls = calls
+
+    def forward(self, x, use_cache=False):
+        for index in self.calls:
+            x = self.layers[index](x)
+        return x
+
+
+@pytest.mark.parametrize("model, message", [
+    (Stack(calls=[2, 1, 0]), "called decoder layer 2 after 0 of its layers"),
+    (Stack(calls=[0, 0, 1, 2]), "called decoder layer 0 after 1 of its layers"),
+    (Stack(calls=[0, 1]), "called 2 of its 3 decoder layers"),
+    (Stack(calls=[]), "called 0 of its 3 decoder layers"),
+], ids=["reversed", "a_layer_called_twice", "the_last_layer_never_called", "no_layer_called"])
+def test_a_forward_that_does_not_call_each_layer_once_in_order_is_refused(model, message):
+    with pytest.raises(RuntimeError, match=message):
+        calibrate_layer_by_layer(model, [torch.randn(4, 32)], device="cpu", progress=False, smooth_alpha=None)
+    assert all(type(layer[0]) is torch.nn.Linear and "forward" not in layer.__dict__ for layer in model.layers)
 
 
 def test_finds_hugging_face_decoder_layers():
