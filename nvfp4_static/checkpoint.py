@@ -107,8 +107,16 @@ def _check_converted_layers_hook(model, state_dict, prefix, *_) -> None:
 
 
 def check_load_target(model: torch.nn.Module, function: str) -> None:
-    """Refuse, before anything changes, a model holding prepared layers: those the checkpoint
-    leaves float would stay prepared."""
+    """Refuse, before anything changes, a model holding prepared layers (those the checkpoint
+    leaves float would stay prepared), or tensors on the meta device (a copy into them does
+    nothing, so the model would come back unloaded)."""
+    on_meta = next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    if on_meta is not None:
+        raise ValueError(
+            f"nvfp4_static: {function}: the model's tensors are on the meta device (first: '{on_meta}'), "
+            f"where loading copies nothing; build the model on a device, or call "
+            f"model.to_empty(device=...) first"
+        )
     observed = (NVFP4StaticObservedLinear, NVFP4StaticObservedExperts)
     prepared = [name for name, module in model.named_modules() if isinstance(module, observed)]
     if prepared:

@@ -91,7 +91,8 @@ def check_block_scale_codes(scale: torch.Tensor, layer_name: str) -> None:
 
 def check_checkpoint_scale_values(act_scale: torch.Tensor, weight_scale: torch.Tensor, layer_name: str) -> None:
     """``check_checkpoint_scales`` for one weight's two global scales (scalars). Neither can
-    exceed ``LARGEST_GLOBAL_SCALE``: a larger weight scale overflows the outputs to Inf."""
+    exceed ``LARGEST_GLOBAL_SCALE``, nor their product float32's range: the outputs would
+    overflow to Inf or NaN."""
     if not is_usable_act_per_tensor_scale(act_scale) or float(act_scale) > LARGEST_GLOBAL_SCALE:
         raise ValueError(
             f"nvfp4_static: checkpoint for layer '{layer_name}' has activation scale "
@@ -103,6 +104,13 @@ def check_checkpoint_scale_values(act_scale: torch.Tensor, weight_scale: torch.T
             f"nvfp4_static: checkpoint for layer '{layer_name}' has weight scale "
             f"{float(weight_scale)}; convert only produces scales from 0 to "
             f"{LARGEST_GLOBAL_SCALE:.4g} (the checkpoint is damaged or was edited)"
+        )
+    product = float(act_scale) * float(weight_scale)
+    if product > torch.finfo(torch.float32).max:
+        raise ValueError(
+            f"nvfp4_static: checkpoint for layer '{layer_name}' has activation scale "
+            f"{float(act_scale):.4g} and weight scale {float(weight_scale):.4g}, whose product "
+            f"{product:.4g} overflows float32: every output would be Inf or NaN"
         )
 
 
@@ -159,6 +167,12 @@ class NVFP4StaticLinear(torch.nn.Linear):
     ) -> "NVFP4StaticLinear":
         """An empty converted layer of ``linear``'s shape, for ``load_state_dict`` to fill."""
         out_features, in_features = linear.weight.shape
+        if in_features % BLOCK_SIZE:
+            raise ValueError(
+                f"nvfp4_static: layer '{layer_name}' is Linear({in_features} -> {out_features}); "
+                f"a converted layer needs in_features a multiple of {BLOCK_SIZE} (was the "
+                f"checkpoint made from another model?)"
+            )
         device = linear.weight.device
         weight = NVFP4StaticTensor(
             torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device),

@@ -41,7 +41,13 @@ from nvfp4_static.export import (
     MODELOPT_QUANT_CONFIG_FILE,
     PER_TENSOR_SCALES_METADATA,
 )
-from nvfp4_static.linear import IMPORTED, RECIPE_CHOICES, NVFP4StaticLinear, check_block_scale_codes
+from nvfp4_static.linear import (
+    IMPORTED,
+    RECIPE_CHOICES,
+    NVFP4StaticLinear,
+    check_block_scale_codes,
+    check_checkpoint_scale_values,
+)
 from nvfp4_static.numerics import BLOCK_SIZE, E2M1_MAX, E4M3_MAX
 from nvfp4_static.tensor import NVFP4StaticTensor, host_scale_product
 
@@ -416,6 +422,7 @@ def _layer_from_checkpoint(
         )
         for key in ("weight_scale", "input_scale")
     )
+    check_checkpoint_scale_values(input_scale, weight_scale, name)
     bias = _bias(name, module, checkpoint)
     weight = NVFP4StaticTensor(
         qdata,
@@ -449,10 +456,10 @@ def _per_tensor_scale(
         exact = torch.tensor(float.fromhex(exact_hex), dtype=torch.float32, device=value.device)
         if torch.equal(1.0 / exact, value):
             scale = exact
-    if not bool(torch.isfinite(scale)) or not scale > 0:
+    if not bool(torch.isfinite(scale)) or scale < 0:
         raise ValueError(
             f"nvfp4_static: layer '{name}': '{field}' is {float(value)!r}, which gives the "
-            f"per-tensor scale {float(scale)!r}; it must be finite and positive"
+            f"per-tensor scale {float(scale)!r}; it must be finite and not negative"
         )
     return scale
 

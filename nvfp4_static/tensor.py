@@ -587,9 +587,9 @@ BEFORE_COPY: list = []
 
 def copy_refusal(dst: "NVFP4StaticTensor", src) -> Optional[str]:
     """Why ``dst.copy_(src)`` refuses ``src``, None where it copies: ``src`` must be an
-    NVFP4StaticTensor whose four tensors have ``dst``'s shapes (the codes' and block scales'
-    dtypes every NVFP4StaticTensor checks when made). Loading checks it for every layer before
-    copying into any: ``copy_`` copies the four one by one."""
+    NVFP4StaticTensor whose four tensors have ``dst``'s shapes, with uint8 codes and FP8 block
+    scales (checked when one is made, but not when ``torch.load`` restores one). Loading checks
+    it for every layer before copying into any: ``copy_`` copies the four one by one."""
     if not isinstance(src, NVFP4StaticTensor):
         return (
             f"a {type(src).__name__} cannot be copied into an NVFP4StaticTensor: the checkpoint and "
@@ -600,6 +600,10 @@ def copy_refusal(dst: "NVFP4StaticTensor", src) -> Optional[str]:
         ours, theirs = getattr(dst, name), getattr(src, name)
         if ours.shape != theirs.shape:
             return f"the NVFP4 weight's {name} has shape {tuple(theirs.shape)}, the model's {tuple(ours.shape)}"
+    # Copied, codes or block scales of another dtype would be converted as numbers.
+    for name, dtype in (("qdata", torch.uint8), ("scale", torch.float8_e4m3fn)):
+        if getattr(src, name).dtype != dtype:
+            return f"the NVFP4 weight's {name} is {getattr(src, name).dtype}, not {dtype}"
     return None
 
 

@@ -359,6 +359,38 @@ def test_a_checkpoint_with_an_impossible_weight_scale_is_refused(bad):
     assert all(torch.equal(before[name], value) for name, value in target.state_dict().items())
 
 
+@pytest.mark.parametrize("act, weight", [(1e20, 1e20), (1e30, 1e10), (1e35, 1e4)])
+def test_a_checkpoint_whose_global_scales_multiply_past_float32_is_refused(act, weight):
+    """Each within what convert makes, their product is every output's factor: Inf or NaN."""
+    state = quantized(make(MLP)).state_dict()
+    state["down.weight"].act_per_tensor_scale.fill_(act)
+    state["down.weight"].per_tensor_scale.fill_(weight)
+    target = make(MLP, seed=1)
+    with pytest.raises(ValueError, match="'down' has activation scale .* whose product .* overflows float32"):
+        load_quantized(target, state)
+    assert type(target.up) is torch.nn.Linear and type(target.down) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("in_features", [65, 60, 72])
+def test_a_checkpoint_loaded_into_a_linear_nvfp4_cannot_hold_is_refused(in_features):
+    """The converted layer's tensors were sized from in_features // 2 and // 16: 65 took a
+    64-wide checkpoint and failed only at the first call."""
+    state = quantized(torch.nn.Sequential(torch.nn.Linear(64, 32))).state_dict()
+    target = torch.nn.Sequential(torch.nn.Linear(in_features, 32))
+    with pytest.raises(ValueError, match=rf"layer '0' is Linear\({in_features} -> 32\); a converted layer needs in_features a multiple of 16"):
+        load_quantized(target, state)
+    assert type(target[0]) is torch.nn.Linear
+
+
+def test_a_checkpoint_loaded_into_a_model_on_the_meta_device_is_refused():
+    state = quantized(make(MLP)).state_dict()
+    with torch.device("meta"):
+        target = make(MLP, seed=1)
+    with pytest.raises(ValueError, match=r"load_quantized: the model's tensors are on the meta device \(first: 'up.weight'\)"):
+        load_quantized(target, state)
+    assert type(target.up) is torch.nn.Linear
+
+
 def test_the_largest_global_scales_convert_makes_load():
     """A weight holding float32's largest value gets convert's largest weight scale, and a
     checkpoint of it loads: the bound on checkpoint scales refuses only what convert never makes."""
@@ -425,6 +457,13 @@ def filled(weight, part, value):
     return weight
 
 
+def with_attribute(weight, name, value):
+    """``weight`` with one of its tensors set as ``torch.load`` restores a damaged one (the
+    constructor's checks do not run)."""
+    setattr(weight, name, value)
+    return weight
+
+
 # Damage that a layer's checks see; the last two would each copy part of the layer (and the
 # layers before it) and then fail. (Codes or block scales of another dtype the tensor refuses.)
 DAMAGES = {
@@ -433,6 +472,10 @@ DAMAGES = {
     "weight-scale": lambda w: filled(w, w.per_tensor_scale, -1.0),
     "float-weight": lambda w: w.dequantize(),
     "activation-scale-of-shape-1": lambda w: with_fields(w, act_per_tensor_scale=w.act_per_tensor_scale.reshape(1)),
+    "block-scales-as-uint8": lambda w: with_attribute(w, "scale", w.scale.view(torch.uint8)),
+    "block-scales-as-float32": lambda w: with_attribute(w, "scale", w.scale.float()),
+    "codes-as-int8": lambda w: with_attribute(w, "qdata", w.qdata.view(torch.int8)),
+    "codes-as-int64": lambda w: with_attribute(w, "qdata", w.qdata.long()),
 }
 
 

@@ -494,6 +494,64 @@ DAMAGED_FOLDERS = {
 }
 
 
+def set_global_scales(folder, values: dict) -> None:
+    """Store ``values`` (by field name) as layer 0's down projection's global scales."""
+    def edit(tensors):
+        for field, value in values.items():
+            key = next(k for k in sorted(tensors) if k.endswith(f"down_proj.{field}"))
+            tensors[key] = torch.full_like(tensors[key], value)
+
+    damage_shard(folder, edit)
+
+
+# Stored global scales that give scales no convert makes: an activation scale under about 2e-37
+# or above ~1.27e35, a weight scale above it, two whose product overflows float32.
+# (compressed-tensors stores the reciprocals of both.)
+IMPOSSIBLE_GLOBAL_SCALES = {
+    "modelopt-tiny-input": ("modelopt", {"input_scale": 1e-38}, "has activation scale"),
+    "modelopt-huge-input": ("modelopt", {"input_scale": 1e36}, "has activation scale"),
+    "modelopt-huge-weight": ("modelopt", {"weight_scale_2": 1e37}, "has weight scale"),
+    "modelopt-overflowing-product": ("modelopt", {"input_scale": 1e20, "weight_scale_2": 1e20}, "has .* whose product"),
+    "compressed-tensors-tiny-input": ("compressed-tensors", {"input_global_scale": 1e38}, "has activation scale"),
+    "compressed-tensors-huge-weight": ("compressed-tensors", {"weight_global_scale": 1e-37}, "has weight scale"),
+}
+
+
+@pytest.mark.parametrize("case", IMPOSSIBLE_GLOBAL_SCALES, ids=list(IMPOSSIBLE_GLOBAL_SCALES))
+def test_global_scales_no_convert_makes_are_refused_at_import_and_change_nothing(llama_fp32, tmp_path, case):
+    """load_quantized refuses them too: imported, the outputs were the bias alone or Inf."""
+    format, values, error = IMPOSSIBLE_GLOBAL_SCALES[case]
+    export_checkpoint(llama_fp32, tmp_path / "export", format)
+    set_global_scales(tmp_path / "export", values)
+    target = tiny_llama()
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=f"'model.layers.0.mlp.down_proj' {error}"):
+        import_checkpoint(tmp_path / "export", target)
+    assert all(type(m) is not NVFP4StaticLinear for m in target.modules())
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
+def test_an_all_zero_weight_exported_for_modelopt_imports_back(tmp_path):
+    """Its weight scale is 0 (an all-zero weight's), which the import takes as load_quantized does."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+    converted = convert_llama(prepared_and_calibrated(model, weight_scale="max"), weight_scale="max")
+    assert float(converted.model.layers[0].mlp.down_proj.weight.per_tensor_scale) == 0.0
+    export_checkpoint(converted, tmp_path / "export", "modelopt", fusion_groups=())
+    imported = import_checkpoint(tmp_path / "export", tiny_llama(seed=1))
+    assert torch.equal(logits(imported), logits(converted))
+
+
+def test_import_into_a_model_on_the_meta_device_is_refused(llama_fp32, tmp_path):
+    export_checkpoint(llama_fp32, tmp_path / "export", "modelopt")
+    with torch.device("meta"):
+        target = tiny_llama()
+    with pytest.raises(ValueError, match=r"import_checkpoint: the model's tensors are on the meta device \(first: "):
+        import_checkpoint(tmp_path / "export", target)
+    assert all(type(m) is not NVFP4StaticLinear for m in target.modules())
+
+
 def edit_whole_config(folder, edit):
     path = folder / "config.json"
     config = json.loads(path.read_text())
