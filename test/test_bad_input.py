@@ -564,11 +564,11 @@ def test_load_quantized_refuses_what_is_not_a_state_dict(checkpoint):
         {"act_calibration": "bogus", "weight_scale": "mse"},
         {"act_calibration": "b_min", "weight_scale": "MSE"},
         {"act_calibration": "b_min", "weight_scale": None},
-        {"act_calibration": "b_min"},
+        {"weight_scale": "gptq", "margin": 2.0},
         {"act_calibration": "b_min", "weight_scale": "mse", "margin": 2.0},
         {"act_calibration": "imported", "weight_scale": ["mse"]},
     ],
-    ids=["unknown_calibration", "wrong_case", "none", "missing_choice", "extra_entry", "list"],
+    ids=["unknown_calibration", "wrong_case", "none", "an_entry_for_another", "extra_entry", "list"],
 )
 @pytest.mark.parametrize("into", ["load_quantized", "placeholder"])
 def test_a_checkpoint_recording_a_recipe_no_convert_makes_is_refused(recipe, into):
