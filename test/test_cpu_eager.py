@@ -229,3 +229,31 @@ def test_a_layer_pickled_without_prepared_calls_takes_the_general_route():
     with torch.no_grad():
         assert torch.equal(layer(x), definition(layer, x))
     assert spy.calls == 1
+
+
+@pytest.mark.parametrize("default_device", ["meta", "cpu"])
+@pytest.mark.parametrize("rows, dtype", [(3, torch.float32), (3, torch.float16), (20, torch.bfloat16)],
+                         ids=["prepared", "general", "many-rows"])
+def test_a_call_while_another_default_device_is_set_gives_the_cpu_output(default_device, rows, dtype):
+    """The kernels write through their outputs' pointers: allocated on the default device (meta
+    here, CUDA on a GPU machine) they were not CPU memory, and the process crashed."""
+    layer, x = layer_of(), activation(rows, K, dtype=dtype)
+    with torch.no_grad():
+        expected = layer(x)
+        with torch.device(default_device):
+            out = layer(x)
+    assert out.device.type == "cpu" and torch.equal(out, expected)
+    assert torch.equal(expected, definition(layer, x).to(dtype))
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch-ops"])
+def test_under_cpu_autocast_every_route_equals_the_definition(monkeypatch, autocast_dtype, kernel):
+    """The torch ops multiply the unscaled operands (up to 6 x 448 each): autocast ran that
+    product in float16 (Inf outputs) or bfloat16 (its rounding)."""
+    if not kernel:
+        monkeypatch.setattr(cpu_kernel, "library", lambda: None)
+    layer, x = layer_of(act_amax=1.0), activation(4, K)
+    with torch.no_grad(), torch.autocast("cpu", dtype=autocast_dtype):
+        out = layer(x)
+    assert torch.equal(out, definition(layer, x))

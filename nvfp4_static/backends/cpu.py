@@ -11,6 +11,7 @@ Traced on a CPU, the linear is one opaque op (``kernels.ops.cpu_static_nvfp4_lin
 decides the same way, so compiled and eager calls agree bit for bit.
 """
 
+import contextlib
 from functools import lru_cache
 from typing import Optional
 
@@ -90,11 +91,20 @@ def torch_static_nvfp4_linear(
     """``static_nvfp4_linear`` in torch ops, on any device: the numerics every route meets."""
     # q * s_b of the activation, the same values its packed codes would decode to.
     act = times_block_scales(*quantize_nvfp4_unpacked(x, act_per_tensor_scale))
-    out = _times_dequantized_weight(act, weight_qdata, weight_block_scales)
+    with _in_float32(x.device.type):
+        out = _times_dequantized_weight(act, weight_qdata, weight_block_scales)
     out = out * (act_per_tensor_scale * weight_per_tensor_scale)
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype)
+
+
+def _in_float32(device_type: str):
+    """Autocast off for the product of the unscaled operands (each up to 6 x 448): autocast
+    would run it in float16 (Inf past 65504) or bfloat16 (its rounding), not float32."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 # Eagerly on a CPU the weight is dequantized and multiplied this many weights at a time, so that

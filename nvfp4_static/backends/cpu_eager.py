@@ -77,7 +77,7 @@ class EagerCpuKernelCalls:
         rows = x.numel() // arguments.k
         if lib is None or not 0 < rows <= lib.most_rows:
             return None
-        out = torch.empty(x.shape[:-1] + (arguments.n,), dtype=x.dtype)
+        out = torch.empty(x.shape[:-1] + (arguments.n,), dtype=x.dtype, device="cpu")
         cpu_kernel.call_kernel(lib, x.contiguous(), rows, arguments.k, arguments.n, arguments.addresses, bias, out)
         return out
 
@@ -102,7 +102,7 @@ class EagerCpuKernelCalls:
         ):
             return None
         try:  # the general route's own checks, with an empty activation of the weight's width
-            cpu_kernel.check_operands(torch.empty(0, k), qdata, scale, weight_scale, act_scale, bias)
+            cpu_kernel.check_operands(torch.empty(0, k, device="cpu"), qdata, scale, weight_scale, act_scale, bias)
         except ValueError:
             return None  # the general route raises its error at this call
         addresses = cpu_kernel.WeightAddresses(

@@ -30,9 +30,9 @@ def gptq_block(
     upper = upper_block.to(torch.float32).contiguous()
     reciprocals = reciprocals.to(torch.float32).contiguous()
     dequant_scales = dequant_scales.to(torch.float32).contiguous()
-    values = torch.empty(n_rows, BLOCK_SIZE, dtype=torch.float32)
+    values = torch.empty(n_rows, BLOCK_SIZE, dtype=torch.float32, device="cpu")
     errors = torch.empty_like(values)
-    choices = torch.empty(n_rows, dtype=torch.int64)
+    choices = torch.empty(n_rows, dtype=torch.int64, device="cpu")
 
     def search(first: int, rows: int) -> None:
         lib.nvfp4_gptq_block(

@@ -204,7 +204,7 @@ def static_nvfp4_linear_rows(
     if bias is not None:
         bias = bias.contiguous() if bias.dtype in (torch.bfloat16, torch.float32) else bias.to(torch.float32)
     bf16 = x.dtype == torch.bfloat16
-    out = torch.empty((rows, n), dtype=torch.bfloat16 if bf16 else torch.float32)
+    out = torch.empty((rows, n), dtype=torch.bfloat16 if bf16 else torch.float32, device="cpu")
     addresses = WeightAddresses(
         act_scale.data_ptr(), weight.data_ptr(), weight_scales.data_ptr(), scale_values.data_ptr(),
         weight_scale.data_ptr(),
@@ -270,7 +270,7 @@ def quantize_rows(lib: Kernel, rows: torch.Tensor, act_scale: torch.Tensor) -> t
     m, k = rows.shape
     # One allocation: the int8 values, then the float32 scales (m * k is a multiple of 16, so
     # they start aligned).
-    workspace = torch.empty(m * k + 4 * m * (k // BLOCK_SIZE), dtype=torch.uint8)
+    workspace = torch.empty(m * k + 4 * m * (k // BLOCK_SIZE), dtype=torch.uint8, device="cpu")
     twice_e2m1, scales = workspace[: m * k].view(torch.int8), workspace[m * k :].view(torch.float32)
     lib.nvfp4_quantize_rows(
         rows.data_ptr(), rows.dtype == torch.bfloat16, m, k, act_scale.data_ptr(), twice_e2m1.data_ptr(),

@@ -38,9 +38,9 @@ def quantize_nvfp4(
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     global_scale = per_tensor_scale.to(torch.float32).reshape(())
     n_rows = rows.shape[0]
-    codes = torch.empty(n_rows, k // 2, dtype=torch.uint8)
+    codes = torch.empty(n_rows, k // 2, dtype=torch.uint8, device="cpu")
     given = None if block_scales_e4m3 is None else block_scales_e4m3.to(torch.float32).reshape(n_rows, -1).contiguous()
-    scale_codes = torch.empty(n_rows, k // BLOCK_SIZE, dtype=torch.uint8) if given is None else None
+    scale_codes = torch.empty(n_rows, k // BLOCK_SIZE, dtype=torch.uint8, device="cpu") if given is None else None
     not_coded = []
 
     def quantize(first: int, count: int) -> None:

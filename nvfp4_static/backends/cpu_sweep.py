@@ -32,7 +32,7 @@ def fp8_scale_sweep(
         weight = weight.to(torch.float32)  # float16: exact
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     upper = None if hessian is None else references.upper_triangular_hessian(hessian).contiguous()
-    codes = torch.empty(n_rows, k // BLOCK_SIZE, dtype=torch.uint8)
+    codes = torch.empty(n_rows, k // BLOCK_SIZE, dtype=torch.uint8, device="cpu")
 
     def sweep(first: int, rows: int) -> None:
         lib.nvfp4_fp8_scale_sweep(
