@@ -7,6 +7,7 @@ run the batches, convert. ``calibrate_layer_by_layer`` gives the same scales, bi
 models that do not fit.
 """
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -25,7 +26,7 @@ from nvfp4_static.norm_smoothing import (
     fold_smoothing_scales,
     smoothing_scales,
 )
-from nvfp4_static.workflow import is_quantizable, selects_a_layer
+from nvfp4_static.workflow import converts_without_bar, is_quantizable, selects_a_layer
 
 __all__ = ["calibrate_model"]
 
@@ -58,6 +59,7 @@ def calibrate_model(
         smooth_alpha: fold ``smooth_norm_inputs``'s scales with this alpha into the norms
             feeding q/k/v and gate/up, from the first batch, before prepare; a model without
             such norms is not smoothed. None: no smoothing.
+        progress: show bars over the batches and, from 8 layers, over the converted layers.
 
     Returns:
         ``model``, its selected linears converted.
@@ -95,5 +97,6 @@ def calibrate_model(
     quantize_(model, dataclasses.replace(config, step="prepare"), filter_fn=filter_fn)
     for batch in tqdm(batches, desc="nvfp4_static calibrate", unit="batch", disable=not progress):
         forward(model, _map_tensors(batch, lambda t: t.to(device)))
-    quantize_(model, dataclasses.replace(config, step="convert"), filter_fn=filter_fn)
+    with contextlib.nullcontext() if progress else converts_without_bar():
+        quantize_(model, dataclasses.replace(config, step="convert"), filter_fn=filter_fn)
     return model

@@ -5,6 +5,7 @@ visits the layers one handler call at a time and says nothing in between. Prepar
 observed layer here, so convert knows how many are left and can show a bar.
 """
 
+import contextlib
 import weakref
 from typing import Optional
 
@@ -23,13 +24,23 @@ class ConvertProgress:
     def __init__(self):
         self._pending: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._bar: Optional[tqdm] = None
+        self._shown = True
+
+    @contextlib.contextmanager
+    def without_bar(self):
+        """Converts inside show no bar (a caller's ``progress=False``)."""
+        shown, self._shown = self._shown, False
+        try:
+            yield
+        finally:
+            self._shown = shown
 
     def prepared(self, module: torch.nn.Module) -> None:
         self._close()  # a new prepare starts a new count
         self._pending.add(module)
 
     def converting(self, module: torch.nn.Module, name: str) -> None:
-        if self._bar is None and len(self._pending) >= MIN_LAYERS_FOR_A_BAR:
+        if self._bar is None and self._shown and len(self._pending) >= MIN_LAYERS_FOR_A_BAR:
             self._bar = tqdm(total=len(self._pending), desc="nvfp4_static convert", unit="layer")
         if self._bar is not None:
             self._bar.set_postfix_str(name)

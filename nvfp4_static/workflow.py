@@ -54,6 +54,8 @@ __all__ = ["is_quantizable", "layer_name", "sweep_weight_block_scales"]
 
 _LAYER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 _CONVERT_PROGRESS = ConvertProgress()
+# ``with converts_without_bar():`` around a convert shows no bar over its layers.
+converts_without_bar = _CONVERT_PROGRESS.without_bar
 _WEIGHT_HELD_ELSEWHERE: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 # Each expert's observed linear inside observed experts, and the experts' name: the steps take the
 # experts as one module, never one of their linears alone.

@@ -132,3 +132,12 @@ def test_batches_that_are_not_a_sequence_are_refused_and_nothing_changes(data):
         calibrate_model(model, data, CONFIG, filter_fn=all_but_lm_head, progress=False)
     assert all(type(m) is not NVFP4StaticLinear for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_progress_false_shows_no_bar_and_true_shows_the_calibration_and_convert_bars(capsys, progress):
+    """tiny_llama's 14 linears are enough for convert's own bar (8 or more layers)."""
+    calibrate_model(tiny_llama(), batches(), filter_fn=all_but_lm_head, progress=progress)
+    err = capsys.readouterr().err
+    assert ("nvfp4_static calibrate" in err) == progress
+    assert ("nvfp4_static convert" in err) == progress
