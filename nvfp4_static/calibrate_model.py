@@ -16,7 +16,7 @@ import torch
 from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
-from nvfp4_static.arguments import check_flags
+from nvfp4_static.arguments import check_batches, check_flags
 from nvfp4_static.config import NVFP4StaticActivationConfig, config_or_default
 from nvfp4_static.layerwise import _home_device, _map_tensors
 from nvfp4_static.norm_smoothing import (
@@ -71,10 +71,7 @@ def calibrate_model(
             [0, 1], or smoothing refused (see ``smooth_norm_inputs``); in these cases the model
             is left as it was.
     """
-    if isinstance(batches, torch.Tensor) or not isinstance(batches, Sequence):
-        raise TypeError(
-            f"nvfp4_static: calibrate_model takes a sequence of batches (a list), got a {type(batches).__name__}"
-        )
+    check_batches("calibrate_model", batches)
     if not batches:
         raise ValueError("nvfp4_static: calibrate_model needs at least one calibration batch")
     check_flags("calibrate_model", progress=progress)

@@ -43,7 +43,7 @@ import torch
 from torchao.quantization import quantize_
 from tqdm.auto import tqdm
 
-from nvfp4_static.arguments import check_flags
+from nvfp4_static.arguments import check_batches, check_flags
 from nvfp4_static.config import NVFP4StaticActivationConfig, config_or_default
 from nvfp4_static.data_parallel_convert import SideTask, convert_data_parallel
 from nvfp4_static.distributed import (
@@ -340,6 +340,7 @@ def calibrate_layer_by_layer(
     Returns:
         ``model``, its decoder layers' selected linears converted.
     """
+    check_batches("calibrate_layer_by_layer", batches)
     flags = dict(propagate_quantized=propagate_quantized, offload=offload, progress=progress)
     check_flags("calibrate_layer_by_layer", **flags, **({} if prefetch is None else {"prefetch": prefetch}))
     config = config_or_default("calibrate_layer_by_layer", config)

@@ -198,6 +198,8 @@ def _norm_output_channel_amax(model, groups: dict, forward_loop) -> dict[str, to
 
     def recorder(name):
         def hook(module, args, output):
+            if not output.numel():  # a batch without tokens, which the model runs
+                return
             seen = output.detach().abs().flatten(0, -2).amax(0).float()
             amax[name] = seen if name not in amax else torch.maximum(amax[name], seen)
         return hook
@@ -211,8 +213,9 @@ def _norm_output_channel_amax(model, groups: dict, forward_loop) -> dict[str, to
     unseen = [name for name in groups if name not in amax]
     if unseen:
         raise ValueError(
-            f"nvfp4_static: smooth_norm_inputs: norms {', '.join(unseen)} saw no input; "
-            f"forward_loop must run batches through the model it is given. Nothing was changed"
+            f"nvfp4_static: smooth_norm_inputs: norms {', '.join(unseen)} saw no input (or "
+            f"only batches without tokens); forward_loop must run batches through the model it "
+            f"is given. Nothing was changed"
         )
     bad = [name for name, a in amax.items() if not bool(torch.isfinite(a).all())]
     if bad:

@@ -125,11 +125,16 @@ def test_a_progress_flag_that_is_not_a_bool_is_refused_and_nothing_changes(progr
 
 @pytest.mark.parametrize("data", [token_ids(0), {"input_ids": token_ids(0)}, (ids for ids in batches())],
                          ids=["a tensor", "a dict", "a generator"])
-def test_batches_that_are_not_a_sequence_are_refused_and_nothing_changes(data):
+@pytest.mark.parametrize("function", ["calibrate_model", "calibrate_layer_by_layer"])
+def test_batches_that_are_not_a_sequence_are_refused_and_nothing_changes(data, function):
+    """A tensor was taken row by row as batches layer by layer, a generator had no len()."""
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(TypeError, match=rf"takes a sequence of batches \(a list\), got a {type(data).__name__}"):
-        calibrate_model(model, data, CONFIG, filter_fn=all_but_lm_head, progress=False)
+    with pytest.raises(TypeError, match=rf"{function} takes a sequence of batches \(a list\), got a {type(data).__name__}"):
+        if function == "calibrate_model":
+            calibrate_model(model, data, CONFIG, filter_fn=all_but_lm_head, progress=False)
+        else:
+            calibrate_layer_by_layer(model, data, CONFIG, filter_fn=all_but_lm_head, progress=False, device="cpu")
     assert all(type(m) is not NVFP4StaticLinear for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 

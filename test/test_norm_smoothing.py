@@ -190,6 +190,23 @@ def test_a_loop_that_runs_nothing_is_refused_and_nothing_changes():
     assert_same_state(model, before)
 
 
+def test_batches_without_tokens_are_skipped_and_only_such_batches_are_refused():
+    """The float model runs a batch of no tokens; its norm output's amax over 0 rows raised."""
+    x, empty = torch.randn(8, K) * torch.linspace(0.5, 4, K), torch.empty(0, K)
+    torch.manual_seed(0)
+    with_empty = NormThenLinears()
+    torch.manual_seed(0)
+    plain = NormThenLinears()
+    scales = smooth_norm_inputs(with_empty, lambda m: [m(empty), m(x), m(empty.reshape(2, 0, K))],
+                                norm_consumers=CONSUMERS)["norm"]
+    assert torch.equal(scales, smooth_norm_inputs(plain, lambda m: m(x), norm_consumers=CONSUMERS)["norm"])
+    only_empty = NormThenLinears()
+    before = state(only_empty)
+    with pytest.raises(ValueError, match=r"norms norm saw no input \(or only batches without tokens\)"):
+        smooth_norm_inputs(only_empty, lambda m: m(empty), norm_consumers=CONSUMERS)
+    assert_same_state(only_empty, before)
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
 def test_non_finite_norm_outputs_are_refused_and_nothing_changes(bad):
     model = NormThenLinears()
