@@ -56,7 +56,7 @@ from nvfp4_static.distributed import (
 from nvfp4_static.layer_mover import LayerMover, put_tensor, tensor_slots
 from nvfp4_static.layerwise_resume import FinishedLayers, layer_fingerprint, run_fingerprint
 from nvfp4_static.layerwise_smoothing import LayerSmoothing
-from nvfp4_static.norm_smoothing import DEFAULT_ALPHA, check_alpha
+from nvfp4_static.norm_smoothing import DEFAULT_ALPHA, check_alpha, find_norm_groups
 from nvfp4_static.workflow import is_quantizable, selects_a_layer
 
 __all__ = ["calibrate_layer_by_layer", "find_decoder_layers"]
@@ -363,6 +363,7 @@ def calibrate_layer_by_layer(
         anchor_source = next((r for r, n in enumerate(counts) if n), 0)
     if smooth_alpha is not None:
         check_alpha(smooth_alpha, "calibrate_layer_by_layer", "smooth_alpha")
+        find_norm_groups(model)  # refuses, before any layer changes, a norm or weight two layers share
     if not sum(counts):
         raise ValueError(
             f"nvfp4_static: calibrate_layer_by_layer needs at least one calibration batch"

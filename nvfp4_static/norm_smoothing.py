@@ -82,11 +82,12 @@ def smooth_norm_inputs(
 
 def find_norm_groups(module: torch.nn.Module, norm_consumers: Optional[dict] = None) -> dict:
     """Norm name -> (norm, [consumer linears]) in ``module``, each group checked; may be empty.
-    A norm with only some of its consumers, or a linear two groups name, is refused: folding
-    scales into part of what reads a norm changes what the model computes."""
+    A norm with only some of its consumers, a linear two groups name, or a weight that two
+    places share (a norm module used twice, tied linear weights) is refused: folding scales
+    into part of what reads a norm, or twice into one tensor, changes what the model computes."""
     norm_consumers = DEFAULT_NORM_CONSUMERS if norm_consumers is None else norm_consumers
     _check_norm_consumers(norm_consumers)
-    groups, owner = {}, {}
+    groups, owner, folded_into = {}, {}, {}
     for parent_name, parent in module.named_modules():
         for norm_attr, consumer_names in norm_consumers.items():
             norm = getattr(parent, norm_attr, None)
@@ -108,6 +109,14 @@ def find_norm_groups(module: torch.nn.Module, norm_consumers: Optional[dict] = N
                         f"both '{owner[consumer]}' and '{name}'; a linear reads one norm"
                     )
                 owner[consumer] = name
+            for place, holder in [(name, norm), *zip((f"{parent_name}.{n}".lstrip(".") for n in consumer_names), consumers)]:
+                first = folded_into.setdefault(id(holder.weight), place)
+                if first != place:
+                    raise ValueError(
+                        f"nvfp4_static: smooth_norm_inputs: '{place}' and '{first}' hold one weight "
+                        f"(a module used twice, or tied weights); folding the scales into it twice "
+                        f"would change what the model computes"
+                    )
             groups[name] = (norm, consumers)
     return groups
 
