@@ -87,15 +87,27 @@ def test_a_call_outside_no_grad_takes_it_where_nothing_requires_gradients():
     assert spy.calls == 0
 
 
+@pytest.mark.parametrize("wants_gradients", ["bias", "activation", "both"])
+def test_a_call_recording_gradients_takes_it_and_its_backward_raises_the_layers_error(wants_gradients):
+    """Convert keeps the float bias, which requires gradients: every call outside no_grad took
+    the torch ops, 16 times slower, where the kernel's output tied back to the inputs serves."""
+    layer = layer_of()
+    layer.bias.requires_grad_(wants_gradients in ("bias", "both"))
+    spy = spied(layer)
+    x = activation(3, K).requires_grad_(wants_gradients in ("activation", "both"))
+    with torch.enable_grad():
+        out = layer(x)
+    assert spy.calls == 0 and out.requires_grad
+    assert torch.equal(out.detach(), definition(layer, x.detach()).detach())
+    with pytest.raises(RuntimeError, match="converted NVFP4 layers are inference-only"):
+        out.sum().backward()
+
+
 def general_route_cases():
     """Calls the prepared kernel arguments do not serve: (name, how to make the layer, the call)."""
 
     def float16(layer):
         return layer(activation(4, K, dtype=torch.float16))
-
-    def recording_gradients(layer):
-        with torch.enable_grad():
-            return layer(activation(4, K).requires_grad_()).detach()
 
     def under_a_dispatch_mode(layer):
         with PassThrough():
@@ -135,7 +147,7 @@ def general_route_cases():
     return {
         case.__name__: case
         for case in (
-            float16, recording_gradients, under_a_dispatch_mode, more_rows_than_the_kernel_takes, no_rows,
+            float16, under_a_dispatch_mode, more_rows_than_the_kernel_takes, no_rows,
             float64_activation_scale, strided_weight, strided_block_scales, float16_bias, kernel_switched_off,
         )
     }

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from nvfp4_static.backends import cpu_kernel
-from nvfp4_static.inference_only import records_gradients
+from nvfp4_static.inference_only import detached, records_gradients, refusing_gradients
 from nvfp4_static.kernels.launch import runs_eagerly
 from nvfp4_static.kernels.ops import cpu_static_nvfp4_linear
 from nvfp4_static.numerics import (
@@ -70,13 +70,15 @@ def static_nvfp4_linear_on_cpu(
     bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """The linear of real CPU tensors: the CPU kernel where it is built and takes this many
-    rows, else the torch ops. The kernel's output records no autograd graph, so a call that
-    records one (gradients on, an input that requires them) takes the torch ops, whose output
-    the converted layer's backward guard then sees."""
+    rows, else the torch ops. The kernel's output records no autograd graph: for a call that
+    records one (gradients on, an input or the bias that requires them; a model called outside
+    ``torch.no_grad()``) it is tied back to those inputs by ``refusing_gradients``, so that a
+    backward through it raises the converted layer's error."""
     operands = (x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
-    lib = None if records_gradients(x, bias) else cpu_kernel.library()
+    lib = cpu_kernel.library()
     if lib is not None and x.numel() <= lib.most_rows * x.shape[-1]:
-        return cpu_kernel.static_nvfp4_linear_rows(lib, *operands, decoding_tables()[1])
+        out = cpu_kernel.static_nvfp4_linear_rows(lib, *(detached(t) for t in operands), decoding_tables()[1])
+        return refusing_gradients(out, x, bias) if records_gradients(x, bias) else out
     return torch_static_nvfp4_linear(*operands)
 
 

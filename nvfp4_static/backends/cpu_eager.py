@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from nvfp4_static.backends import cpu, cpu_kernel
-from nvfp4_static.inference_only import records_gradients
+from nvfp4_static.inference_only import records_gradients, refusing_gradients
 
 __all__ = ["EagerCpuKernelCalls", "eager_linear"]
 
@@ -63,7 +63,6 @@ class EagerCpuKernelCalls:
             or not x.is_cpu
             or x.dtype not in _KERNEL_DTYPES
             or torch._C._len_torch_dispatch_stack()
-            or records_gradients(x, bias)
         ):
             return None
         tensors = (weight.qdata, weight.scale, weight.per_tensor_scale, weight.act_per_tensor_scale, bias)
@@ -78,8 +77,9 @@ class EagerCpuKernelCalls:
         if lib is None or not 0 < rows <= lib.most_rows:
             return None
         out = torch.empty(x.shape[:-1] + (arguments.n,), dtype=x.dtype, device="cpu")
-        cpu_kernel.call_kernel(lib, x.contiguous(), rows, arguments.k, arguments.n, arguments.addresses, bias, out)
-        return out
+        cpu_kernel.call_kernel(lib, x.detach().contiguous(), rows, arguments.k, arguments.n, arguments.addresses,
+                               bias, out)
+        return refusing_gradients(out, x, bias) if records_gradients(x, bias) else out
 
     def _prepare(
         self, weight, bias: Optional[torch.Tensor], tensors: tuple, addresses: tuple
