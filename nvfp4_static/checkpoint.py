@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Optional, Union
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from nvfp4_static.backends import check_runs_on, resolve_backend
 from nvfp4_static.experts import NVFP4StaticExperts, NVFP4StaticObservedExperts, experts_layout
@@ -160,11 +161,17 @@ def _check_loadable(model: torch.nn.Module, checkpoint: dict) -> None:
             )
         if not (torch.is_tensor(value) and torch.is_tensor(ours)):
             continue
-        if isinstance(value, NVFP4StaticTensor) != isinstance(ours, NVFP4StaticTensor):
+        if isinstance(value, NVFP4StaticTensor) != isinstance(ours, NVFP4StaticTensor) or (
+            is_traceable_wrapper_subclass(value) and not isinstance(value, NVFP4StaticTensor)
+        ):
+            # Another quantized tensor (torchao's own) fails its copy_ after the entries before it
+            # are copied.
             problems.append(
                 f"{key!r} is a {type(value).__name__} in the checkpoint and a "
                 f"{type(ours).__name__} in the model"
             )
+        elif value.is_meta:
+            problems.append(f"{key!r} is on the meta device in the checkpoint: it holds no values")
         elif value.shape != ours.shape:
             problems.append(
                 f"size mismatch for {key!r}: {tuple(value.shape)} in the checkpoint, "

@@ -552,6 +552,38 @@ def test_a_checkpoint_entry_that_is_not_a_tensor_is_refused_and_the_float_model_
     assert_same_tensors(before, converted_tensors(target))
 
 
+def torchao_nvfp4(shape):
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+    return NVFP4Tensor.to_nvfp4(torch.randn(shape))
+
+
+@pytest.mark.parametrize("entry, value, message", [
+    ("1.weight", lambda: torchao_nvfp4((64, 64)), "'1.weight' is a NVFP4Tensor in the checkpoint and a Tensor"),
+    ("1.bias", lambda: torch.empty(64, device="meta"), "'1.bias' is on the meta device in the checkpoint"),
+    ("0.bias", lambda: torch.empty(64, device="meta"), "'0.bias' is on the meta device in the checkpoint"),
+], ids=["torchao-nvfp4-into-a-float-weight", "meta-float-bias", "meta-converted-bias"])
+def test_a_checkpoint_entry_whose_copy_would_fail_is_refused_before_anything_is_copied(entry, value, message):
+    """Each passed the shape checks, and its copy failed after the entries before it were copied."""
+    def two_layers(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+
+    only_first = lambda module, fqn: is_quantizable(module, fqn) and fqn == "0"  # noqa: E731
+    source = two_layers(0)
+    quantize_(source, NVFP4StaticActivationConfig(step="prepare"), filter_fn=only_first)
+    with torch.no_grad():
+        source(torch.randn(8, 64))
+    quantize_(source, NVFP4StaticActivationConfig(step="convert"), filter_fn=only_first)
+    state = {**source.state_dict(), entry: value()}
+    target = two_layers(1)
+    before = converted_tensors(target)
+    with pytest.raises(RuntimeError, match=f"nothing was loaded\\): {message}"):
+        load_quantized(target, state)
+    assert type(target[0]) is torch.nn.Linear
+    assert_same_tensors(before, converted_tensors(target))
+
+
 @pytest.mark.parametrize("checkpoint", [[1, 2, 3], torch.zeros(3), None], ids=["list", "tensor", "none"])
 def test_load_quantized_refuses_what_is_not_a_state_dict(checkpoint):
     with pytest.raises(TypeError, match=rf"takes a state dict or the path of a file holding one; got a {type(checkpoint).__name__}"):
