@@ -53,6 +53,11 @@ from nvfp4_static.tensor import NVFP4StaticTensor
 __all__ = ["is_quantizable", "layer_name", "sweep_weight_block_scales"]
 
 _LAYER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+# What the error for a layer without calibration data adds: a layer the batches never reach.
+_UNREACHED = (
+    "A layer these batches never reach (an unused branch) cannot be calibrated: leave it out "
+    "with filter_fn, at prepare and convert. Layers converted before this one stay converted"
+)
 _CONVERT_PROGRESS = ConvertProgress()
 # ``with converts_without_bar():`` around a convert shows no bar over its layers.
 converts_without_bar = _CONVERT_PROGRESS.without_bar
@@ -341,11 +346,11 @@ def layer_activation_global_amax(module: NVFP4StaticObservedLinear) -> torch.Ten
     try:
         act_amax = module.act_calibrator.compute_amax()
     except RuntimeError as error:
-        raise RuntimeError(f"nvfp4_static: cannot convert layer '{name}': {error}") from error
+        raise RuntimeError(f"nvfp4_static: cannot convert layer '{name}': {error}. {_UNREACHED}") from error
     if act_amax is None:
         raise RuntimeError(
             f"nvfp4_static: cannot convert layer '{name}': it saw no calibration data; run "
-            f"calibration batches through the prepared model before step='convert'"
+            f"calibration batches through the prepared model before step='convert'. {_UNREACHED}"
         )
     act_amax = torch.as_tensor(act_amax, dtype=torch.float32)
     if not is_usable_act_per_tensor_scale(per_tensor_amax_to_scale(act_amax)):

@@ -845,3 +845,24 @@ def test_a_config_that_is_not_ours_is_refused_naming_it_before_the_model_changes
         calls[entry]()
     after = model.state_dict()
     assert all(torch.equal(value, after[key]) for key, value in before.items())
+
+
+class WithUnusedBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = torch.nn.Linear(DIM, DIM)
+        self.unused = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_a_layer_the_batches_never_reach_is_named_with_the_way_out():
+    model = prepare(WithUnusedBranch())
+    calibrate(model, calibration_batches())
+    with pytest.raises(RuntimeError, match="cannot convert layer 'unused': .*leave it out with filter_fn"):
+        convert(model)
+    leave_out = lambda module, fqn: is_quantizable(module, fqn) and fqn != "unused"  # noqa: E731
+    quantize_(model, NVFP4StaticActivationConfig(step="convert"), filter_fn=leave_out)
+    assert type(model.used) is NVFP4StaticLinear and type(model.unused) is NVFP4StaticObservedLinear
