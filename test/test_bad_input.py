@@ -254,6 +254,26 @@ def test_activations_beyond_the_histogram_range_get_a_usable_amax_and_a_warning(
     assert sqnr_db(x, static) > 15
 
 
+def test_a_reading_from_the_bottom_bin_warns_even_when_the_literal_max_lies_in_range():
+    """Blocks below the range and one outlier in it: B_min's percentile falls in the bottom
+    bin, whose centre (about 1e-12) was read without a warning though the data there lie near
+    1e-20 (every input then quantized to zero)."""
+    model = prepare(make(MLP), weight_scale="mse")
+    batches = [b * 1e-20 for b in calibration_batches()]
+    batches[0][0, 0] = 1.0
+    calibrate(model, batches)
+    with pytest.warns(UserWarning, match="percentile lies in the histogram's bottom bin"):
+        convert(model, weight_scale="mse")
+
+
+def test_a_reading_inside_the_range_does_not_warn():
+    model = prepare(make(MLP), weight_scale="mse")
+    calibrate(model, calibration_batches())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(model, weight_scale="mse")
+
+
 @pytest.mark.parametrize(
     "field, named",
     [

@@ -198,7 +198,8 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         the histogram's range: there the centre can be far from the data. A reading from the
         top bin when the literal max lies above the range is the literal max (the only value
         known there, and one that clips nothing); one from the bottom bin is at most the
-        literal max. Both warn, naming the range to widen."""
+        literal max. Both warn, naming the range to widen; so does any other reading from the
+        bottom bin (its data may lie anywhere below the range)."""
         centre = float(self._bin_centres[index])
         if index == self.num_bins - 1 and literal_max > 2.0**self.log2_max:
             self._warn_out_of_range("above", 2.0**self.log2_max, literal_max, "log2_max")
@@ -206,6 +207,13 @@ class BlockAmaxHistogramObserver(MergeableObserver):
         if index == 0 and literal_max < centre:
             self._warn_out_of_range("below", 2.0**self.log2_min, literal_max, "log2_min")
             return literal_max
+        if index == 0:
+            warn(
+                f"{self.describe()}: the percentile lies in the histogram's bottom bin, which also "
+                f"holds every block amax below its range (edge {2.0**self.log2_min:.3g}); it is read "
+                f"as that bin's centre {centre:.3g}, which may be far above the data there. Widen "
+                f"the range (log2_min) for a percentile reading"
+            )
         return centre
 
     def _warn_out_of_range(self, side: str, edge: float, literal_max: float, knob: str) -> None:
