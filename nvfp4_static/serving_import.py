@@ -205,8 +205,25 @@ def _read_tensors(folder: pathlib.Path) -> tuple:
                 recorded = (handle.metadata() or {}).get(PER_TENSOR_SCALES_METADATA)
         except SafetensorError as error:
             raise ValueError(f"nvfp4_static: {folder / file} is not a readable safetensors file: {error}") from error
-        exact_scales.update(json.loads(recorded) if recorded else {})
+        exact_scales.update(_recorded_scales(folder / file, recorded) if recorded else {})
     return tensors, exact_scales
+
+
+def _recorded_scales(path: pathlib.Path, recorded: str) -> dict:
+    """The header's record of exact per-tensor scales: tensor name -> float hex string."""
+    try:
+        scales = json.loads(recorded)
+    except json.JSONDecodeError:
+        scales = None
+    if not isinstance(scales, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in scales.items()
+    ):
+        raise ValueError(
+            f"nvfp4_static: {path}: the header's {PER_TENSOR_SCALES_METADATA!r} is not a JSON object "
+            f"of tensor names to float hex strings ({recorded[:80]!r}); the file is damaged, or "
+            f"delete that header entry to import the stored scales as they are"
+        )
+    return scales
 
 
 def _model_from_config(folder: pathlib.Path) -> torch.nn.Module:

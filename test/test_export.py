@@ -463,6 +463,12 @@ def damage_shard(folder, edit):
     save_file(tensors, shard, metadata={"format": "pt"})
 
 
+def set_scales_header(folder, value):
+    """The shard's header entry in which export records the exact per-tensor scales."""
+    shard = next(folder.glob("model-*.safetensors"))
+    save_file(load_file(shard), shard, metadata={"format": "pt", "nvfp4_static.per_tensor_scales": value})
+
+
 def set_block_scale_code(tensors, code):
     key = next(k for k in sorted(tensors) if k.endswith("down_proj.weight_scale"))
     tensors[key].view(torch.uint8)[3, 2] = code
@@ -482,6 +488,18 @@ DAMAGED_FOLDERS = {
     "shard-not-safetensors": (
         lambda f: next(f.glob("model-*.safetensors")).write_bytes(b"\x00garbage"),
         r"model-.*safetensors is not a readable safetensors file",
+    ),
+    "scales-header-not-json": (
+        lambda f: set_scales_header(f, "{oops"),
+        r"model-.*safetensors: the header's 'nvfp4_static.per_tensor_scales' is not a JSON object",
+    ),
+    "scales-header-a-list": (
+        lambda f: set_scales_header(f, "[1, 2]"),
+        r"model-.*safetensors: the header's 'nvfp4_static.per_tensor_scales' is not a JSON object",
+    ),
+    "scales-header-of-numbers": (
+        lambda f: set_scales_header(f, json.dumps({"model.layers.0.mlp.down_proj.weight_global_scale": 1.0})),
+        r"model-.*safetensors: the header's 'nvfp4_static.per_tensor_scales' is not a JSON object",
     ),
     "nan-block-scale": (
         lambda f: damage_shard(f, lambda t: set_block_scale_code(t, 0x7F)),
