@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from nvfp4_static.arguments import check_batches, check_flags
 from nvfp4_static.config import NVFP4StaticActivationConfig, config_or_default
+from nvfp4_static.eval_mode import in_eval_mode
 from nvfp4_static.layerwise import _home_device, _map_tensors
 from nvfp4_static.norm_smoothing import (
     DEFAULT_ALPHA,
@@ -47,6 +48,7 @@ def calibrate_model(
     progress: bool = True,
 ) -> torch.nn.Module:
     """Smooth, prepare, calibrate on ``batches`` and convert ``model`` in place, on its device.
+    The batches run with the model in eval mode (dropout off), its modes given back after.
 
     Args:
         model: the float model.
@@ -85,15 +87,16 @@ def calibrate_model(
         check_alpha(smooth_alpha, "calibrate_model", "smooth_alpha")
     forward = forward or _default_forward
     device = _home_device(model)
-    if smooth_alpha is not None:
-        groups = find_norm_groups(model)
-        if groups:
-            first = _map_tensors(batches[0], lambda t: t.to(device))
-            scales = smoothing_scales(model, groups, lambda m: forward(m, first), smooth_alpha)
-            fold_smoothing_scales(groups, scales)
-    quantize_(model, dataclasses.replace(config, step="prepare"), filter_fn=filter_fn)
-    for batch in tqdm(batches, desc="nvfp4_static calibrate", unit="batch", disable=not progress):
-        forward(model, _map_tensors(batch, lambda t: t.to(device)))
+    with in_eval_mode(model):
+        if smooth_alpha is not None:
+            groups = find_norm_groups(model)
+            if groups:
+                first = _map_tensors(batches[0], lambda t: t.to(device))
+                scales = smoothing_scales(model, groups, lambda m: forward(m, first), smooth_alpha)
+                fold_smoothing_scales(groups, scales)
+        quantize_(model, dataclasses.replace(config, step="prepare"), filter_fn=filter_fn)
+        for batch in tqdm(batches, desc="nvfp4_static calibrate", unit="batch", disable=not progress):
+            forward(model, _map_tensors(batch, lambda t: t.to(device)))
     with contextlib.nullcontext() if progress else converts_without_bar():
         quantize_(model, dataclasses.replace(config, step="convert"), filter_fn=filter_fn)
     return model

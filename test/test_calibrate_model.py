@@ -146,3 +146,22 @@ def test_progress_false_shows_no_bar_and_true_shows_the_calibration_and_convert_
     err = capsys.readouterr().err
     assert ("nvfp4_static calibrate" in err) == progress
     assert ("nvfp4_static convert" in err) == progress
+
+
+def test_a_model_left_in_training_mode_is_calibrated_in_eval_mode_and_given_its_modes_back():
+    """Dropout active during calibration doubled the amax after Dropout(0.5)."""
+    def model_in(mode):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                                    torch.nn.Linear(256, 64))
+        getattr(model, mode)()
+        return model
+
+    data = [torch.randn(64, 64, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    config = NVFP4StaticActivationConfig(act_calibration="max", weight_scale="max")
+    trained = model_in("train")
+    trained[1].eval()  # a module's own mode comes back too
+    calibrate_model(trained, data, config, progress=False)
+    evaluated = calibrate_model(model_in("eval"), data, config, progress=False)
+    assert trained[3].act_global_amax == evaluated[3].act_global_amax
+    assert trained.training and trained[2].training and not trained[1].training
