@@ -161,11 +161,10 @@ def _check_loadable(model: torch.nn.Module, checkpoint: dict) -> None:
             )
         if not (torch.is_tensor(value) and torch.is_tensor(ours)):
             continue
-        if isinstance(value, NVFP4StaticTensor) != isinstance(ours, NVFP4StaticTensor) or (
-            is_traceable_wrapper_subclass(value) and not isinstance(value, NVFP4StaticTensor)
-        ):
-            # Another quantized tensor (torchao's own) fails its copy_ after the entries before it
-            # are copied.
+        # Another library's quantized tensor (torchao's own) fails its copy_ after the entries
+        # before it are copied.
+        foreign = is_traceable_wrapper_subclass(value) and not isinstance(value, NVFP4StaticTensor)
+        if foreign or isinstance(value, NVFP4StaticTensor) != isinstance(ours, NVFP4StaticTensor):
             problems.append(
                 f"{key!r} is a {type(value).__name__} in the checkpoint and a "
                 f"{type(ours).__name__} in the model"

@@ -242,7 +242,6 @@ def _capture_layer_inputs(model, layers, batches, forward, device, cache_device)
                         f"record the layers' inputs"
                     )
     finally:
-        distinct.clear()
         for layer, own in zip(layers, own_forwards):
             if own is None:
                 del layer.forward

@@ -94,7 +94,7 @@ def find_norm_groups(module: torch.nn.Module, norm_consumers: Optional[dict] = N
             consumers = [_submodule_or_none(parent, name) for name in consumer_names]
             if norm is None or all(c is None for c in consumers):
                 continue
-            name = f"{parent_name}.{norm_attr}" if parent_name else norm_attr
+            name = _qualified(parent_name, norm_attr)
             missing = [n for n, c in zip(consumer_names, consumers) if c is None]
             if missing:
                 raise ValueError(
@@ -109,7 +109,8 @@ def find_norm_groups(module: torch.nn.Module, norm_consumers: Optional[dict] = N
                         f"both '{owner[consumer]}' and '{name}'; a linear reads one norm"
                     )
                 owner[consumer] = name
-            for place, holder in [(name, norm), *zip((f"{parent_name}.{n}".lstrip(".") for n in consumer_names), consumers)]:
+            holders = [(name, norm)] + [(_qualified(parent_name, n), c) for n, c in zip(consumer_names, consumers)]
+            for place, holder in holders:
                 first = folded_into.setdefault(id(holder.weight), place)
                 if first != place:
                     raise ValueError(
@@ -119,6 +120,10 @@ def find_norm_groups(module: torch.nn.Module, norm_consumers: Optional[dict] = N
                     )
             groups[name] = (norm, consumers)
     return groups
+
+
+def _qualified(parent_name: str, attribute: str) -> str:
+    return f"{parent_name}.{attribute}" if parent_name else attribute
 
 
 def _check_norm_consumers(norm_consumers) -> None:

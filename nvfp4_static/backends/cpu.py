@@ -77,8 +77,11 @@ def static_nvfp4_linear_on_cpu(
     operands = (x, weight_qdata, weight_block_scales, weight_per_tensor_scale, act_per_tensor_scale, bias)
     lib = cpu_kernel.library()
     if lib is not None and x.numel() <= lib.most_rows * x.shape[-1]:
-        out = cpu_kernel.static_nvfp4_linear_rows(lib, *(detached(t) for t in operands), decoding_tables()[1])
-        return refusing_gradients(out, x, bias) if records_gradients(x, bias) else out
+        if not records_gradients(x, bias):
+            return cpu_kernel.static_nvfp4_linear_rows(lib, *operands, decoding_tables()[1])
+        out = cpu_kernel.static_nvfp4_linear_rows(lib, detached(x), *operands[1:5], detached(bias),
+                                                  decoding_tables()[1])
+        return refusing_gradients(out, x, bias)
     return torch_static_nvfp4_linear(*operands)
 
 

@@ -77,9 +77,10 @@ class EagerCpuKernelCalls:
         if lib is None or not 0 < rows <= lib.most_rows:
             return None
         out = torch.empty(x.shape[:-1] + (arguments.n,), dtype=x.dtype, device="cpu")
-        cpu_kernel.call_kernel(lib, x.detach().contiguous(), rows, arguments.k, arguments.n, arguments.addresses,
-                               bias, out)
-        return refusing_gradients(out, x, bias) if records_gradients(x, bias) else out
+        recording = records_gradients(x, bias)
+        rows_in = (x.detach() if recording else x).contiguous()
+        cpu_kernel.call_kernel(lib, rows_in, rows, arguments.k, arguments.n, arguments.addresses, bias, out)
+        return refusing_gradients(out, x, bias) if recording else out
 
     def _prepare(
         self, weight, bias: Optional[torch.Tensor], tensors: tuple, addresses: tuple
