@@ -256,8 +256,8 @@ def test_activations_beyond_the_histogram_range_get_a_usable_amax_and_a_warning(
 
 def test_a_reading_from_the_bottom_bin_warns_even_when_the_literal_max_lies_in_range():
     """Blocks below the range and one outlier in it: B_min's percentile falls in the bottom
-    bin, whose centre (about 1e-12) was read without a warning though the data there lie near
-    1e-20 (every input then quantized to zero)."""
+    bin, whose centre (about 1e-12) lies far above the data there (near 1e-20), so every input
+    would quantize to zero: the reading warns."""
     model = prepare(make(MLP), weight_scale="mse")
     batches = [b * 1e-20 for b in calibration_batches()]
     batches[0][0, 0] = 1.0
@@ -393,8 +393,8 @@ def test_a_checkpoint_whose_global_scales_multiply_past_float32_is_refused(act, 
 
 @pytest.mark.parametrize("in_features", [65, 60, 72])
 def test_a_checkpoint_loaded_into_a_linear_nvfp4_cannot_hold_is_refused(in_features):
-    """The converted layer's tensors were sized from in_features // 2 and // 16: 65 took a
-    64-wide checkpoint and failed only at the first call."""
+    """Sized by in_features // 2 and // 16, a 65-wide layer's tensors would take a 64-wide
+    checkpoint and fail only at the first call."""
     state = quantized(torch.nn.Sequential(torch.nn.Linear(64, 32))).state_dict()
     target = torch.nn.Sequential(torch.nn.Linear(in_features, 32))
     with pytest.raises(ValueError, match=rf"layer '0' is Linear\({in_features} -> 32\); a converted layer needs in_features a multiple of 16"):
@@ -584,7 +584,7 @@ def torchao_nvfp4(shape):
     ("0.bias", lambda: torch.empty(64, device="meta"), "'0.bias' is on the meta device in the checkpoint"),
 ], ids=["torchao-nvfp4-into-a-float-weight", "meta-float-bias", "meta-converted-bias"])
 def test_a_checkpoint_entry_whose_copy_would_fail_is_refused_before_anything_is_copied(entry, value, message):
-    """Each passed the shape checks, and its copy failed after the entries before it were copied."""
+    """Each passes the shape checks; its copy would fail after the entries before it are copied."""
     def two_layers(seed):
         torch.manual_seed(seed)
         return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))

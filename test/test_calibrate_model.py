@@ -127,7 +127,7 @@ def test_a_progress_flag_that_is_not_a_bool_is_refused_and_nothing_changes(progr
                          ids=["a tensor", "a dict", "a generator"])
 @pytest.mark.parametrize("function", ["calibrate_model", "calibrate_layer_by_layer"])
 def test_batches_that_are_not_a_sequence_are_refused_and_nothing_changes(data, function):
-    """A tensor was taken row by row as batches layer by layer, a generator had no len()."""
+    """A tensor would be taken row by row as batches, and a generator has no len()."""
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(TypeError, match=rf"{function} takes a sequence of batches \(a list\), got a {type(data).__name__}"):
@@ -149,7 +149,7 @@ def test_progress_false_shows_no_bar_and_true_shows_the_calibration_and_convert_
 
 
 def test_a_model_left_in_training_mode_is_calibrated_in_eval_mode_and_given_its_modes_back():
-    """Dropout active during calibration doubled the amax after Dropout(0.5)."""
+    """Dropout active during calibration would double the amax after Dropout(0.5)."""
     def model_in(mode):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Dropout(0.5),

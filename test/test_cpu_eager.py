@@ -89,8 +89,8 @@ def test_a_call_outside_no_grad_takes_it_where_nothing_requires_gradients():
 
 @pytest.mark.parametrize("wants_gradients", ["bias", "activation", "both"])
 def test_a_call_recording_gradients_takes_it_and_its_backward_raises_the_layers_error(wants_gradients):
-    """Convert keeps the float bias, which requires gradients: every call outside no_grad took
-    the torch ops, 16 times slower, where the kernel's output tied back to the inputs serves."""
+    """Convert keeps the float bias, which requires gradients, so every call outside no_grad
+    records gradients: the kernel serves it, its output tied back to the inputs."""
     layer = layer_of()
     layer.bias.requires_grad_(wants_gradients in ("bias", "both"))
     spy = spied(layer)
@@ -248,7 +248,7 @@ def test_a_layer_pickled_without_prepared_calls_takes_the_general_route():
                          ids=["prepared", "general", "many-rows"])
 def test_a_call_while_another_default_device_is_set_gives_the_cpu_output(default_device, rows, dtype):
     """The kernels write through their outputs' pointers: allocated on the default device (meta
-    here, CUDA on a GPU machine) they were not CPU memory, and the process crashed."""
+    here, CUDA on a GPU machine) they would not be CPU memory, and the process would crash."""
     layer, x = layer_of(), activation(rows, K, dtype=dtype)
     with torch.no_grad():
         expected = layer(x)
@@ -261,8 +261,8 @@ def test_a_call_while_another_default_device_is_set_gives_the_cpu_output(default
 @pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch-ops"])
 def test_under_cpu_autocast_every_route_equals_the_definition(monkeypatch, autocast_dtype, kernel):
-    """The torch ops multiply the unscaled operands (up to 6 x 448 each): autocast ran that
-    product in float16 (Inf outputs) or bfloat16 (its rounding)."""
+    """The torch ops multiply the unscaled operands (up to 6 x 448 each): under autocast that
+    product in float16 would overflow to Inf, in bfloat16 be rounded."""
     if not kernel:
         monkeypatch.setattr(cpu_kernel, "library", lambda: None)
     layer, x = layer_of(act_amax=1.0), activation(4, K)

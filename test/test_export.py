@@ -537,7 +537,7 @@ IMPOSSIBLE_GLOBAL_SCALES = {
 
 @pytest.mark.parametrize("case", IMPOSSIBLE_GLOBAL_SCALES, ids=list(IMPOSSIBLE_GLOBAL_SCALES))
 def test_global_scales_no_convert_makes_are_refused_at_import_and_change_nothing(llama_fp32, tmp_path, case):
-    """load_quantized refuses them too: imported, the outputs were the bias alone or Inf."""
+    """load_quantized refuses them too: imported, the outputs would be the bias alone or Inf."""
     format, values, error = IMPOSSIBLE_GLOBAL_SCALES[case]
     export_checkpoint(llama_fp32, tmp_path / "export", format)
     set_global_scales(tmp_path / "export", values)

@@ -206,7 +206,7 @@ def shared(model, case):
 ])
 @pytest.mark.parametrize("how", ["smooth_norm_inputs", "calibrate_layer_by_layer"])
 def test_a_weight_two_layers_share_is_refused_before_anything_changes(case, places, how):
-    """Folded into twice, a shared norm changed the float logits by 0.33 (of about 0.7)."""
+    """Folded into twice, a shared norm or tied weight would change what the float model computes."""
     model = shared(tiny_llama(), case)
     before = state(model)
     with pytest.raises(ValueError, match=f"{places} hold one weight"):
@@ -219,7 +219,7 @@ def test_a_weight_two_layers_share_is_refused_before_anything_changes(case, plac
 
 
 def test_batches_without_tokens_are_skipped_and_only_such_batches_are_refused():
-    """The float model runs a batch of no tokens; its norm output's amax over 0 rows raised."""
+    """The float model runs a batch of no tokens, whose norm output has no rows to take an amax of."""
     x, empty = torch.randn(8, K) * torch.linspace(0.5, 4, K), torch.empty(0, K)
     torch.manual_seed(0)
     with_empty = NormThenLinears()
