@@ -535,7 +535,41 @@ def _remaining_tensors(
                 f"nvfp4_static: '{key}' has shape {list(value.shape)} in the checkpoint and "
                 f"{list(expected[key].shape)} in the model"
             )
+        if _number_kind(value) != _number_kind(expected[key]):
+            raise ValueError(
+                f"nvfp4_static: '{key}' is {value.dtype} in the checkpoint and {expected[key].dtype} "
+                f"in the model; loading would convert its values as numbers (a layer quantized in "
+                f"another scheme?)"
+            )
+    _check_tied_entries(expected, remainder)
     return remainder
+
+
+def _number_kind(tensor: torch.Tensor) -> str:
+    if tensor.dtype == torch.bool:
+        return "boolean"
+    if tensor.is_complex():
+        return "complex"
+    return "floating-point" if tensor.is_floating_point() else "integer"
+
+
+def _check_tied_entries(expected: dict, remainder: dict) -> None:
+    """Refuse different checkpoint tensors for names the model ties together (a tied
+    ``lm_head`` and embedding): loading writes both into the one tensor, the last one winning."""
+    first_name = {}
+    for key in remainder:
+        storage = _storage(expected[key])
+        if storage not in first_name:
+            first_name[storage] = key
+            continue
+        other = first_name[storage]
+        if not torch.equal(remainder[key], remainder[other]):
+            one, two = sorted((key, other))
+            raise ValueError(
+                f"nvfp4_static: the model ties '{one}' to '{two}' (one tensor), but the "
+                f"checkpoint holds different values for them; build the model untied (e.g. "
+                f"tie_word_embeddings=False) to load this checkpoint"
+            )
 
 
 def _storage(tensor: torch.Tensor) -> tuple:

@@ -603,6 +603,47 @@ def test_a_bias_that_is_not_floating_point_is_refused(tmp_path, format, dtype):
     assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
 
 
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("key", ["model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool], ids=["int8", "int32", "bool"])
+def test_a_float_tensor_stored_as_integers_is_refused(llama_fp32, tmp_path, format, key, dtype):
+    """A float layer stored in another scheme (int8 codes) would load as its codes' values."""
+    export_checkpoint(llama_fp32, tmp_path / "export", format)
+    damage_shard(tmp_path / "export", lambda t: t.update({key: t[key].to(dtype)}))
+    target = tiny_llama(seed=1)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=rf"'{key}' is {dtype} in the checkpoint and torch.float32 in the model"):
+        import_checkpoint(tmp_path / "export", target)
+    assert all(type(m) is not NVFP4StaticLinear for m in target.modules())
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_an_untied_checkpoint_into_a_tied_model_is_refused_unless_the_tied_tensors_agree(tmp_path, format):
+    """The model's one tensor would get the lm_head's values, replacing the embedding's."""
+    model = tiny_llama(tie_word_embeddings=False)
+    prepared_and_calibrated(model, weight_scale="max")
+    tie_fused_layers(model)
+    convert_llama(model, weight_scale="max")
+    export_checkpoint(model, tmp_path / "untied", format)
+    tied = tiny_llama(seed=1, tie_word_embeddings=True)
+    before = copy.deepcopy(tied.state_dict())
+    error = r"ties 'lm_head.weight' to 'model.embed_tokens.weight'.*different values"
+    with pytest.raises(ValueError, match=error):
+        import_checkpoint(tmp_path / "untied", tied)
+    assert all(type(m) is not NVFP4StaticLinear for m in tied.modules())
+    assert all(torch.equal(v, before[k]) for k, v in tied.state_dict().items())
+    # The same folder described as tied: the model built from it ties them.
+    edit_whole_config(tmp_path / "untied", lambda config: config.update(tie_word_embeddings=True))
+    with pytest.raises(ValueError, match=error):
+        import_checkpoint(tmp_path / "untied")
+    # Equal values in both entries load, tied.
+    damage_shard(tmp_path / "untied", lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    imported = import_checkpoint(tmp_path / "untied", tiny_llama(seed=1, tie_word_embeddings=True))
+    assert imported.lm_head.weight is imported.model.embed_tokens.weight
+    assert torch.equal(imported.lm_head.weight, model.model.embed_tokens.weight)
+
+
 def test_a_weight_only_modelopt_checkpoint_is_refused(llama_fp32, tmp_path):
     export_checkpoint(llama_fp32, tmp_path / "mo", "modelopt")
     edit_config(tmp_path / "mo", lambda q: q.update(quant_algo="W4A16_NVFP4"))
