@@ -305,10 +305,11 @@ class NVFP4StaticLinear(torch.nn.Linear):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self.check_loadable(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # The weight fills a placeholder; a load (strict=False) of the extra state alone leaves it empty.
+        self.loaded = self.loaded or prefix + "weight" in state_dict
 
     def set_extra_state(self, state: dict) -> None:
         self.check_saved_state(state)
-        self.loaded = True
 
     def extra_repr(self) -> str:
         recipe = ", ".join(f"{k}={v}" for k, v in self.recipe.items())

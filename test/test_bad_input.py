@@ -696,6 +696,21 @@ def test_a_placeholder_refuses_to_run_until_loaded():
     assert model(calibration_batches(1)[0]).shape == (2, 16, DIM)
 
 
+@pytest.mark.parametrize("entries", [["up._extra_state"], ["up._extra_state", "up.bias"], ["up.bias"]], ids=str)
+def test_a_placeholder_given_only_some_entries_stays_empty_until_its_weight_is_loaded(entries):
+    """With strict=False a load may bring the extra state without the weight: the placeholder
+    would otherwise run its all-zero weight."""
+    model = make(MLP)
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)
+    state = quantized(make(MLP)).state_dict()
+    model.load_state_dict({key: state[key] for key in entries}, strict=False)
+    with pytest.raises(RuntimeError, match="'up' is an empty placeholder"):
+        model(calibration_batches(1)[0])
+    assert "empty placeholder" in repr(model.up)
+    model.load_state_dict({"up.weight": state["up.weight"]}, strict=False)
+    assert model.up.loaded and not model.down.loaded
+
+
 def test_a_model_on_the_meta_device_prints():
     model = quantized(make(MLP)).to("meta")
     assert "act_global_amax=? (meta)" in repr(model)

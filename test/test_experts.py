@@ -919,6 +919,21 @@ def test_prepare_for_loading_gives_placeholders_that_refuse_to_run_until_loaded(
         assert torch.equal(fresh(token_ids(8)).logits, converted_model(token_ids(8)).logits)
 
 
+@pytest.mark.parametrize("left_out", ["gate_up_proj.qdata", "down_proj.scale", "down_proj.act_per_tensor_scale"])
+def test_placeholder_experts_stay_empty_until_all_their_tensors_are_loaded(converted_model, left_out):
+    """With strict=False a load may bring the extra state and some tensors only."""
+    fresh = tiny_model("qwen3_moe", seed=1)
+    quantize_(fresh, NVFP4StaticActivationConfig(step="prepare_for_loading", weight_scale="max"), filter_fn=is_quantizable)
+    prefix = "model.layers.1.mlp.experts."
+    state = {k: v for k, v in converted_model.state_dict().items() if k.startswith(prefix) and k != prefix + left_out}
+    fresh.load_state_dict(state, strict=False)
+    placeholder = fresh.model.layers[1].mlp.experts
+    with pytest.raises(RuntimeError, match="'model.layers.1.mlp.experts' are an empty placeholder"):
+        placeholder(*routed_batch(2, seed=0))
+    fresh.load_state_dict({prefix + left_out: converted_model.state_dict()[prefix + left_out]}, strict=False)
+    assert placeholder.loaded and not fresh.model.layers[0].mlp.experts.loaded
+
+
 @pytest.mark.parametrize("bad", [float("nan"), 0.0, -1.0, float("inf"), 1e37])
 def test_a_checkpoint_with_a_bad_expert_scale_is_refused_naming_the_expert(converted_model, bad):
     state = dict(converted_model.state_dict())

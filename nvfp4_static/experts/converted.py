@@ -299,6 +299,11 @@ class NVFP4StaticExperts(torch.nn.Module):
             backend_override=backend_override,
         )
         placeholder.loaded = False
+        placeholder._unloaded_tensors = {
+            f"{projection}.{field}"
+            for projection in ("gate_up_proj", "down_proj")
+            for field in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale")
+        }
         return placeholder
 
     @property
@@ -434,6 +439,11 @@ class NVFP4StaticExperts(torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self.check_loadable(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # Filled once every tensor of both projections is loaded, by one load or by several
+        # (strict=False, a shard each).
+        if not self.loaded:
+            self._unloaded_tensors = {key for key in self._unloaded_tensors if prefix + key not in state_dict}
+            self.loaded = not self._unloaded_tensors
 
     def extra_repr(self) -> str:
         recipe = ", ".join(f"{k}={v}" for k, v in self.recipe.items())
