@@ -10,11 +10,13 @@ __all__ = ["in_eval_mode"]
 
 @contextlib.contextmanager
 def in_eval_mode(model: torch.nn.Module):
-    """``model`` in eval mode inside, each module's own mode given back after."""
-    modes = {module: module.training for module in model.modules()}
+    """``model`` in eval mode inside, each module's own mode given back after, by name: a
+    layer that prepare or convert put in another's place inside takes the mode of the
+    module it replaced."""
+    modes = {name: module.training for name, module in model.named_modules(remove_duplicate=False)}
     model.eval()
     try:
         yield
     finally:
-        for module, training in modes.items():
-            module.training = training
+        for name, module in model.named_modules(remove_duplicate=False):
+            module.training = modes.get(name, module.training)

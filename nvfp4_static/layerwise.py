@@ -53,6 +53,7 @@ from nvfp4_static.distributed import (
     sync_calibration,
     sync_mse_anchors,
 )
+from nvfp4_static.eval_mode import in_eval_mode
 from nvfp4_static.layer_mover import LayerMover, put_tensor, tensor_slots
 from nvfp4_static.layerwise_resume import FinishedLayers, layer_fingerprint, run_fingerprint
 from nvfp4_static.layerwise_smoothing import LayerSmoothing
@@ -384,120 +385,122 @@ def calibrate_layer_by_layer(
                                     propagate_quantized, smooth_alpha, batches, data_parallel,
                                     group, rank)
 
-    clock = _PhaseClock(timings, device)
-    with clock.phase("record inputs"):
-        hooks, moves = _move_outside(model, layers, device)
-        try:
-            hidden, calls = _capture_layer_inputs(model, layers, batches, forward, device, cache_device)
-        finally:
-            for hook in hooks:
-                hook.remove()
-            _put_back(moves, home)
-    smoothing, first_tokens = None, 0
-    if smooth_alpha is not None and any(counts):
-        def first_batch_through(layer, hidden):
-            index = next(i for i, candidate in enumerate(layers) if candidate is layer)
-            return _layer_output(layer, calls[0][index], hidden, device, cache_device)
-
-        first = hidden[0] if hidden and rank == anchor_source else None
-        smoothing = LayerSmoothing(smooth_alpha, first, first_batch_through, group, anchor_source,
-                                   device, data_parallel)
-        if data_parallel:  # what the smoothing of a layer costs scales with the first batch
-            first_tokens = _gather(0 if first is None else first.shape[:-1].numel(), group)[anchor_source]
-
-    bar = tqdm(total=len(layers), desc="nvfp4_static layer by layer", unit="layer",
-               disable=not progress or rank != 0)
-    overlap = device.type == "cuda" if prefetch is None else prefetch
-    fingerprints = {}  # by layer index, of the float layers the resume folder will save
-    smoothed_early = set()  # indices of layers smoothed while the one before them converted
-    homes = [_home_device(layer) for layer in layers]  # taken now: a layer may move in early
-    with bar, LayerMover(device, overlap, data_parallel, group) as mover:
-        for index, layer in enumerate(layers):
-            name = f"{prefix}.{index}"
-            bar.set_postfix_str(name)
-            layer_filter = layer_filter_of(name)
-            following = layers[index + 1] if index + 1 < len(layers) else None
-
-            def run(b, last_use, layer=layer, index=index):
-                """Batch ``b`` through the layer; its input is dropped after its last use, so
-                that the cache holds about one copy of the activations, not two."""
-                given = hidden[b]
-                if last_use:
-                    hidden[b] = None
-                return _layer_output(layer, calls[b][index], given, device, cache_device)
-
-            def calibration_run(b):
-                return run(b, last_use=not propagate_quantized)
-
-            outputs = [None] * len(hidden)
-            resumed = finished is not None and index < finished.done
+    # Run as the converted model will run (dropout off), each module's mode given back after.
+    with in_eval_mode(model):
+        clock = _PhaseClock(timings, device)
+        with clock.phase("record inputs"):
+            hooks, moves = _move_outside(model, layers, device)
             try:
-                if index not in smoothed_early:  # else moved in for its smoothing
-                    with clock.phase("move in"):
-                        mover.move_in(layer)
-                if following is not None:
-                    mover.prefetch(following)
-                with torch.no_grad():
-                    if finished is not None and not resumed and index not in fingerprints:
-                        fingerprints[index] = layer_fingerprint(layer, name, layer_filter)
-                    if smoothing is not None and index not in smoothed_early:
-                        with clock.phase("smooth"):
-                            smoothing.smooth(layer, name)
-                    if resumed:  # the outputs the interrupted run computed, from the same layer
-                        if not propagate_quantized:
-                            with clock.phase("calibrate"):
-                                outputs = [calibration_run(b) for b in range(len(hidden))]
-                        with clock.phase("load finished layer"):
-                            finished.load(index, layer, name, config.backend)
-                    else:
-                        with clock.phase("prepare"):
-                            quantize_(layer, prepare, filter_fn=layer_filter)
-                        if data_parallel:
-                            _calibrate_data_parallel(layer, calibration_run, outputs, group,
-                                                     rank == anchor_source,
-                                                     config.act_calibration == "mse", clock)
-                            mover.upload_prefetched()
-                            if smoothing is not None and following is not None:
-                                following_name = f"{prefix}.{index + 1}"
-                                _convert_and_smooth_following(
-                                    layer, convert, layer_filter, group, smoothing, following,
-                                    following_name, first_tokens, mover, anchor_source, clock,
-                                )
-                                if finished is not None:  # of the float layer, before the fold
-                                    fingerprints[index + 1] = layer_fingerprint(
-                                        following, following_name, layer_filter_of(following_name))
-                                with clock.phase("smooth"):
-                                    smoothing.settle()
-                                smoothed_early.add(index + 1)
-                            else:
-                                with clock.phase("convert"):
-                                    convert_data_parallel(layer, convert, layer_filter, group)
+                hidden, calls = _capture_layer_inputs(model, layers, batches, forward, device, cache_device)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+                _put_back(moves, home)
+        smoothing, first_tokens = None, 0
+        if smooth_alpha is not None and any(counts):
+            def first_batch_through(layer, hidden):
+                index = next(i for i, candidate in enumerate(layers) if candidate is layer)
+                return _layer_output(layer, calls[0][index], hidden, device, cache_device)
+
+            first = hidden[0] if hidden and rank == anchor_source else None
+            smoothing = LayerSmoothing(smooth_alpha, first, first_batch_through, group, anchor_source,
+                                       device, data_parallel)
+            if data_parallel:  # what the smoothing of a layer costs scales with the first batch
+                first_tokens = _gather(0 if first is None else first.shape[:-1].numel(), group)[anchor_source]
+
+        bar = tqdm(total=len(layers), desc="nvfp4_static layer by layer", unit="layer",
+                   disable=not progress or rank != 0)
+        overlap = device.type == "cuda" if prefetch is None else prefetch
+        fingerprints = {}  # by layer index, of the float layers the resume folder will save
+        smoothed_early = set()  # indices of layers smoothed while the one before them converted
+        homes = [_home_device(layer) for layer in layers]  # taken now: a layer may move in early
+        with bar, LayerMover(device, overlap, data_parallel, group) as mover:
+            for index, layer in enumerate(layers):
+                name = f"{prefix}.{index}"
+                bar.set_postfix_str(name)
+                layer_filter = layer_filter_of(name)
+                following = layers[index + 1] if index + 1 < len(layers) else None
+
+                def run(b, last_use, layer=layer, index=index):
+                    """Batch ``b`` through the layer; its input is dropped after its last use, so
+                    that the cache holds about one copy of the activations, not two."""
+                    given = hidden[b]
+                    if last_use:
+                        hidden[b] = None
+                    return _layer_output(layer, calls[b][index], given, device, cache_device)
+
+                def calibration_run(b):
+                    return run(b, last_use=not propagate_quantized)
+
+                outputs = [None] * len(hidden)
+                resumed = finished is not None and index < finished.done
+                try:
+                    if index not in smoothed_early:  # else moved in for its smoothing
+                        with clock.phase("move in"):
+                            mover.move_in(layer)
+                    if following is not None:
+                        mover.prefetch(following)
+                    with torch.no_grad():
+                        if finished is not None and not resumed and index not in fingerprints:
+                            fingerprints[index] = layer_fingerprint(layer, name, layer_filter)
+                        if smoothing is not None and index not in smoothed_early:
+                            with clock.phase("smooth"):
+                                smoothing.smooth(layer, name)
+                        if resumed:  # the outputs the interrupted run computed, from the same layer
+                            if not propagate_quantized:
+                                with clock.phase("calibrate"):
+                                    outputs = [calibration_run(b) for b in range(len(hidden))]
+                            with clock.phase("load finished layer"):
+                                finished.load(index, layer, name, config.backend)
                         else:
-                            with clock.phase("calibrate"):
-                                for b in range(len(hidden)):
-                                    outputs[b] = calibration_run(b)
-                            mover.upload_prefetched()  # past this layer's activation peak
-                            with clock.phase("convert"):
-                                quantize_(layer, convert, filter_fn=layer_filter)
-                    if propagate_quantized:
-                        with clock.phase("propagate"):
-                            outputs = [run(b, last_use=True) for b in range(len(hidden))]
-            except BaseException:
-                layer.to(homes[index])  # a failed layer goes home too, and the next one if moved in
-                if following is not None:
-                    following.to(homes[index + 1])
-                raise
-            hidden = outputs
-            if offload:
-                with clock.phase("move back"):
-                    mover.move_back(layer, homes[index])
-            if finished is not None and not resumed:
-                with clock.phase("save finished layer"):
-                    mover.wait_moved_back()
-                    finished.save(index, layer, fingerprints.pop(index))
-            bar.update()
-        with clock.phase("move back"):
-            mover.wait_moved_back()
+                            with clock.phase("prepare"):
+                                quantize_(layer, prepare, filter_fn=layer_filter)
+                            if data_parallel:
+                                _calibrate_data_parallel(layer, calibration_run, outputs, group,
+                                                         rank == anchor_source,
+                                                         config.act_calibration == "mse", clock)
+                                mover.upload_prefetched()
+                                if smoothing is not None and following is not None:
+                                    following_name = f"{prefix}.{index + 1}"
+                                    _convert_and_smooth_following(
+                                        layer, convert, layer_filter, group, smoothing, following,
+                                        following_name, first_tokens, mover, anchor_source, clock,
+                                    )
+                                    if finished is not None:  # of the float layer, before the fold
+                                        fingerprints[index + 1] = layer_fingerprint(
+                                            following, following_name, layer_filter_of(following_name))
+                                    with clock.phase("smooth"):
+                                        smoothing.settle()
+                                    smoothed_early.add(index + 1)
+                                else:
+                                    with clock.phase("convert"):
+                                        convert_data_parallel(layer, convert, layer_filter, group)
+                            else:
+                                with clock.phase("calibrate"):
+                                    for b in range(len(hidden)):
+                                        outputs[b] = calibration_run(b)
+                                mover.upload_prefetched()  # past this layer's activation peak
+                                with clock.phase("convert"):
+                                    quantize_(layer, convert, filter_fn=layer_filter)
+                        if propagate_quantized:
+                            with clock.phase("propagate"):
+                                outputs = [run(b, last_use=True) for b in range(len(hidden))]
+                except BaseException:
+                    layer.to(homes[index])  # a failed layer goes home too, and the next one if moved in
+                    if following is not None:
+                        following.to(homes[index + 1])
+                    raise
+                hidden = outputs
+                if offload:
+                    with clock.phase("move back"):
+                        mover.move_back(layer, homes[index])
+                if finished is not None and not resumed:
+                    with clock.phase("save finished layer"):
+                        mover.wait_moved_back()
+                        finished.save(index, layer, fingerprints.pop(index))
+                bar.update()
+            with clock.phase("move back"):
+                mover.wait_moved_back()
     if smoothing is not None:
         smoothing.warn_about_unsmoothed()
     return model

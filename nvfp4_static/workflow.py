@@ -166,8 +166,11 @@ def _nvfp4_static_transform(
         # Imported here: the experts' steps are built on this module's steps for linears.
         from nvfp4_static.experts.handlers import EXPERTS_STEPS
 
-        return EXPERTS_STEPS[config.step](module, config)
-    return LINEAR_STEPS[config.step](module, config)
+        replacement = EXPERTS_STEPS[config.step](module, config)
+    else:
+        replacement = LINEAR_STEPS[config.step](module, config)
+    # In the mode of the module it replaces, as the rest of the model is.
+    return replacement.train(module.training)
 
 
 # --- step 1: prepare ----------------------------------------------------------------------------

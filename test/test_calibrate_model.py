@@ -165,3 +165,5 @@ def test_a_model_left_in_training_mode_is_calibrated_in_eval_mode_and_given_its_
     evaluated = calibrate_model(model_in("eval"), data, config, progress=False)
     assert trained[3].act_global_amax == evaluated[3].act_global_amax
     assert trained.training and trained[2].training and not trained[1].training
+    # Converted layers take the mode of the layers they replace.
+    assert trained[0].training and trained[3].training and not evaluated[0].training and not evaluated[3].training

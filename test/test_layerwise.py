@@ -204,6 +204,21 @@ def sliding_window_qwen3():
     return Qwen3ForCausalLM._from_config(config, dtype=torch.float32).eval()
 
 
+def test_a_model_left_in_training_mode_is_calibrated_in_eval_mode_and_given_its_modes_back():
+    """With attention dropout on, calibration would see activations the served model never does."""
+    evaluated = layer_by_layer("max", "max", tiny_llama(attention_dropout=0.5).eval())
+    trained = tiny_llama(attention_dropout=0.5).train()
+    trained.model.norm.eval()  # a module's own mode comes back too
+    layer_by_layer("max", "max", trained)
+    a, b = converted_scales(evaluated), converted_scales(trained)
+    assert a.keys() == b.keys() and len(a) == 14
+    for name in a:
+        assert all(torch.equal(x, y) for x, y in zip(a[name], b[name])), name
+    assert trained.training and trained.model.layers[1].self_attn.training and not trained.model.norm.training
+    assert all(m.training for m in trained.modules() if isinstance(m, NVFP4StaticLinear))
+    assert not any(m.training for m in evaluated.modules())
+
+
 def test_each_layer_is_replayed_with_the_arguments_the_model_gives_it():
     model, cpu = sliding_window_qwen3(), torch.device("cpu")
     _, layers = find_decoder_layers(model)
