@@ -382,8 +382,8 @@ def calibrate_layer_by_layer(
     finished = None
     if resume_dir is not None:
         finished = _finished_layers(resume_dir, model, prefix, layers, layer_filter_of, config,
-                                    propagate_quantized, smooth_alpha, batches, data_parallel,
-                                    group, rank)
+                                    propagate_quantized, smooth_alpha, batches, forward,
+                                    data_parallel, group, rank)
 
     # Run as the converted model will run (dropout off), each module's mode given back after.
     with in_eval_mode(model):
@@ -529,14 +529,14 @@ class _PhaseClock:
 
 
 def _finished_layers(folder, model, prefix, layers, layer_filter_of, config, propagate_quantized,
-                     smooth_alpha, batches, data_parallel, group, rank) -> FinishedLayers:
+                     smooth_alpha, batches, forward, data_parallel, group, rank) -> FinishedLayers:
     """The resume folder's finished layers, checked against this run; data-parallel, checked
     on every rank, and every rank raises if any rank's check failed or found another count."""
     def gather(digest):
         return _gather(digest, group) if data_parallel else [digest]
 
     run = run_fingerprint(model, len(layers), config, propagate_quantized, smooth_alpha, batches,
-                          gather)
+                          forward, gather)
 
     def fingerprint(index):
         name = f"{prefix}.{index}"

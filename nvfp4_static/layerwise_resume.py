@@ -5,7 +5,8 @@ converted (``layer_00003.pt``: the layer's ``state_dict`` and its calibration st
 records it in ``progress.json``, which holds what the run was made from:
 
 - the run: the model's class and layer count, the config (less ``step``), whether quantized
-  outputs were propagated, and a hash of each rank's calibration batches;
+  outputs were propagated, a hash of each rank's calibration batches, and the ``forward``'s
+  name and a hash of its code (values it reads from outside its code are not compared);
 - per finished layer: its name, which linears ``filter_fn`` selected, and the shape, dtype and a
   hash of a strided sample of every float parameter and buffer (a sample: hashing all of an 8B
   model's weights would cost more than calibrating a layer).
@@ -18,9 +19,12 @@ bit for bit those of a run that never stopped.
 """
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import os
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -62,6 +66,33 @@ def _batches_digest(batches: Sequence[Any]) -> str:
     return digest.hexdigest()
 
 
+def _code_digest(code: types.CodeType, digest) -> None:
+    """Feed ``digest`` what ``code`` does: its bytecode, names and constants (nested functions'
+    code included), not where it sits in its file."""
+    digest.update(code.co_code)
+    digest.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            _code_digest(constant, digest)
+        else:
+            digest.update(repr(constant).encode())
+
+
+def _forward_fingerprint(forward: Callable) -> dict:
+    """The forward's qualified name and a hash of its code, the same in every process."""
+    function = inspect.unwrap(forward.func if isinstance(forward, functools.partial) else forward)
+    code = getattr(function, "__code__", None)
+    if code is None:  # a callable object: its class's __call__
+        function = type(function).__call__
+        code = getattr(function, "__code__", None)
+    name = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', repr(function))}"
+    if code is None:
+        return {"name": name}
+    digest = hashlib.sha256()
+    _code_digest(code, digest)
+    return {"name": name, "code sha256": digest.hexdigest()}
+
+
 def run_fingerprint(
     model: torch.nn.Module,
     layer_count: int,
@@ -69,6 +100,7 @@ def run_fingerprint(
     propagate_quantized: bool,
     smooth_alpha: Optional[float],
     batches: Sequence[Any],
+    forward: Callable,
     gather: Callable[[str], list],
 ) -> dict:
     """What a resumed run must share with the saved one. ``gather`` turns this rank's batches
@@ -82,6 +114,7 @@ def run_fingerprint(
         "propagate_quantized": propagate_quantized,
         "smooth_alpha": smooth_alpha,
         "batches of each rank": gather(_batches_digest(batches)),
+        "forward": _forward_fingerprint(forward),
     })
 
 
@@ -149,8 +182,8 @@ class FinishedLayers:
     def _refuse(self, what: str) -> ValueError:
         return ValueError(
             f"nvfp4_static: the resume folder '{self.folder}' holds layers of another run: "
-            f"{what}. Resume with the same model, calibration data and config, or pass an empty "
-            f"folder to start over (nothing was changed)"
+            f"{what}. Resume with the same model, calibration data, config and forward, or pass "
+            f"an empty folder to start over (nothing was changed)"
         )
 
     def _checked(self, progress: Path, fingerprints: Callable[[int], dict]) -> list:

@@ -1,5 +1,6 @@
 """Layer-by-layer calibration (nvfp4_static.layerwise) against whole-model calibration."""
 
+import functools
 import threading
 import time
 
@@ -412,6 +413,28 @@ def without_q_proj(module, fqn):
     return all_but_lm_head(module, fqn) and not fqn.endswith("q_proj")
 
 
+def run_on_prefix(model, batch, length):
+    return model(batch[:, :length], use_cache=False)
+
+
+def test_a_forward_resumes_where_its_code_is_the_same(tmp_path):
+    """A rerun's forward is defined anew, elsewhere in the script: the same code resumes, other
+    code is refused."""
+    first = lambda model, batch: model(batch, use_cache=False)  # noqa: E731
+
+    with pytest.raises(Interrupted):
+        layer_by_layer("max", "max", resume_dir=tmp_path, filter_fn=interrupted_after_layer_0, forward=first)
+    other = lambda model, batch: model(batch[:, :8], use_cache=False)  # noqa: E731
+    with pytest.raises(ValueError, match="'forward.code sha256' is '[0-9a-f]+' there and '[0-9a-f]+' now"):
+        layer_by_layer("max", "max", resume_dir=tmp_path, forward=other)
+    second = lambda model, batch: model(batch, use_cache=False)  # noqa: E731
+    resumed = converted_scales(layer_by_layer("max", "max", resume_dir=tmp_path, forward=second))
+    uninterrupted = converted_scales(layer_by_layer("max", "max"))
+    assert resumed.keys() == uninterrupted.keys() and len(resumed) == 14
+    for name in resumed:
+        assert all(torch.equal(x, y) for x, y in zip(resumed[name], uninterrupted[name])), name
+
+
 @pytest.mark.parametrize(
     "rerun, names",
     [
@@ -423,9 +446,11 @@ def without_q_proj(module, fqn):
         (dict(filter_fn=without_q_proj), "layer 0 (model.layers.0) differs at 'selected"),
         (dict(smooth_alpha=None), "'smooth_alpha' is 0.5 there and None now"),
         (dict(smooth_alpha=0.25), "'smooth_alpha' is 0.5 there and 0.25 now"),
+        (dict(forward=functools.partial(run_on_prefix, length=8)),
+         "'forward.name' is 'nvfp4_static.layerwise._default_forward' there and 'test_layerwise.run_on_prefix' now"),
     ],
     ids=["act recipe", "weight recipe", "data", "propagation", "weights", "filter", "no smoothing",
-         "smoothing alpha"],
+         "smoothing alpha", "forward"],
 )
 def test_a_resume_folder_of_another_run_is_refused_and_nothing_changes(tmp_path, rerun, names):
     with pytest.raises(Interrupted):
