@@ -346,11 +346,28 @@ def test_activations_whose_squares_overflow_are_refused_by_both_observers_of_the
     model(good)
     before = {key: value.clone() for key, value in model.up.act_calibrator.state_dict().items()}
     hessian_before = model.up.hessian_accumulator.hessian.clone()
-    with pytest.raises(ValueError, match=r"'up'.*overflowed float32"):
+    with pytest.raises(ValueError, match=r"'up'.*finite, but the Hessian \(a sum of the activations' squares\) overflowed float32"):
         model(huge * 1e30)
     after = model.up.act_calibrator.state_dict()
     assert all(torch.equal(before[key], after[key]) for key in before)
     assert torch.equal(model.up.hessian_accumulator.hessian, hessian_before)
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1e30), (8e17, 8e17), (7e17, 7e17, 7e17)], ids=["one batch", "two", "three"])
+def test_an_mse_loss_sum_that_overflows_is_refused_at_its_batch_naming_the_sum(scales):
+    """Each batch's losses finite, their sum not: the sum is checked where the batch is taken,
+    not first at convert (where the error could only say NaN or Inf was collected)."""
+    model = make(MLP)
+    quantize_(model, NVFP4StaticActivationConfig(step="prepare", act_calibration="mse", weight_scale="max"),
+              filter_fn=is_quantizable)
+    batches = calibration_batches(len(scales))
+    for x, scale in zip(batches[:-1], scales[:-1]):
+        model(x * scale)
+    search = model.up.act_calibrator.search
+    before = search.state_dict()["losses"].clone()
+    with pytest.raises(ValueError, match=r"'up'.*finite, but the search's loss sum overflowed float32"):
+        model(batches[-1] * scales[-1])
+    assert model.up.act_calibrator.search is search and torch.equal(search.state_dict()["losses"], before)
 
 
 @pytest.mark.parametrize("weight_scale", ["hessian_mse", "mse"])

@@ -62,6 +62,9 @@ class Observer(abc.ABC):
         name: optional label (e.g. the layer's qualified name) included in errors and warnings.
     """
 
+    # What a statistic of finite inputs that overflows float32 is, for the error that says so.
+    OVERFLOWING_STATISTIC = "a statistic of it"
+
     def __init__(self, name: Optional[str] = None):
         self.name = name
 
@@ -118,9 +121,9 @@ class Observer(abc.ABC):
         if bool(torch.isfinite(x).all()):
             raise ValueError(
                 f"{self.describe()}: collected tensor of shape {tuple(x.shape)} ({x.dtype}) is "
-                f"finite, but a statistic of it overflowed float32 (largest magnitude "
-                f"{float(x.abs().max()):.3g}, whose square the Hessian sums); activations this "
-                "large cannot be calibrated, so check the layers feeding this one"
+                f"finite, but {self.OVERFLOWING_STATISTIC} overflowed float32 (largest magnitude "
+                f"{float(x.abs().max()):.3g}); activations this large cannot be calibrated, so "
+                "check the layers feeding this one"
             )
         raise ValueError(
             f"{self.describe()}: collected tensor of shape {tuple(x.shape)} ({x.dtype}) holds "
@@ -243,9 +246,9 @@ class MergeableObserver(Observer):
             self._restore_state_before_batch()
             raise ValueError(
                 f"{self.describe()}: the batch collected before this call ({dtype} tensor of "
-                f"shape {shape}) held NaN or Inf values (or, for a Hessian, values whose squares "
-                "overflow float32); it was left out of the statistics. Calibration needs finite "
-                "activations: check the layers feeding this one"
+                f"shape {shape}) held NaN or Inf values, or values for which "
+                f"{self.OVERFLOWING_STATISTIC} overflowed float32; it was left out of the "
+                "statistics. Calibration needs finite activations: check the layers feeding this one"
             )
 
     def _merge_config(self) -> tuple:

@@ -28,6 +28,7 @@ class BlockHessianAccumulator(MergeableObserver):
     """
 
     STATE_REDUCTIONS = {"hessian": "sum", "num_tokens": "sum"}
+    OVERFLOWING_STATISTIC = "the Hessian (a sum of the activations' squares)"
     SIGNED_STATE = frozenset({"hessian"})  # off-diagonal entries
 
     def __init__(self, in_features: int, *, name: Optional[str] = None):

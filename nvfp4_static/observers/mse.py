@@ -109,6 +109,7 @@ class MseCalibrator(MergeableObserver):
     """
 
     STATE_REDUCTIONS = {"losses": "sum"}
+    OVERFLOWING_STATISTIC = "the search's loss sum"
 
     def __init__(
         self,
@@ -175,11 +176,10 @@ class MseCalibrator(MergeableObserver):
                 for m in self.multipliers.tolist()
             ]
         )
-        self._raise_if_non_finite(x, losses)
-        if self._state is None:
-            self._state = {"losses": losses}
-        else:
-            self._state["losses"] += losses.to(self._state["losses"].device)
+        if self._state is not None:
+            losses = self._state["losses"] + losses.to(self._state["losses"].device)
+        self._raise_if_non_finite(x, losses)  # this batch's losses, or the sum with them
+        self._state = {"losses": losses}
 
     def compute_amax(self) -> torch.Tensor:
         """``amax * m_best``, float32, shaped like the given ``amax``."""
