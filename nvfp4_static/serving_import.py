@@ -104,7 +104,7 @@ def import_checkpoint(
     format, quantization_config = _quantization_config(folder, config)
     checkpoint, exact_scales = _read_tensors(folder)
     if model is None:
-        model = _model_from_config(folder)
+        model = _model_from_config(folder, config)
     check_load_target(model, "import_checkpoint")
     converted = [
         n for n, m in model.named_modules() if isinstance(m, (NVFP4StaticLinear, NVFP4StaticExperts))
@@ -226,11 +226,17 @@ def _recorded_scales(path: pathlib.Path, recorded: str) -> dict:
     return scales
 
 
-def _model_from_config(folder: pathlib.Path) -> torch.nn.Module:
+def _model_from_config(folder: pathlib.Path, config_json: dict) -> torch.nn.Module:
     """The float model ``config.json`` describes, with uninitialised weights (all are loaded)."""
     import transformers
     from transformers.initialization import no_init_weights
 
+    if "model_type" not in config_json:
+        raise ValueError(
+            f"nvfp4_static: {folder / CONFIG_FILE} names no model_type (an export of a model that "
+            f"is not a transformers model?), so no model can be built from it; build the float "
+            f"model yourself and pass it as model="
+        )
     config = transformers.AutoConfig.from_pretrained(folder)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the layers are swapped here, not by a transformers quantizer

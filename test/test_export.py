@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import make, quantized, relative_error
+from conftest import calibration_batches, make, quantized, relative_error
 from models import MLP
 from tiny_llama import convert_llama, converted_llama, logits, prepared_and_calibrated, tiny_llama
 from nvfp4_static import NVFP4StaticLinear, export_checkpoint, import_checkpoint, tie_fused_layers
@@ -202,6 +202,21 @@ def test_import_into_a_given_float_model(llama_fp32, tmp_path):
     target = tiny_llama(seed=1)
     assert import_checkpoint(tmp_path / "ct", target) is target
     assert torch.equal(logits(target), logits(llama_fp32))
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_a_folder_transformers_cannot_build_a_model_from_asks_for_the_model(tmp_path, format):
+    """A plain module's export has no model_type: import_checkpoint needs the model given."""
+    source = quantized(make(MLP))
+    export_checkpoint(source, tmp_path / "plain", format)
+    with pytest.raises(ValueError, match=r"config.json names no model_type .* pass it as model="):
+        import_checkpoint(tmp_path / "plain")
+    x = calibration_batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(import_checkpoint(tmp_path / "plain", make(MLP, seed=1))(x), source(x))
+    edit_whole_config(tmp_path / "plain", lambda config: config.update(model_type="llama", architectures=["NoSuchModel"]))
+    with pytest.raises(ValueError, match=r"transformers has no model class \['NoSuchModel'\] .* pass it as model="):
+        import_checkpoint(tmp_path / "plain")
 
 
 def test_import_with_a_backend_that_cannot_run_here_or_into_a_prepared_model_is_refused(llama_fp32, tmp_path):
