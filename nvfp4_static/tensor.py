@@ -333,7 +333,12 @@ def static_linear(
             f"shape {tuple(weight.shape)} on {weight.device}; move the input (or the model) so that both "
             f"are on one device"
         )
-    if x.numel() == 0:  # no tokens: the kernels have no rows to work on
+    if x.numel() == 0:  # no tokens: the kernels, which check the dtype, have no rows to work on
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"nvfp4_static: static NVFP4 linear of an activation {tuple(x.shape)}: activation "
+                f"dtype {x.dtype} (float32, bfloat16 or float16)"
+            )
         out = x.new_zeros(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias.to(x.dtype)
     return linear_function(weight.linear_backend)(

@@ -751,6 +751,15 @@ def test_a_batch_without_tokens_gives_an_empty_output_like_nn_linear(shape):
     assert out.shape == expected.shape and out.dtype == expected.dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float64, torch.bool], ids=str)
+@pytest.mark.parametrize("rows", [0, 2])
+def test_an_activation_of_a_dtype_the_kernels_do_not_take_is_refused_with_or_without_tokens(dtype, rows):
+    model = quantized(make(MLP))
+    with pytest.raises(ValueError, match=rf"activation \({rows}, {DIM}\): activation dtype {dtype} \(float32, bfloat16 or float16\)"):
+        with torch.no_grad():
+            model.up(torch.zeros(rows, DIM, dtype=dtype))
+
+
 @pytest.mark.parametrize("route", ["config", "environment"])
 def test_the_blackwell_route_on_a_cpu_model_is_refused_at_convert(route, monkeypatch):
     config = {"backend": "blackwell"} if route == "config" else {}
