@@ -19,7 +19,7 @@ from nvfp4_static.linear import CHECKPOINT_FORMAT, NVFP4StaticLinear, saved_reci
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.tensor import NVFP4StaticTensor
 
-__all__ = ["check_converted_layers_on_load", "load_quantized", "replace_submodule"]
+__all__ = ["check_converted_layers_on_load", "later_names", "load_quantized", "replace_submodule"]
 
 _EXTRA_STATE = "_extra_state"
 _MODELS_CHECKED_ON_LOAD: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
@@ -58,12 +58,15 @@ def load_quantized(
         )
     check_load_target(model, "load_quantized")
     swapped = []
+    made = {}  # by float module: one the model holds under several names gets one converted layer
     try:
         for name, recipe in _converted_layers(checkpoint).items():
             module = _submodule(model, name)
             if isinstance(module, (NVFP4StaticLinear, NVFP4StaticExperts)):
                 continue
-            if experts_layout(module) is not None:
+            if module in made:
+                converted = made[module]
+            elif experts_layout(module) is not None:
                 converted = NVFP4StaticExperts.placeholder(module, experts_layout(module), recipe, name, backend)
             elif isinstance(module, torch.nn.Linear):
                 converted = NVFP4StaticLinear.placeholder(module, recipe, name, backend)
@@ -72,6 +75,7 @@ def load_quantized(
                     f"nvfp4_static: the checkpoint holds a converted linear '{name}', but the "
                     f"model has a {type(module).__name__} there"
                 )
+            made[module] = converted
             replace_submodule(model, name, converted)
             swapped.append((name, module))
         check_backend_runs_on_model(model, backend, "load_quantized")
@@ -199,6 +203,18 @@ def replace_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module
     if not child:
         raise ValueError("nvfp4_static: cannot replace the root module itself")
     setattr(model.get_submodule(parent_name), child, module)
+
+
+def later_names(model: torch.nn.Module) -> dict:
+    """``{first name: [later names]}`` of each module ``model`` holds under several names (the
+    first is the one ``named_modules`` gives, the only one ``quantize_`` visits in a parent)."""
+    first, later = {}, {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if id(module) in first:
+            later.setdefault(first[id(module)], []).append(name)
+        else:
+            first[id(module)] = name
+    return later
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from nvfp4_static.arguments import check_flags
+from nvfp4_static.checkpoint import later_names
 from nvfp4_static.experts import NVFP4StaticExperts, NVFP4StaticObservedExperts
 from nvfp4_static.experts.serving import as_saved, converted_expert_linears, saved_module_names
 from nvfp4_static.fused_layers import STANDARD_FUSION_GROUPS, find_fusion_groups
@@ -219,8 +220,12 @@ def _tensors_to_write(model: torch.nn.Module, converted: dict, format: str) -> d
     are left out, as ``save_pretrained`` does."""
     tensors, seen = {}, set()
     experts = {n: False for n, m in model.named_modules() if isinstance(m, NVFP4StaticExperts)}
+    # A module's later names (a module held under several): its tensors are written once.
+    later = [name for names in later_names(model).values() for name in names]
     for key, value in model.state_dict().items():
         layer, _, leaf = key.rpartition(".")
+        if any(layer == name or layer.startswith(f"{name}.") for name in later):
+            continue
         owner = next((name for name in experts if key.startswith(f"{name}.")), None)
         if owner is not None:  # the experts' stacked tensors: their per-expert linears instead
             if not experts[owner]:

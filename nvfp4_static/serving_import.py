@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from nvfp4_static.checkpoint import check_backend_runs_on_model, check_load_target, replace_submodule
+from nvfp4_static.checkpoint import check_backend_runs_on_model, check_load_target, later_names, replace_submodule
 from nvfp4_static.experts import NVFP4StaticExperts
 from nvfp4_static.experts.serving import (
     as_loaded,
@@ -138,11 +138,13 @@ def import_checkpoint(
         )
     experts = stack_imported_experts(model, layers)
     checkpoint = fuse_float_experts(model, checkpoint, experts)
-    remainder = _remaining_tensors(model, checkpoint, layers, format, experts)
+    aliases = later_names(model)  # a module held under several names gets its layer at each
+    remainder = _remaining_tensors(model, checkpoint, layers, format, experts, aliases)
     check_backend_runs_on_model(model, backend, "import_checkpoint")
     linears = {name: layer for name, layer in layers.items() if name not in expert_linears}
     for name, layer in {**linears, **experts}.items():
-        replace_submodule(model, name, layer)
+        for place in (name, *aliases.get(name, ())):
+            replace_submodule(model, place, layer)
     model.load_state_dict(remainder, strict=False)
     return model
 
@@ -509,15 +511,19 @@ def _bias(name: str, module: torch.nn.Linear, checkpoint: dict) -> Optional[torc
 
 
 def _remaining_tensors(
-    model: torch.nn.Module, checkpoint: dict, layers: dict, format: str, experts: dict
+    model: torch.nn.Module, checkpoint: dict, layers: dict, format: str, experts: dict, aliases: dict
 ) -> dict:
     """The checkpoint's other tensors, checked to be exactly the model's other tensors (a name
     the model ties to another, such as a tied ``lm_head.weight``, may be absent); the state of
-    the ``experts`` modules is replaced whole."""
+    the ``experts`` modules, and of the layers under their ``aliases``, is replaced whole."""
     layer_fields = [_FIELDS[format][key] for key in _TENSOR_KEYS] + ["bias"]
     consumed = {f"{name}.{field}" for name in layers for field in layer_fields}
-    replaced = {f"{name}.{leaf}" for name in layers for leaf in ("weight", "bias")}
-    replaced |= {key for key in model.state_dict() if any(key.startswith(f"{name}.") for name in experts)}
+    places = [place for name in layers for place in (name, *aliases.get(name, ()))]
+    replaced = {f"{place}.{leaf}" for place in places for leaf in ("weight", "bias")}
+    replaced |= {
+        key for key in model.state_dict()
+        if any(key.startswith(f"{place}.") for name in experts for place in (name, *aliases.get(name, ())))
+    }
     expected = {k: v for k, v in model.state_dict().items() if k not in replaced}
     remainder = {k: v for k, v in checkpoint.items() if k not in consumed}
     unexpected = sorted(set(remainder) - set(expected))

@@ -23,7 +23,7 @@ import torch
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from nvfp4_static.backends import check_runs_on
-from nvfp4_static.checkpoint import check_converted_layers_on_load
+from nvfp4_static.checkpoint import check_converted_layers_on_load, later_names, replace_submodule
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.convert_progress import ConvertProgress
 from nvfp4_static.experts import (
@@ -67,6 +67,11 @@ _WEIGHT_HELD_ELSEWHERE: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weak
 EXPERTS_HOLDING: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 # The Hessian each weight recipe reads, gathered during calibration.
 HESSIAN_ACCUMULATORS = {"hessian_mse": BlockHessianAccumulator, "gptq": FullHessianAccumulator}
+# A module's later names where the model holds it under several (in one parent quantize_ visits
+# the first only), and the replacements put there, by the step that made them: the same step
+# may meet them under those names, and leaves them as they are.
+_LATER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_PUT_UNDER_LATER_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 # What each step put in place of a module, so that a module two parents hold (visited twice by
 # quantize_) gets one replacement, not two diverging copies.
 _REPLACEMENTS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = (
@@ -92,6 +97,7 @@ def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
                 f"nothing); wrap it in a parent module, e.g. torch.nn.Sequential(layer)"
             )
         _record_weights_held_elsewhere(module)
+        _record_later_names(module)
         check_converted_layers_on_load(module)
     _LAYER_NAMES[module] = fqn
     return selected
@@ -137,6 +143,15 @@ def _record_weights_held_elsewhere(model: torch.nn.Module) -> None:
                 _WEIGHT_HELD_ELSEWHERE[module] = others[0]
 
 
+def _record_later_names(model: torch.nn.Module) -> None:
+    """For each module ``model`` holds under several names, the later names, where the step
+    puts the module's replacement too (else they would keep the float layer)."""
+    _LATER_NAMES.clear()
+    _PUT_UNDER_LATER_NAMES.clear()
+    for first, later in later_names(model).items():
+        _LATER_NAMES[model.get_submodule(first)] = (weakref.ref(model), later)
+
+
 def layer_name(module: torch.nn.Module) -> str:
     """The name ``is_quantizable`` recorded for ``module`` or, for a layer prepare or convert
     made, the name it carries; else a description of its shape."""
@@ -153,6 +168,8 @@ def layer_name(module: torch.nn.Module) -> str:
 def _nvfp4_static_transform(
     module: torch.nn.Module, config: NVFP4StaticActivationConfig
 ) -> torch.nn.Module:
+    if _PUT_UNDER_LATER_NAMES.get(module) == config.step:
+        return module  # this step's replacement, met under a later name
     if module in EXPERTS_HOLDING:
         raise ValueError(
             f"nvfp4_static: layer '{module.layer_name}' is one expert's linear of experts "
@@ -169,6 +186,11 @@ def _nvfp4_static_transform(
         replacement = EXPERTS_STEPS[config.step](module, config)
     else:
         replacement = LINEAR_STEPS[config.step](module, config)
+    model, later = _LATER_NAMES.pop(module, (None, ()))
+    if replacement is not module and later and model() is not None:
+        for name in later:
+            replace_submodule(model(), name, replacement)
+        _PUT_UNDER_LATER_NAMES[replacement] = config.step
     # In the mode of the module it replaces, as the rest of the model is.
     return replacement.train(module.training)
 

@@ -1,4 +1,5 @@
-"""Small models the flow tests quantize: an MLP and a pre-norm transformer block."""
+"""Small models the flow tests quantize: an MLP, a pre-norm transformer block, and a linear
+held under several names."""
 
 import torch
 import torch.nn.functional as F
@@ -33,3 +34,10 @@ class TransformerBlock(torch.nn.Module):
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, dim))
         return x + self.mlp(self.norm2(x))
+
+
+def aliased_linear(dim: int = 64, seed: int = 0) -> torch.nn.Sequential:
+    """One linear under names '0', '2' and '3' of a Sequential, run three times."""
+    torch.manual_seed(seed)
+    shared = torch.nn.Linear(dim, dim)
+    return torch.nn.Sequential(shared, torch.nn.GELU(), shared, shared)

@@ -11,7 +11,7 @@ import torch
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
 from conftest import DIM, calibration_batches, convert, make, prepare, quantized, sqnr_db
-from models import MLP
+from models import MLP, aliased_linear
 from tiny_llama import tiny_llama, token_ids
 from nvfp4_static import (
     NVFP4StaticActivationConfig,
@@ -232,6 +232,31 @@ def test_a_linear_several_parents_hold_stays_one_layer(holders):
         for _ in range(holders):
             expected = layer(expected)
         assert torch.equal(model(x), expected)
+
+
+def test_a_linear_one_parent_holds_under_several_names_stays_one_layer():
+    """quantize_ visits a module once per parent: its later names would keep the float layer,
+    and the model would run it float there and quantized at the first name."""
+    model = aliased_linear()
+    prepare(model)
+    assert isinstance(model[0], NVFP4StaticObservedLinear) and model[2] is model[0] and model[3] is model[0]
+    calibrate(model, calibration_batches())
+    convert(model)
+    layer = model[0]
+    assert isinstance(layer, NVFP4StaticLinear) and model[2] is layer and model[3] is layer
+    x = calibration_batches(1, seed=3)[0]
+    with torch.no_grad():
+        expected = layer(layer(torch.nn.functional.gelu(layer(x))))
+        assert torch.equal(model(x), expected)
+    # Saved and loaded into the same architecture, and into its placeholders.
+    state = model.state_dict()
+    for target in (load_quantized(aliased_linear(seed=1), state), aliased_linear(seed=1)):
+        if not isinstance(target[0], NVFP4StaticLinear):
+            quantize_(target, NVFP4StaticActivationConfig(step="prepare_for_loading"), filter_fn=is_quantizable)
+            target.load_state_dict(state)
+        assert isinstance(target[0], NVFP4StaticLinear) and target[2] is target[0] and target[3] is target[0]
+        with torch.no_grad():
+            assert torch.equal(target(x), expected)
 
 
 # --- values outside the histogram's range, degenerate settings ----------------------------------

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import calibration_batches, make, quantized, relative_error
-from models import MLP
+from models import MLP, aliased_linear
 from tiny_llama import convert_llama, converted_llama, logits, prepared_and_calibrated, tiny_llama
 from nvfp4_static import NVFP4StaticLinear, export_checkpoint, import_checkpoint, tie_fused_layers
 from nvfp4_static.numerics import (
@@ -217,6 +217,18 @@ def test_a_folder_transformers_cannot_build_a_model_from_asks_for_the_model(tmp_
     edit_whole_config(tmp_path / "plain", lambda config: config.update(model_type="llama", architectures=["NoSuchModel"]))
     with pytest.raises(ValueError, match=r"transformers has no model class \['NoSuchModel'\] .* pass it as model="):
         import_checkpoint(tmp_path / "plain")
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_a_linear_held_under_several_names_is_written_once_and_imported_at_each(tmp_path, format):
+    source = quantized(aliased_linear())
+    export_checkpoint(source, tmp_path / "aliased", format)
+    assert {key.partition(".")[0] for key in read_folder(tmp_path / "aliased")} == {"0"}
+    imported = import_checkpoint(tmp_path / "aliased", aliased_linear(seed=1))
+    assert isinstance(imported[0], NVFP4StaticLinear) and imported[2] is imported[0] and imported[3] is imported[0]
+    x = calibration_batches(1, seed=3)[0]
+    with torch.no_grad():
+        assert torch.equal(imported(x), source(x))
 
 
 def test_import_with_a_backend_that_cannot_run_here_or_into_a_prepared_model_is_refused(llama_fp32, tmp_path):
