@@ -11,7 +11,13 @@ from nvfp4_static.backends.cpu_eager import EagerCpuKernelCalls, eager_linear
 from nvfp4_static.backends.triton_eager import EagerTritonLaunches
 from nvfp4_static.config import ACT_CALIBRATIONS, WEIGHT_SCALES
 from nvfp4_static.inference_only import InferenceOnly, detached, records_gradients, refusing_gradients
-from nvfp4_static.numerics import BLOCK_SIZE, LARGEST_GLOBAL_SCALE, is_usable_act_per_tensor_scale, largest_at_most
+from nvfp4_static.numerics import (
+    BLOCK_SIZE,
+    LARGEST_GLOBAL_SCALE,
+    SUPPORTED_DTYPES,
+    is_usable_act_per_tensor_scale,
+    largest_at_most,
+)
 from nvfp4_static.tensor import NVFP4StaticTensor, copy_refusal
 
 __all__ = [
@@ -222,6 +228,7 @@ class NVFP4StaticLinear(torch.nn.Linear):
         return InferenceOnly.apply(out) if out.requires_grad else out
 
     def _apply(self, fn, recurse=True):
+        self._check_cast(fn)
         # Moved or converted, the layer no longer holds a slice of its sibling GEMM's weight,
         # which would stay behind: the siblings run alone from now on.
         if self.sibling_gemm is not None:
@@ -246,6 +253,17 @@ class NVFP4StaticLinear(torch.nn.Linear):
             raise
         self._parameters.update(converted)
         return result
+
+    def _check_cast(self, fn) -> None:
+        """Refuse, naming the layer, a cast to a dtype an NVFP4 layer cannot compute in
+        (``model.double()``), before anything of this layer changes."""
+        probe = fn(torch.empty(0, dtype=self.weight.dtype, device=self.weight.qdata.device))
+        if isinstance(probe, torch.Tensor) and probe.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"nvfp4_static: layer '{self.layer_name}' cannot become {probe.dtype}: a converted "
+                f"layer computes in float32, bfloat16 or float16. The modules torch reached before "
+                f"this one are {probe.dtype} now: cast the model back (model.to({self.weight.dtype}))"
+            )
 
     def start_clip_monitor(self) -> None:
         """Count, from now on, the inputs above ``act_global_amax`` (see ``clip_monitor``)."""

@@ -278,6 +278,23 @@ def test_a_member_no_longer_holding_its_slice_runs_alone(reference, change):
     assert all(m.sibling_gemm is None for m in members(model))
 
 
+@pytest.mark.parametrize("cast", [lambda m: m.double(), lambda m: m.to(torch.float64), lambda m: m.to("cpu", torch.float64)],
+                         ids=["double", "to dtype", "to device and dtype"])
+def test_a_cast_to_float64_is_refused_naming_the_layer_and_keeps_the_groups(reference, cast):
+    fused = fused_copy(reference)
+    expected = logits(fused)
+    q_proj = fused.get_submodule(QKV[0])
+    weight = q_proj.weight
+    with pytest.raises(ValueError, match=rf"layer '{QKV[0]}' cannot become torch.float64.*model.to\(torch.float32\)"):
+        cast(q_proj)
+    assert q_proj.weight is weight and all(m.sibling_gemm is not None for m in members(fused))
+    with pytest.raises(ValueError, match=rf"layer '{QKV[0]}' cannot become torch.float64"):
+        cast(fused)  # the embedding, reached first, is cast
+    assert all(m.sibling_gemm is not None for m in members(fused))
+    assert fused.model.embed_tokens.weight.dtype == torch.float64
+    assert torch.equal(logits(fused.to(torch.float32)), expected)
+
+
 def test_an_untied_group_is_refused_and_nothing_changes():
     model = converted_llama(tie=False)
     before = [(m.weight, m.weight.qdata.data_ptr()) for m in members(model)]
