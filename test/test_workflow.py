@@ -660,9 +660,9 @@ def bfloat16_weight_failing_bias(t: torch.Tensor) -> torch.Tensor:
 
 
 REFUSED_CONVERSIONS = {
-    "to(torch.float64)": (lambda layer: layer.to(torch.float64), "can present as fp32/bf16/fp16, not torch.float64"),
-    "double()": (lambda layer: layer.double(), "can present as fp32/bf16/fp16, not torch.float64"),
-    "to('cpu', torch.float64)": (lambda layer: layer.to("cpu", torch.float64), "not torch.float64"),
+    "to(torch.float64)": (lambda layer: layer.to(torch.float64), "layer 'up' cannot become torch.float64"),
+    "double()": (lambda layer: layer.double(), "layer 'up' cannot become torch.float64"),
+    "to('cpu', torch.float64)": (lambda layer: layer.to("cpu", torch.float64), "layer 'up' cannot become torch.float64"),
     "the weight converts, the bias fails": (
         lambda layer: layer._apply(bfloat16_weight_failing_bias), "fails on plain tensors"
     ),
