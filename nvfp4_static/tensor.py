@@ -352,6 +352,22 @@ def static_linear(
     )
 
 
+@implements_torch_function([torch.Tensor.share_memory_])
+def _share_memory(func, types, args, kwargs):
+    """Each inner tensor's memory moved to shared memory (``model.share_memory()``): torch's own
+    form would share the storage of the wrapper, which has none."""
+    weight = args[0]
+    for name in weight.__tensor_flatten__()[0]:
+        getattr(weight, name).share_memory_()
+    return weight
+
+
+@implements_torch_function([torch.Tensor.is_shared])
+def _is_shared(func, types, args, kwargs):
+    weight = args[0]
+    return all(getattr(weight, name).is_shared() for name in weight.__tensor_flatten__()[0])
+
+
 @implements_torch_function([torch.Tensor.storage])
 def _storage(func, types, args, kwargs):
     raise RuntimeError(

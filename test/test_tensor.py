@@ -1,6 +1,7 @@
 """NVFP4StaticTensor: torchao layout, type preservation, and the static-activation linear."""
 
 import io
+import multiprocessing
 import re
 
 import pytest
@@ -354,6 +355,27 @@ def test_a_pickled_weight_carries_no_flatten_cache():
     assert b"_flattened" not in buffer.getvalue()
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     assert loaded.__tensor_flatten__() == torchaos_flatten(q)
+
+
+def zero_the_codes_in_a_child_process(model):
+    process = multiprocessing.get_context("fork").Process(target=lambda: model[0].weight.qdata.zero_())
+    process.start()
+    process.join(timeout=60)
+    assert process.exitcode == 0
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "not shared"])
+def test_share_memory_shares_every_inner_tensor_with_child_processes(shared):
+    """torch's own sharing of the wrapper's (empty) storage crashed the process."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64))
+    model[0].weight = torch.nn.Parameter(NVFP4StaticTensor.from_float(make_weight(), ACT_AMAX), requires_grad=False)
+    weight = model[0].weight
+    assert not weight.is_shared()
+    if shared:
+        assert model.share_memory() is model and model[0].weight is weight
+        assert weight.is_shared() and all(getattr(weight, name).is_shared() for name in weight.__tensor_flatten__()[0])
+    zero_the_codes_in_a_child_process(model)
+    assert bool((weight.qdata == 0).all()) == shared  # the child's write is seen here only if shared
 
 
 def reference_linear(x, q, bias):
