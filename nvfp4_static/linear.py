@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from nvfp4_static.backends.cpu_eager import EagerCpuKernelCalls, eager_linear
@@ -18,7 +19,7 @@ from nvfp4_static.numerics import (
     is_usable_act_per_tensor_scale,
     largest_at_most,
 )
-from nvfp4_static.tensor import NVFP4StaticTensor, copy_refusal
+from nvfp4_static.tensor import NVFP4StaticTensor, UnpresentableDtypeError, copy_refusal
 
 __all__ = [
     "NVFP4StaticLinear",
@@ -28,6 +29,7 @@ __all__ = [
     "saved_recipe",
 ]
 
+COMPUTES_IN = "a converted layer computes in float32, bfloat16 or float16"
 CHECKPOINT_FORMAT = "nvfp4_static"
 CHECKPOINT_VERSION = 1
 # Set in the extra state of a layer saved before a checkpoint was loaded into it.
@@ -228,7 +230,15 @@ class NVFP4StaticLinear(torch.nn.Linear):
         return InferenceOnly.apply(out) if out.requires_grad else out
 
     def _apply(self, fn, recurse=True):
-        self._check_cast(fn)
+        if parametrize.is_parametrized(self, "weight"):
+            self._check_cast_of_unwrapped_weight(fn)
+            fn = self._keeping_unwrapped_dtypes(fn)
+        try:
+            return self._apply_to_tensors(fn, recurse)
+        except UnpresentableDtypeError as error:
+            raise self._cast_refusal(error.dtype, COMPUTES_IN) from error
+
+    def _apply_to_tensors(self, fn, recurse):
         # Moved or converted, the layer no longer holds a slice of its sibling GEMM's weight,
         # which would stay behind: the siblings run alone from now on.
         if self.sibling_gemm is not None:
@@ -254,16 +264,38 @@ class NVFP4StaticLinear(torch.nn.Linear):
         self._parameters.update(converted)
         return result
 
-    def _check_cast(self, fn) -> None:
-        """Refuse, naming the layer, a cast to a dtype an NVFP4 layer cannot compute in
-        (``model.double()``), before anything of this layer changes."""
-        probe = fn(torch.empty(0, dtype=self.weight.dtype, device=self.weight.qdata.device))
-        if isinstance(probe, torch.Tensor) and probe.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"nvfp4_static: layer '{self.layer_name}' cannot become {probe.dtype}: a converted "
-                f"layer computes in float32, bfloat16 or float16. The modules torch reached before "
-                f"this one are {probe.dtype} now: cast the model back (model.to({self.weight.dtype}))"
+    def _cast_refusal(self, dtype: torch.dtype, problem: str) -> ValueError:
+        return ValueError(
+            f"nvfp4_static: layer '{self.layer_name}' cannot become {dtype}: {problem}. The "
+            f"modules torch reached before this one are {dtype} now: cast the model back "
+            f"(model.to({self.weight.dtype}))"
+        )
+
+    def _check_cast_of_unwrapped_weight(self, fn) -> None:
+        """Refuse, before any of its tensors changes, a cast of a layer whose weight is held
+        unwrapped (torchao's ``unwrap_tensor_subclass``) to another dtype: its rebuild keeps
+        the weight's dtype (``fn`` of an empty tensor says what the cast does)."""
+        dtype = self.weight.dtype
+        probe = fn(torch.empty(0, dtype=dtype, device=self.weight.qdata.device))
+        if probe.dtype not in SUPPORTED_DTYPES:
+            raise self._cast_refusal(probe.dtype, COMPUTES_IN)
+        if probe.dtype != dtype:
+            raise self._cast_refusal(
+                probe.dtype,
+                f"its weight is held unwrapped (torchao's unwrap_tensor_subclass), which rebuilds it "
+                f"as {dtype}; cast the model before unwrapping it",
             )
+
+    def _keeping_unwrapped_dtypes(self, fn):
+        """``fn`` that moves the unwrapped weight's tensors (codes, FP8 block scales, float32
+        global scales) without converting them: a cast would convert the scales as numbers."""
+        unwrapped = {id(t) for t in self.parametrizations.weight.parameters()}
+
+        def keeping_dtypes(tensor):
+            moved = fn(tensor)
+            return moved if id(tensor) not in unwrapped or moved.dtype == tensor.dtype else tensor.to(moved.device)
+
+        return keeping_dtypes
 
     def start_clip_monitor(self) -> None:
         """Count, from now on, the inputs above ``act_global_amax`` (see ``clip_monitor``)."""

@@ -32,13 +32,22 @@ from nvfp4_static.numerics import (
     per_tensor_amax_to_scale,
 )
 
-__all__ = ["NVFP4StaticTensor", "static_linear"]
+__all__ = ["NVFP4StaticTensor", "UnpresentableDtypeError", "static_linear"]
 
 # Attributes held on the host only: left out of the flatten metadata (a traced graph would hold
 # them as constants) and unknown (None) in a rebuilt tensor.
 _HOST_ONLY = ("output_scale",)
 
 aten = torch.ops.aten
+
+
+class UnpresentableDtypeError(ValueError):
+    """A cast of an NVFP4 weight to a dtype it cannot present as (its layer names itself in
+    the error it raises from this one)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__(f"nvfp4_static: an NVFP4 tensor can present as fp32/bf16/fp16, not {dtype}")
+        self.dtype = dtype
 
 
 class NVFP4StaticTensor(NVFP4Tensor):
@@ -515,7 +524,7 @@ def _to_copy(func, types, args, kwargs):
     dtype = kwargs.pop("dtype", None)
     device = kwargs.pop("device", None)
     if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"nvfp4_static: an NVFP4 tensor can present as fp32/bf16/fp16, not {dtype}")
+        raise UnpresentableDtypeError(dtype)
 
     def move(t):
         return None if t is None or device is None else t.to(device)

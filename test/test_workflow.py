@@ -245,6 +245,50 @@ def test_compiled_model_with_unwrapped_weights_gives_the_same_outputs():
     assert torch.equal(out, expected)
 
 
+UNWRAPPED_CASTS = {
+    "float()": lambda m: m.float(),
+    "to(float32)": lambda m: m.to(torch.float32),
+    "to(cpu)": lambda m: m.to("cpu"),
+    "to(cpu, float32)": lambda m: m.to("cpu", torch.float32),
+}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("cast", UNWRAPPED_CASTS.values(), ids=UNWRAPPED_CASTS.keys())
+def test_an_unwrapped_model_moved_or_cast_to_its_own_dtype_keeps_its_scales(cast):
+    """Module casts convert every floating tensor: the FP8 block scales and float32 global
+    scales the unwrapped weight holds would be converted as numbers."""
+    model = quantized(make(MLP))
+    x = calibration_batches(1)[0]
+    with torch.no_grad():
+        expected = model(x)
+    unwrapped = unwrap_tensor_subclass(model)
+    before = {name: t.clone() for name, t in unwrapped.named_parameters()}
+    cast(unwrapped)
+    assert all(same_bits(t, before[name]) for name, t in unwrapped.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(unwrapped(x), expected)
+
+
+@pytest.mark.parametrize(
+    "dtype, problem",
+    [(torch.float16, "its weight is held unwrapped .* cast the model before unwrapping"),
+     (torch.bfloat16, "its weight is held unwrapped .* cast the model before unwrapping"),
+     (torch.float64, "a converted layer computes in float32, bfloat16 or float16")],
+    ids=str,
+)
+def test_an_unwrapped_model_cast_to_another_dtype_is_refused_naming_the_layer(dtype, problem):
+    """The rebuild keeps the weight's dtype, so the output would stay float32."""
+    unwrapped = unwrap_tensor_subclass(quantized(make(MLP)))
+    before = {name: t.clone() for name, t in unwrapped.up.named_parameters()}
+    with pytest.raises(ValueError, match=rf"layer 'up' cannot become {dtype}: {problem}"):
+        unwrapped.to(dtype)
+    assert all(same_bits(t, before[name]) for name, t in unwrapped.up.named_parameters())
+
+
 def test_compiled_model_matches_eager_without_recompiling():
     model = quantized(make(TransformerBlock))
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
