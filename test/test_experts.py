@@ -934,6 +934,21 @@ def test_placeholder_experts_stay_empty_until_all_their_tensors_are_loaded(conve
     assert placeholder.loaded and not fresh.model.layers[0].mlp.experts.loaded
 
 
+@pytest.mark.parametrize("unrouted", ["every slot", "some slots"])
+def test_tokens_routed_to_no_expert_stay_out_of_the_pooled_statistics(unrouted):
+    """Index num_experts routes a slot to no expert: a token all of whose slots go nowhere
+    reaches no expert, so the pooled statistics (which experts short of tokens take) skip it."""
+    hidden, index, weights = routed_batch(12, seed=3)
+    outliers = 1000 * torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(4))
+    outlier_index = torch.full((4, TOP_K), EXPERTS)
+    if unrouted == "some slots":
+        outlier_index[:, 0] = 2  # these reach expert 2: they count
+    mixed = (torch.cat([hidden, outliers]), torch.cat([index, outlier_index]), torch.cat([weights, weights[:4]]))
+    holder = calibrated_experts([mixed], act_calibration="max")
+    routed = torch.cat([hidden, outliers]) if unrouted == "some slots" else hidden
+    assert torch.equal(holder.experts.pooled_gate_up_calibrator.compute_amax(), routed.abs().amax())
+
+
 @pytest.mark.parametrize("bad", [float("nan"), 0.0, -1.0, float("inf"), 1e37])
 def test_a_checkpoint_with_a_bad_expert_scale_is_refused_naming_the_expert(converted_model, bad):
     state = dict(converted_model.state_dict())

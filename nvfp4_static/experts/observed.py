@@ -69,8 +69,12 @@ class NVFP4StaticObservedExperts(torch.nn.Module):
         bounds = routing.expert_offsets.tolist()
         expert_rows = x.new_zeros(x.shape[0], hidden_states.shape[-1])
         if bounds[-1]:
+            # The tokens some expert receives (index num_experts routes a slot to none), each once.
+            routed = top_k_index.lt(self.num_experts).any(dim=-1)
             with torch.no_grad():
-                self.pooled_gate_up_calibrator.collect(hidden_states.detach())
+                self.pooled_gate_up_calibrator.collect(
+                    hidden_states.detach() if bool(routed.all()) else hidden_states.detach()[routed]
+                )
         intermediates = []
         for expert, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             if end == first:
