@@ -28,6 +28,7 @@ from nvfp4_static.distributed import (
     _first_unmatched,
     _gather,
     _raise_any_rank_error,
+    _snapshot,
 )
 from nvfp4_static.experts.handlers import pooled_statistics_for, starved_experts
 from nvfp4_static.experts.observed import NVFP4StaticObservedExperts
@@ -36,6 +37,7 @@ from nvfp4_static.numerics import BLOCK_SIZE, pack_e2m1
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
 from nvfp4_static.tensor import NVFP4StaticTensor
+from nvfp4_static.tensor_digest import SAMPLED_ELEMENTS, tensor_digest
 from nvfp4_static.workflow import (
     adopt_converted,
     converted_linear,
@@ -78,12 +80,15 @@ def convert_data_parallel(
     Call it on every rank after ``sync_calibration``, with the same model (weights included),
     config and filter. Every rank ends with the converted layers a single-process convert
     gives, bit for bit (convert is deterministic and the ranks' statistics are equal). Layers
-    are shared out largest first, each to the least-loaded rank. A rank whose share fails, or
-    whose layers differ from rank 0's, makes every rank raise the same error, with the model
-    unchanged. ``side_task``: a ``SideTask`` one rank runs beside its (smaller) share.
+    are shared out largest first, each to the least-loaded rank. Before any work the ranks
+    compare their configs, the layers they convert, and a sampled hash of each layer's weight,
+    bias and statistics; a difference, or a rank whose share fails, makes every rank raise the
+    same error, with the model unchanged. ``side_task``: a ``SideTask`` one rank runs beside
+    its (smaller) share.
     """
     config = dataclasses.replace(config_or_default("convert_data_parallel", config), step="convert")
     linears = _converted_linears(model, filter_fn)
+    _check_ranks_agree(model, linears, config, group)
     jobs = [_CONVERT if experts is None else _EXPERT_JOBS.get(config.weight_scale) for _, experts in linears]
     try:
         _share_out_convert(linears, jobs, config, group, side_task)
@@ -93,6 +98,52 @@ def convert_data_parallel(
             if job is not None and job.attribute is not None:
                 setattr(linear, job.attribute, None)
     return model
+
+
+def _check_ranks_agree(model: torch.nn.Module, linears: list[tuple], config, group) -> None:
+    """Refuse, on every rank alike, ranks that would convert with other configs, other layers,
+    or other weights or statistics (another model, or calibration not synced): each rank would
+    otherwise take the other ranks' results for their layers, a mix of models."""
+    local: dict = {"error": None, "config": dataclasses.asdict(config), "layers": [], "statistics": []}
+    try:
+        local["layers"] = [
+            (layer.layer_name, tuple(layer.weight.shape),
+             [tensor_digest(t, SAMPLED_ELEMENTS) for t in (layer.weight, layer.bias) if t is not None])
+            for layer, _ in linears
+        ]
+        local["statistics"] = [
+            (slot["layer"], slot["role"],
+             None if slot["state"] is None else [tensor_digest(v, SAMPLED_ELEMENTS) for v in slot["state"].values()])
+            for slot in _snapshot(model)
+        ]
+    except Exception as caught:
+        local["error"] = _error_text(caught)
+    gathered = _gather(local, group)
+    _raise_any_rank_error(gathered, "convert")
+    reference = gathered[0]
+    for rank, item in enumerate(gathered[1:], start=1):
+        differing = [key for key in reference["config"] if reference["config"][key] != item["config"][key]]
+        if differing:
+            key = differing[0]
+            raise ValueError(
+                f"nvfp4_static: rank {rank} converts with {key}={item['config'][key]!r}, rank 0 "
+                f"with {key}={reference['config'][key]!r}; every rank must convert with the same config"
+            )
+    _check_same_layers([[(name, shape) for name, shape, _ in item["layers"]] for item in gathered])
+    for rank, item in enumerate(gathered[1:], start=1):
+        for (name, _, ours), (_, _, theirs) in zip(reference["layers"], item["layers"]):
+            if ours != theirs:
+                raise ValueError(
+                    f"nvfp4_static: layer '{name}' has another weight or bias on rank {rank} than "
+                    f"on rank 0 (a sampled hash); every rank must convert the same model, weights "
+                    f"included"
+                )
+        for (name, role, ours), (_, _, theirs) in zip(reference["statistics"], item["statistics"]):
+            if ours != theirs:
+                raise ValueError(
+                    f"nvfp4_static: layer '{name}' has other {role} statistics on rank {rank} than "
+                    f"on rank 0; call sync_calibration(model) on every rank before convert_data_parallel"
+                )
 
 
 def _converted_linears(model: torch.nn.Module, filter_fn) -> list[tuple]:
@@ -243,8 +294,7 @@ def _share_out_convert(
         loads[side_task.rank] = side_task.cost
     owners = _share_out([layer.weight.numel() + _COST_PER_LAYER if job else 0
                          for layer, job in zip(layers, jobs)], loads)
-    local: dict = {"error": None, "computed": [], "notes": {},
-                   "layers": [(layer.layer_name, tuple(layer.weight.shape)) for layer in layers]}
+    local: dict = {"error": None, "computed": [], "notes": {}}
     mine = {}
     try:
         with contextlib.ExitStack() as scope:
@@ -270,7 +320,6 @@ def _share_out_convert(
         local["error"] = _error_text(caught)
     gathered = _gather(local, group)
     _raise_any_rank_error(gathered, "convert")
-    _check_same_layers([item["layers"] for item in gathered])
     device = _collective_device(group)
     results = dict(mine)
     for source, item in enumerate(gathered):

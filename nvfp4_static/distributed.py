@@ -47,6 +47,7 @@ others waiting until the process group's timeout (``init_process_group(timeout=.
 import contextlib
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
@@ -65,6 +66,10 @@ __all__ = [
     "sync_calibration",
     "sync_mse_anchors",
 ]
+
+# Observed layers whose statistics a sync made every rank's: a second sync would add the other
+# ranks' data again.
+_SYNCED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 # --- what one process holds: its observers and their states -------------------------------------
 
@@ -483,6 +488,7 @@ def sync_calibration(
         local["error"] = _error_text(error)
     else:
         try:
+            _refuse_a_second_sync(model)
             slots = _snapshot(model)
             local["slots"] = [_without_tensors(slot) for slot in slots]
         except Exception as caught:  # e.g. a NaN batch reported late (CUDA): tell the others
@@ -493,6 +499,18 @@ def sync_calibration(
     flat = _pack(layout, slots, _collective_device(group))
     _fold_across_ranks(layout, flat, group)
     _apply(model, _unpack(layout, flat))
+    _SYNCED.update(layer for _, _, _, layer in _observers(model))
+
+
+def _refuse_a_second_sync(model: torch.nn.Module) -> None:
+    synced = next((name for name, _, _, layer in _observers(model) if layer in _SYNCED), None)
+    if synced is not None:
+        raise ValueError(
+            f"nvfp4_static: sync_calibration: layer '{synced}' was synced already, so its "
+            f"statistics hold every rank's data and a second sync would count the other ranks' "
+            f"data again. Sync once, after all of a rank's batches (to calibrate anew, prepare "
+            f"the float model again)"
+        )
 
 
 def _fold_across_ranks(layout: _Layout, flat: torch.Tensor, group) -> None:

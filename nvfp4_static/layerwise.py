@@ -359,7 +359,11 @@ def calibrate_layer_by_layer(
         import torch.distributed as dist
 
         rank = dist.get_rank(group)
-        counts = _gather(len(batches), group)
+        settings = {"decoder layers": len(layers), "config": dataclasses.asdict(prepare),
+                    "smooth_alpha": smooth_alpha, "propagate_quantized": propagate_quantized}
+        gathered = _gather({"batches": len(batches), "settings": settings}, group)
+        _check_same_settings([item["settings"] for item in gathered])
+        counts = [item["batches"] for item in gathered]
         anchor_source = next((r for r, n in enumerate(counts) if n), 0)
     if smooth_alpha is not None:
         check_alpha(smooth_alpha, "calibrate_layer_by_layer", "smooth_alpha")
@@ -526,6 +530,22 @@ class _PhaseClock:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+
+
+def _check_same_settings(per_rank: list) -> None:
+    """Refuse, on every rank alike, ranks whose models have other numbers of decoder layers or
+    that were given other settings: they would wait on each other at another layer, or mix."""
+    for rank, settings in enumerate(per_rank[1:], start=1):
+        for key, ours in per_rank[0].items():
+            theirs = settings[key]
+            if key == "config" and theirs != ours:
+                field = next(name for name in ours if ours[name] != theirs[name])
+                key, ours, theirs = f"config.{field}", ours[field], theirs[field]
+            if theirs != ours:
+                raise ValueError(
+                    f"nvfp4_static: calibrate_layer_by_layer: rank {rank} has {key} {theirs!r}, "
+                    f"rank 0 {ours!r}; every rank must calibrate the same model with the same settings"
+                )
 
 
 def _finished_layers(folder, model, prefix, layers, layer_filter_of, config, propagate_quantized,

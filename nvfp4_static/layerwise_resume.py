@@ -35,24 +35,12 @@ from torch.utils import _pytree as pytree
 from nvfp4_static.checkpoint import load_quantized
 from nvfp4_static.config import NVFP4StaticActivationConfig
 from nvfp4_static.linear import NVFP4StaticLinear
+from nvfp4_static.tensor_digest import SAMPLED_ELEMENTS, tensor_digest
 
 __all__ = ["FinishedLayers", "layer_fingerprint", "run_fingerprint"]
 
 PROGRESS_FILE = "progress.json"
 FORMAT = 1
-# Elements of each parameter hashed for its fingerprint, spread evenly over the tensor.
-SAMPLED_ELEMENTS = 4096
-
-
-def _tensor_digest(tensor: torch.Tensor, limit: int = 0) -> str:
-    """sha256 of the tensor's bytes (of ``limit`` evenly strided elements when given), the
-    same whatever device the tensor is on."""
-    flat = tensor.detach().reshape(-1)
-    if limit and flat.numel() > limit:
-        flat = flat[:: flat.numel() // limit][:limit]
-    data = flat.to("cpu").contiguous().view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
-
 
 def _batches_digest(batches: Sequence[Any]) -> str:
     """sha256 over every batch's tensors (dtype, shape, bytes) and other values (repr)."""
@@ -60,7 +48,7 @@ def _batches_digest(batches: Sequence[Any]) -> str:
     for batch in batches:
         for leaf in pytree.tree_leaves(batch):
             if isinstance(leaf, torch.Tensor):
-                digest.update(f"{leaf.dtype}{tuple(leaf.shape)}{_tensor_digest(leaf)}".encode())
+                digest.update(f"{leaf.dtype}{tuple(leaf.shape)}{tensor_digest(leaf)}".encode())
             else:
                 digest.update(repr(leaf).encode())
     return digest.hexdigest()
@@ -127,7 +115,7 @@ def layer_fingerprint(layer: torch.nn.Module, name: str, selected: Callable) -> 
         "selected": [fqn for fqn, m in layer.named_modules()
                      if fqn and isinstance(m, torch.nn.Linear) and selected(m, fqn)],
         "tensors": {key: {"shape": list(t.shape), "dtype": str(t.dtype),
-                          "sampled sha256": _tensor_digest(t, SAMPLED_ELEMENTS)}
+                          "sampled sha256": tensor_digest(t, SAMPLED_ELEMENTS)}
                     for key, t in sorted(tensors.items())},
     })
 

@@ -5,6 +5,7 @@ is itself the no-deadlock check). Each scenario's result goes to ``OUT/<scenario
     python test/distributed_worker.py RANK WORLD_SIZE PORT OUT
 """
 
+import dataclasses
 import functools
 import os
 import sys
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from test_experts import tiny_model  # noqa: E402
 from test_experts import token_ids as moe_token_ids  # noqa: E402
-from tiny_llama import all_but_lm_head, tiny_llama, token_ids  # noqa: E402
+from tiny_llama import all_but_lm_head, llama_config, tiny_llama, token_ids  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 
 from nvfp4_static import (  # noqa: E402
@@ -234,6 +235,52 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     save("split-convert-mismatch", error_of(
         lambda: data_parallel_run(mine, "b_min", "mse", convert=convert_skips_down_proj_on_rank_1)))
 
+    def sync_twice():
+        model = tiny_llama()
+        quantize_(model, NVFP4StaticActivationConfig(step="prepare", weight_scale="max"), filter_fn=all_but_lm_head)
+        with torch.no_grad(), data_parallel_calibration(model):
+            for batch in mine:
+                model(batch)
+        before = [{k: v.clone() for k, v in slot["state"].items()} for slot in distributed._snapshot(model)]
+        result = error_of(lambda: distributed.sync_calibration(model))
+        after = [slot["state"] for slot in distributed._snapshot(model)]
+        result["unchanged"] = all(torch.equal(a[k], b[k]) for a, b in zip(before, after) for k in a)
+        return result
+
+    save("sync-twice", sync_twice())
+
+    def refused_convert(convert):
+        """``data_parallel_run`` whose ``convert`` should be refused: the error, and whether
+        the model was left without converted layers."""
+        model = tiny_llama()
+        result = error_of(lambda: data_parallel_run(mine, "b_min", "hessian_mse", model=model, convert=convert))
+        result["converted"] = sum(isinstance(m, NVFP4StaticLinear) for m in model.modules())
+        return result
+
+    def mse_on_rank_0(model, config, filter_fn):
+        convert_data_parallel(model, dataclasses.replace(config, weight_scale=["mse", "hessian_mse"][rank]), filter_fn)
+
+    save("convert-config-mismatch", refused_convert(mse_on_rank_0))
+
+    def other_weight_on_rank_1(model, config, filter_fn):
+        if rank == 1:
+            with torch.no_grad():
+                model.model.layers[1].self_attn.o_proj.weight[3, 5] += 1
+        convert_data_parallel(model, config, filter_fn)
+
+    save("convert-weights-mismatch", refused_convert(other_weight_on_rank_1))
+
+    def unsynced():
+        model = tiny_llama()
+        config = dict(act_calibration="max", weight_scale="max")
+        quantize_(model, NVFP4StaticActivationConfig(step="prepare", **config), filter_fn=all_but_lm_head)
+        with torch.no_grad():
+            for batch in mine:
+                model(batch)
+        return error_of(lambda: convert_data_parallel(model, NVFP4StaticActivationConfig(**config), all_but_lm_head))
+
+    save("convert-unsynced", unsynced())
+
     def nan_on_rank_1(model, batch):
         embeds = model.model.embed_tokens(batch)
         if rank == 1:
@@ -252,6 +299,13 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         return {"scales": converted_scales(model), "timings": timings}
 
     save("layerwise-dp", layerwise())
+    config = llama_config()
+    config.num_hidden_layers = 2 + rank
+    save("layerwise-dp-layer-count-mismatch", error_of(lambda: calibrate_layer_by_layer(
+        type(tiny_llama())(config), mine, NVFP4StaticActivationConfig(), group=True,
+        progress=False, device="cpu", filter_fn=all_but_lm_head)))
+    save("layerwise-dp-alpha-mismatch", error_of(lambda: layerwise(smooth_alpha=[0.5, 0.25][rank])))
+
     all_on_rank_1 = [] if rank == 0 else [token_ids(seed) for shard in SHARDS for seed in shard]
     save("layerwise-dp-rank-0-empty", layerwise(all_on_rank_1))  # rank 1 smooths
 

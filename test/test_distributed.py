@@ -12,6 +12,7 @@ What is guaranteed, and checked here bit for bit:
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -230,6 +231,37 @@ def test_ranks_with_different_structures_raise_the_same_error_naming_rank_and_la
     errors = [r["error"] for r in results("structure-mismatch")]
     assert errors[0] == errors[1]
     assert "rank 1" in errors[0] and "'model.layers.1.mlp.down_proj'" in errors[0]
+
+
+def test_a_second_sync_is_refused_on_every_rank_and_changes_nothing(results):
+    """It would add the other ranks' data to the statistics again."""
+    for result in results("sync-twice"):
+        assert result["error"] == results("sync-twice")[0]["error"] and result["unchanged"]
+        assert "'model.layers.0.self_attn.q_proj' was synced already" in result["error"]
+
+
+@pytest.mark.parametrize(
+    "scenario, message",
+    [("convert-config-mismatch", "rank 1 converts with weight_scale='hessian_mse', rank 0 with weight_scale='mse'"),
+     ("convert-weights-mismatch", "layer 'model.layers.1.self_attn.o_proj' has another weight or bias on rank 1"),
+     ("convert-unsynced", r"layer 'model\.layers\.0\.[a-z_.]+' has other act statistics on rank 1 than on "
+                          r"rank 0; call sync_calibration\(model\) on every rank")],
+)
+def test_ranks_that_would_convert_a_mix_of_models_are_refused_alike_before_any_work(results, scenario, message):
+    """Each rank would take the others' results for their layers: a mix of recipes or models."""
+    errors = [r["error"] for r in results(scenario)]
+    assert errors[0] == errors[1] and re.search(message, errors[0])
+    assert all(r.get("converted", 0) == 0 for r in results(scenario))
+
+
+@pytest.mark.parametrize(
+    "scenario, message",
+    [("layerwise-dp-layer-count-mismatch", "rank 1 has decoder layers 3, rank 0 2"),
+     ("layerwise-dp-alpha-mismatch", "rank 1 has smooth_alpha 0.25, rank 0 0.5")],
+)
+def test_layer_by_layer_ranks_with_other_models_or_settings_are_refused_alike(results, scenario, message):
+    errors = [r["error"] for r in results(scenario)]
+    assert errors[0] == errors[1] and message in errors[0]
 
 
 def test_nan_on_one_rank_raises_the_same_error_on_every_rank(results):
