@@ -22,10 +22,13 @@ it, and q/k/v and gate/up keep one input each (``tie_fused_layers`` still applie
 
 import copy
 import numbers
+import weakref
 from collections.abc import Callable
 from typing import Optional
 
 import torch
+
+from nvfp4_static.messages import warn
 
 __all__ = [
     "DEFAULT_NORM_CONSUMERS",
@@ -143,13 +146,20 @@ def _check_norm_consumers(norm_consumers) -> None:
 @torch.no_grad()
 def smoothing_scales(model: torch.nn.Module, groups: dict, forward_loop, alpha: float) -> dict:
     """Each group's scales ``s`` from the norm outputs ``forward_loop`` produces; checks that
-    every norm can take them, changing nothing."""
+    every norm can take them, changing nothing. A group whose named consumers are not exactly
+    the linears that read the norm's output gets scales of 1 (it stays as it is), with a
+    warning: folding would change what the other readers compute."""
     check_alpha(alpha, "smooth_norm_inputs")
-    channel_amax = _norm_output_channel_amax(model, groups, forward_loop)
-    scales = {
-        name: _smoothing_scales(channel_amax[name], consumers, alpha)
-        for name, (_, consumers) in groups.items()
-    }
+    channel_amax, readers = _norm_output_channel_amax(model, groups, forward_loop)
+    names = {module: name for name, module in model.named_modules()}
+    scales = {}
+    for name, (_, consumers) in groups.items():
+        problem = _readers_problem(consumers, readers[name], names)
+        if problem is None:
+            scales[name] = _smoothing_scales(channel_amax[name], consumers, alpha)
+            continue
+        warn(f"nvfp4_static: smoothing leaves norm '{name}' as it is: {problem}")
+        scales[name] = torch.ones_like(channel_amax[name]).to(consumers[0].weight.device)
     for name, (norm, _) in groups.items():
         _check_output_follows_weight(name, norm, scales[name])
     return scales
@@ -206,19 +216,43 @@ def _check_group(name: str, norm, consumers, consumer_names) -> None:
             )
 
 
-def _norm_output_channel_amax(model, groups: dict, forward_loop) -> dict[str, torch.Tensor]:
-    """Each norm's largest ``|output|`` per channel over ``forward_loop``, float32."""
+def _readers_problem(consumers, readers: set, names: dict) -> Optional[str]:
+    """What differs between a norm's named consumers and the linears that read its output."""
+    unread = [names.get(c, "?") for c in consumers if c not in readers]
+    if unread:
+        return f"{unread} do not read its output (another kind of norm there?)"
+    others = sorted(names.get(m, "?") for m in readers if not any(m is c for c in consumers))
+    if others:
+        return f"{others} also read its output, and norm_consumers does not name them"
+    return None
+
+
+def _norm_output_channel_amax(model, groups: dict, forward_loop) -> tuple[dict, dict]:
+    """Each norm's largest ``|output|`` per channel over ``forward_loop`` (float32), and the
+    linears of ``model`` that read that output (the tensor itself, or a view of it)."""
     amax: dict[str, torch.Tensor] = {}
+    readers: dict[str, set] = {name: set() for name in groups}
+    outputs: dict[int, tuple] = {}  # id of a norm's output -> (a weak reference to it, the norm's name)
 
     def recorder(name):
         def hook(module, args, output):
+            outputs[id(output)] = (weakref.ref(output), name)
             if not output.numel():  # a batch without tokens, which the model runs
                 return
             seen = output.detach().abs().flatten(0, -2).amax(0).float()
             amax[name] = seen if name not in amax else torch.maximum(amax[name], seen)
         return hook
 
+    def reader(module, args, kwargs):
+        x = args[0] if args else kwargs.get("input")
+        for tensor in (x, getattr(x, "_base", None)):
+            ref, name = outputs.get(id(tensor), (None, None))
+            if tensor is not None and ref is not None and ref() is tensor:
+                readers[name].add(module)
+
     handles = [norm.register_forward_hook(recorder(name)) for name, (norm, _) in groups.items()]
+    handles += [m.register_forward_pre_hook(reader, with_kwargs=True)
+                for m in model.modules() if isinstance(m, torch.nn.Linear)]
     try:
         forward_loop(model)
     finally:
@@ -237,7 +271,7 @@ def _norm_output_channel_amax(model, groups: dict, forward_loop) -> dict[str, to
             f"nvfp4_static: smooth_norm_inputs: the output of norms {', '.join(bad)} was not "
             f"finite during forward_loop. Nothing was changed"
         )
-    return amax
+    return amax, readers
 
 
 def _divide_norm_by(norm: torch.nn.Module, s: torch.Tensor) -> None:

@@ -289,3 +289,51 @@ def test_a_gemma_norm_is_refused_in_fp16_too(dtype):
     loud[:, 0] = 100.0
     with pytest.raises(ValueError, match="'norm' \\(OnePlusWeightNorm\\) does not scale its output"):
         smooth_norm_inputs(model, lambda m: m(loud), norm_consumers={"norm": ("proj", "gate")})
+
+
+def tiny_model_of(config_class: str):
+    """A random two-layer model of ``config_class``, its norms' weights far from 1 (so that
+    folding changes what the model computes wherever it does not fold into every reader)."""
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name and parameter.ndim == 1:
+                parameter.mul_(torch.rand_like(parameter) * 3 + 0.1)
+    return model
+
+
+@pytest.mark.parametrize(
+    "config_class, norm, problem",
+    [("PhiConfig", "input_layernorm", r"\['model.layers.0.mlp.fc1'\] also read its output"),
+     ("CohereConfig", "input_layernorm", r"\['model.layers.0.mlp.gate_proj', 'model.layers.0.mlp.up_proj'\] also read"),
+     ("Olmo2Config", "post_attention_layernorm", r"\['model.layers.0.mlp.gate_proj', .*\] do not read its output")],
+)
+def test_a_norm_whose_readers_are_not_the_named_consumers_is_left_as_it_is_with_a_warning(config_class, norm, problem):
+    """Phi and Cohere run the MLP beside attention on the same norm's output; OLMo2's
+    post-attention norm normalises the attention output, which the MLP does not read."""
+    model = tiny_model_of(config_class)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+    expected_state = state(model)
+    with pytest.warns(UserWarning, match=rf"leaves norm 'model.layers.0.{norm}' as it is: {problem}"):
+        scales = smooth_norm_inputs(model, lambda m: m(ids))
+    assert torch.equal(scales[f"model.layers.0.{norm}"], torch.ones(64))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    assert_same_state(model, expected_state)
+
+
+def test_consumers_naming_only_some_of_a_norms_readers_leave_it_as_it_is():
+    model = tiny_llama()
+    before = logits(model)
+    with pytest.warns(UserWarning, match=r"'model.layers.0.input_layernorm' as it is: \['model.layers.0.self_attn.k_proj', "
+                                         r"'model.layers.0.self_attn.v_proj'\] also read its output"):
+        smooth_norm_inputs(model, lambda m: m(token_ids(1)), norm_consumers={"input_layernorm": ("self_attn.q_proj",)})
+    assert torch.equal(logits(model), before)
