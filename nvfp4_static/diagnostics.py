@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from nvfp4_static.arguments import uncompiled
 from nvfp4_static.experts import NVFP4StaticExperts, experts_layout
 from nvfp4_static.experts.converted import PROJECTIONS
 from nvfp4_static.linear import NVFP4StaticLinear
@@ -28,6 +29,7 @@ from nvfp4_static.numerics import (
     block_amax,
     dequantize_nvfp4,
     fake_quantize_nvfp4,
+    largest_at_most,
     non_finite_summary,
     per_tensor_amax_to_scale,
 )
@@ -137,7 +139,9 @@ class _LayerAccumulator:
         blocks = block_amax(x)
         nonzero = blocks > 0
         self.counts["elements"] += x.numel()
-        self.counts["clipped"] += int((x.abs() > g_amax).sum())
+        # As the clip monitor counts: g_amax rounded to x's dtype would miss the values between.
+        limit = largest_at_most(self.act_per_tensor_scale.to(x.device) * 448 * 6, x.dtype)
+        self.counts["clipped"] += int((x.abs() > limit).sum())
         self.counts["blocks"] += int(nonzero.sum())
         self.counts["subnormal"] += int((nonzero & (blocks < g_amax / E4M3_DYNAMIC_RANGE)).sum())
         self.counts["calls"] += 1
@@ -281,8 +285,8 @@ def layer_diagnostics(
     expert's GEMMs of each ``NVFP4StaticExperts`` on the rows routed to it.
 
     Forward hooks see each layer's actual input, so the activation numbers include whatever
-    error upstream layers already added. Pass the eager model: hooks do not fire inside a
-    ``torch.compile``'d graph.
+    error upstream layers already added. A ``torch.compile``'d model is run as the eager
+    module it wraps (hooks do not fire inside a compiled graph).
 
     Args:
         model: a converted model (``step="convert"`` or a loaded checkpoint).
@@ -301,6 +305,8 @@ def layer_diagnostics(
     Raises:
         ValueError: a layer's input holds NaN or Inf (no number would mean anything).
     """
+    model = uncompiled(model)  # run eagerly: the hooks measure each layer's call
+    reference_model = None if reference_model is None else uncompiled(reference_model)
     accumulators: dict[str, _LayerAccumulator] = {}
     handles = []
     try:

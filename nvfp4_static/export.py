@@ -31,7 +31,7 @@ from typing import Union
 import torch
 from safetensors.torch import save_file
 
-from nvfp4_static.arguments import check_flags
+from nvfp4_static.arguments import check_flags, uncompiled
 from nvfp4_static.checkpoint import later_names
 from nvfp4_static.experts import NVFP4StaticExperts, NVFP4StaticObservedExperts
 from nvfp4_static.experts.serving import as_saved, converted_expert_linears, saved_module_names
@@ -116,6 +116,7 @@ def export_checkpoint(
             f"nvfp4_static: unknown export format {format!r}; choose one of {', '.join(FORMATS)}"
         )
     check_flags("export_checkpoint", overwrite=overwrite)
+    model = uncompiled(model)
     converted = _converted_layers(model)
     if fusion_groups:
         _check_fusion_groups_tied(model, fusion_groups)
@@ -486,6 +487,17 @@ def _apart(shard: dict) -> dict:
     return apart
 
 
+def _give_default_permissions(folder: pathlib.Path) -> None:
+    """The folder and its files readable as ``mkdir`` and ``open`` would have made them (the
+    umask's): ``mkdtemp`` makes the folder owner-only and safetensors its files, which a server
+    running as another user could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
 def _write(
     target: pathlib.Path,
     tensors: dict,
@@ -509,6 +521,7 @@ def _write(
             (staging / file).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
         for path in companions:
             shutil.copyfile(path, staging / path.name)
+        _give_default_permissions(staging)
         if not target.exists():
             staging.rename(target)
             return

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from conftest import DIM, calibration_batches, quantized
+from conftest import DIM, calibration_batches, make, quantized
 from models import MLP, TransformerBlock
-from nvfp4_static import NVFP4StaticLinear
+from nvfp4_static import NVFP4StaticLinear, clip_counts, enable_clip_monitor
 from nvfp4_static.diagnostics import format_diagnostics, layer_diagnostics, snr_db
-from nvfp4_static.numerics import fake_quantize_nvfp4, per_tensor_amax_to_scale
+from nvfp4_static.numerics import fake_quantize_nvfp4, largest_at_most, per_tensor_amax_to_scale
 
 
 def float_and_converted(model_cls, **config):
@@ -178,3 +178,31 @@ def test_format_diagnostics_refuses_a_row_count_that_is_not_a_whole_number(max_r
     _, model = float_and_converted(MLP)
     with pytest.raises(ValueError, match=f"max_rows={max_rows!r} must be a whole number >= 0"):
         format_diagnostics(layer_diagnostics(model, calibration_batches(1)[0]), max_rows=max_rows)
+
+
+def test_a_compiled_model_is_measured_as_the_eager_module_it_wraps(monkeypatch):
+    """Hooks do not fire inside a compiled graph: the compiled model gave no rows."""
+    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    model = quantized(copy.deepcopy(make(MLP)))
+    float_model = make(MLP)
+    x = calibration_batches(1, seed=3)[0]
+    eager = layer_diagnostics(model, x, reference_model=float_model)
+    compiled = layer_diagnostics(torch.compile(model), x, reference_model=torch.compile(float_model))
+    assert [d.name for d in compiled] == ["up", "down"] and compiled == eager
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_clipping_is_counted_as_the_clip_monitor_counts_in_low_precision(dtype):
+    """Compared with g_amax as a Python float, the comparison rounds g_amax to x's dtype, and
+    an input just above g_amax whose dtype rounds g_amax up was not counted."""
+    model = quantized(make(MLP, dtype), dtype)
+    limit = model.up.weight.act_per_tensor_scale.float() * 448 * 6
+    just_above = largest_at_most(limit, dtype)
+    just_above = torch.nextafter(just_above, torch.tensor(torch.inf, dtype=dtype))
+    x = torch.zeros(1, DIM, dtype=dtype)
+    x[0, 0] = just_above
+    enable_clip_monitor(model)
+    with torch.no_grad():
+        model(x)
+    assert clip_counts(model)["up"].clipped == 1
+    assert layer_diagnostics(model, x)[0].clipped_fraction * DIM == 1

@@ -11,6 +11,8 @@ block's ``amax / 6`` to the activation dtype (bf16 moves about 5% of block scale
 import copy
 import json
 import math
+import os
+import stat
 
 import pytest
 import torch
@@ -229,6 +231,32 @@ def test_a_linear_held_under_several_names_is_written_once_and_imported_at_each(
     x = calibration_batches(1, seed=3)[0]
     with torch.no_grad():
         assert torch.equal(imported(x), source(x))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_the_folder_and_its_files_get_the_permissions_the_umask_gives(tmp_path, umask):
+    """Staged in an owner-only temporary folder (and safetensors writes its files owner-only),
+    the folder was unreadable to a server running as another user."""
+    previous = os.umask(umask)
+    try:
+        export_checkpoint(quantized(make(MLP)), tmp_path / "export")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "export").stat().st_mode) == 0o777 & ~umask
+    files = list((tmp_path / "export").iterdir())
+    assert files and all(stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask for path in files)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_a_compiled_model_exports_as_the_module_it_wraps(llama_fp32, tmp_path, format):
+    """Its state names every tensor _orig_mod.* and its class is OptimizedModule: transformers
+    loaded such a folder with every weight missing."""
+    export_checkpoint(torch.compile(llama_fp32), tmp_path / "compiled", format)
+    export_checkpoint(llama_fp32, tmp_path / "eager", format)
+    assert read_folder(tmp_path / "compiled").keys() == read_folder(tmp_path / "eager").keys()
+    assert json.loads((tmp_path / "compiled" / "config.json").read_text()) == json.loads(
+        (tmp_path / "eager" / "config.json").read_text())
+    assert torch.equal(logits(import_checkpoint(tmp_path / "compiled")), logits(llama_fp32))
 
 
 def test_import_with_a_backend_that_cannot_run_here_or_into_a_prepared_model_is_refused(llama_fp32, tmp_path):
