@@ -202,7 +202,8 @@ class NVFP4StaticLinear(torch.nn.Linear):
         placeholder.loaded = False
         return placeholder
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass it by keyword
+        x = input
         if not self.loaded:
             raise RuntimeError(
                 f"nvfp4_static: layer '{self.layer_name}' is an empty placeholder; load a "
@@ -216,17 +217,21 @@ class NVFP4StaticLinear(torch.nn.Linear):
             if records_gradients(x, bias):
                 return refusing_gradients(F.linear(x.detach(), self.weight, detached(bias)), x, bias)
             return F.linear(x, self.weight, bias)
-        out = None if self.sibling_gemm is None else self.sibling_gemm.output(self.sibling_index, x)
-        if out is None:
-            # From the parameters' dict: Module.__getattr__ is reached through a failed attribute
-            # lookup, 1.9 us per name against 0.08 us for the dict read (on a CPU host).
-            parameters = self._parameters
-            weight, bias = parameters.get("weight"), parameters["bias"]
-            if weight is None:
-                # Held as plain tensors (torchao's unwrap_tensor_subclass) and rebuilt at each
-                # read around the same inner tensors, which is what the replay checks.
-                weight = self.weight
-            out = eager_linear(self._eager_cpu_calls, self._eager_launches, x, weight, bias)
+        try:
+            out = None if self.sibling_gemm is None else self.sibling_gemm.output(self.sibling_index, x)
+            if out is None:
+                # From the parameters' dict: Module.__getattr__ is reached through a failed
+                # attribute lookup, 1.9 us per name against 0.08 us for the dict read (on a CPU host).
+                parameters = self._parameters
+                weight, bias = parameters.get("weight"), parameters["bias"]
+                if weight is None:
+                    # Held as plain tensors (torchao's unwrap_tensor_subclass) and rebuilt at each
+                    # read around the same inner tensors, which is what the replay checks.
+                    weight = self.weight
+                out = eager_linear(self._eager_cpu_calls, self._eager_launches, x, weight, bias)
+        except ValueError as error:  # a refused input: the message names the layer too
+            refusal = str(error).removeprefix("nvfp4_static: ")
+            raise ValueError(f"nvfp4_static: layer '{self.layer_name}': {refusal}") from error
         return InferenceOnly.apply(out) if out.requires_grad else out
 
     def _apply(self, fn, recurse=True):

@@ -75,7 +75,8 @@ class NVFP4StaticObservedLinear(torch.nn.Linear):
         observed.bias = linear.bias
         return observed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass it by keyword
+        x = input
         self.check_input(x)
         if x.numel() == 0:  # no tokens: nothing to observe
             return F.linear(x, self.weight, self.bias)

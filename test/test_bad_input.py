@@ -4,6 +4,7 @@ each."""
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -707,7 +708,7 @@ def test_an_input_on_another_device_than_the_weight_is_refused(device, run, mess
     """Taken as it was, the error came from deep inside torch without a shape; on two GPUs the
     Triton kernels would read one device's memory with another's pointers."""
     model = quantized(make(MLP)).to(device)
-    with pytest.raises(ValueError, match=rf"nvfp4_static: activation of shape .*{message}.*move the input"):
+    with pytest.raises(ValueError, match=rf"nvfp4_static: (layer 'up': )?activation of shape .*{message}.*move the input"):
         run(model, calibration_batches(1)[0])
 
 
@@ -780,9 +781,31 @@ def test_a_batch_without_tokens_gives_an_empty_output_like_nn_linear(shape):
 @pytest.mark.parametrize("rows", [0, 2])
 def test_an_activation_of_a_dtype_the_kernels_do_not_take_is_refused_with_or_without_tokens(dtype, rows):
     model = quantized(make(MLP))
-    with pytest.raises(ValueError, match=rf"activation \({rows}, {DIM}\): activation dtype {dtype} \(float32, bfloat16 or float16\)"):
+    with pytest.raises(ValueError, match=rf"layer 'up': static NVFP4 linear of an activation \({rows}, {DIM}\): "
+                                         rf"activation dtype {dtype} \(float32, bfloat16 or float16\)"):
         with torch.no_grad():
             model.up(torch.zeros(rows, DIM, dtype=dtype))
+
+
+@pytest.mark.parametrize("shape", [(2, DIM + 16), (2, DIM // 2), ()], ids=["wider", "narrower", "0-d"])
+def test_an_activation_of_another_width_is_refused_naming_the_layer(shape):
+    model = quantized(make(MLP))
+    with pytest.raises(ValueError, match=rf"nvfp4_static: layer 'down': activation of shape {re.escape(str(shape))} "
+                                         rf"does not match weight of shape \({DIM}, {2 * DIM}\)"):
+        with torch.no_grad():
+            model.down(torch.zeros(shape))
+
+
+def test_a_converted_or_observed_linear_takes_its_input_by_keyword_as_nn_linear_does():
+    model = make(MLP)
+    x = calibration_batches(1)[0]
+    prepare(model)
+    with torch.no_grad():
+        assert torch.equal(model.up(input=x), model.up(x))
+        model(x)
+    convert(model)
+    with torch.no_grad():
+        assert torch.equal(model.up(input=x), model.up(x))
 
 
 @pytest.mark.parametrize("route", ["config", "environment"])
