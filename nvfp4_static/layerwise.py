@@ -58,7 +58,7 @@ from nvfp4_static.layer_mover import LayerMover, put_tensor, tensor_slots
 from nvfp4_static.layerwise_resume import FinishedLayers, layer_fingerprint, run_fingerprint
 from nvfp4_static.layerwise_smoothing import LayerSmoothing
 from nvfp4_static.norm_smoothing import DEFAULT_ALPHA, check_alpha, find_norm_groups
-from nvfp4_static.workflow import is_quantizable, selects_a_layer
+from nvfp4_static.workflow import is_quantizable, record_weights_held_elsewhere, selects_a_layer
 
 __all__ = ["calibrate_layer_by_layer", "find_decoder_layers"]
 
@@ -383,6 +383,11 @@ def calibrate_layer_by_layer(
             f"in {prefix}, so there is nothing to quantize; the model is left as it was"
         )
 
+    _refuse_linears_two_layers_hold(prefix, layers, layer_filter_of)
+    # As prepare on the whole model would: a linear whose weight another module holds (a tied
+    # lm_head, a weight two layers share) is left float rather than untied.
+    record_weights_held_elsewhere(model)
+
     finished = None
     if resume_dir is not None:
         finished = _finished_layers(resume_dir, model, prefix, layers, layer_filter_of, config,
@@ -530,6 +535,24 @@ class _PhaseClock:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+
+
+def _refuse_linears_two_layers_hold(prefix: str, layers, layer_filter_of) -> None:
+    """Refuse a selected linear two decoder layers hold: calibrated with the first layer's
+    inputs alone, it would serve both (the whole model's calibration sees both layers' inputs)."""
+    first_place = {}
+    for index, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            place = f"{prefix}.{index}" + (f".{name}" if name else "")
+            holder = first_place.setdefault(id(module), (index, place))
+            if (holder[0] != index and isinstance(module, torch.nn.Linear)
+                    and layer_filter_of(f"{prefix}.{index}")(module, name)):
+                raise ValueError(
+                    f"nvfp4_static: calibrate_layer_by_layer: '{place}' is the module "
+                    f"'{holder[1]}' of another decoder layer; calibrated one layer at a time it "
+                    f"would take the first layer's inputs alone. Use calibrate_model, or leave it "
+                    f"out with filter_fn (nothing was changed)"
+                )
 
 
 def _check_same_settings(per_rank: list) -> None:

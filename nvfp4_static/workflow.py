@@ -96,7 +96,7 @@ def is_quantizable(module: torch.nn.Module, fqn: str) -> bool:
                 f"quantize_ cannot replace (it keeps the root it was given, so the step would do "
                 f"nothing); wrap it in a parent module, e.g. torch.nn.Sequential(layer)"
             )
-        _record_weights_held_elsewhere(module)
+        record_weights_held_elsewhere(module)
         _record_later_names(module)
         check_converted_layers_on_load(module)
     _LAYER_NAMES[module] = fqn
@@ -129,7 +129,7 @@ def _is_experts(module: torch.nn.Module) -> bool:
     )
 
 
-def _record_weights_held_elsewhere(model: torch.nn.Module) -> None:
+def record_weights_held_elsewhere(model: torch.nn.Module) -> None:
     """For each linear whose weight another module also holds (an ``lm_head`` tied to the
     embedding), the other holder's name: converting the linear would silently untie them."""
     holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}

@@ -476,3 +476,42 @@ def test_a_damaged_resume_folder_is_refused_clearly(tmp_path):
     (tmp_path / "progress.json").write_text("{not json")
     with pytest.raises(ValueError, match="its progress.json cannot be read"):
         layer_by_layer("b_min", "mse", resume_dir=tmp_path)
+
+
+def test_a_linear_two_decoder_layers_share_is_refused_and_nothing_changes():
+    """Calibrated with the first layer's inputs alone, it would serve the second layer too."""
+    model = tiny_llama()
+    model.model.layers[1].self_attn.o_proj = model.model.layers[0].self_attn.o_proj
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.o_proj' is the module 'model.layers.0.self_attn.o_proj' "
+                                         r"of another decoder layer.*calibrate_model, or leave it out with filter_fn"):
+        layer_by_layer("max", "max", model)
+    assert not converted_layers(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # Left out by the filter, it stays float and the rest calibrates.
+    def without_o_proj(module, fqn):
+        return all_but_lm_head(module, fqn) and not fqn.endswith("o_proj")
+
+    layered = layer_by_layer("max", "max", model, filter_fn=without_o_proj)
+    assert len(converted_layers(layered)) == 12
+
+
+def test_a_weight_two_decoder_layers_share_stays_float_and_tied_as_in_the_whole_model_run():
+    def tied():
+        model = tiny_llama()
+        model.model.layers[1].self_attn.o_proj.weight = model.model.layers[0].self_attn.o_proj.weight
+        return model
+
+    config = NVFP4StaticActivationConfig(act_calibration="max", weight_scale="max")
+    batches = [token_ids(seed) for seed in BATCHES]
+    with pytest.warns(UserWarning, match="'model.layers.0.self_attn.o_proj' is left unquantized: its weight is tied"):
+        whole = calibrate_model(tied(), batches, config, filter_fn=all_but_lm_head, progress=False, smooth_alpha=None)
+    with pytest.warns(UserWarning, match="'model.layers.0.self_attn.o_proj' is left unquantized: its weight is tied"):
+        layered = layer_by_layer("max", "max", tied(), smooth_alpha=None)
+    layers = layered.model.layers
+    assert layers[1].self_attn.o_proj.weight is layers[0].self_attn.o_proj.weight
+    a, b = converted_scales(whole), converted_scales(layered)
+    assert a.keys() == b.keys() and len(a) == 12
+    for name in a:
+        assert all(torch.equal(x, y) for x, y in zip(a[name], b[name])), name
+    assert torch.equal(logits(whole, seed=7), logits(layered, seed=7))
