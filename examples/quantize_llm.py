@@ -62,17 +62,30 @@ CACHE_ENV_VAR = "NVFP4_STATIC_EXAMPLE_CACHE"
 EXPORT_FORMATS = ("compressed-tensors", "modelopt")  # nvfp4_static.export.FORMATS (a test checks)
 
 
+def count(least: int):
+    """An argparse type: an integer of at least ``least``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        return value
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
-    parser.add_argument("--n-calib", type=int, default=16, help="calibration sequences")
-    parser.add_argument("--n-eval", type=int, default=16, help="held-out evaluation sequences")
-    parser.add_argument("--calib-start", type=int, default=0,
+    parser.add_argument("--n-calib", type=count(1), default=16, help="calibration sequences")
+    parser.add_argument("--n-eval", type=count(1), default=16, help="held-out evaluation sequences")
+    parser.add_argument("--calib-start", type=count(0), default=0,
                         help="index of the first calibration sequence (to try other calibration draws)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
+    parser.add_argument("--seq-len", type=count(2), default=256, help="tokens per sequence")
+    parser.add_argument("--batch-size", type=count(1), default=4, help="sequences per forward")
     parser.add_argument("--recipes", default=DEFAULT_RECIPES,
                         help=f"comma-separated recipes (default: {DEFAULT_RECIPES})")
     parser.add_argument("--rho", type=float, default=None,
@@ -85,12 +98,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="torch.compile each model without dynamo's guards on its NVFP4 weights "
                              "(skip_nvfp4_weight_guards); generation then uses a static cache, whose "
                              "decoding step transformers compiles on CUDA, under CUDA graphs")
-    parser.add_argument("--generate-tokens", type=int, default=32,
+    parser.add_argument("--generate-tokens", type=count(0), default=32,
                         help="greedy tokens generated per model for the generation tokens/s (0: skip)")
-    parser.add_argument("--num-layers", type=int, default=None,
+    parser.add_argument("--num-layers", type=count(1), default=None,
                         help="keep only the first N decoder layers (smoke tests; perplexity "
                         "then says nothing about quantization quality)")
-    parser.add_argument("--diagnostics-rows", type=int, default=5,
+    parser.add_argument("--diagnostics-rows", type=count(0), default=5,
                         help="layers per recipe in the diagnostics table")
     parser.add_argument("--save", metavar="DIR", default=None,
                         help="save each quantized model's state_dict to DIR/<recipe>.pt")
@@ -104,7 +117,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fuse-siblings", action="store_true",
                         help="run q/k/v and gate/up as one GEMM each, compiled through "
                         "sibling_gemm_backend (implies --tie-fused-layers)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not [name for name in args.recipes.split(",") if name]:
+        parser.error(f"--recipes {args.recipes!r} names no recipe")
+    for flag, folder in (("--save", args.save), ("--export", args.export)):
+        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
+            parser.error(f"{flag} {folder}: a file is there, not a folder")
+    return args
 
 
 if __name__ == "__main__":
@@ -506,7 +525,7 @@ def main(argv=None) -> None:
             f"\nSaved to {args.save}. To load one: build the float model, then "
             "nvfp4_static.load_quantized(model, path)."
         )
-    if args.export:
+    if args.export and any(is_w4a4(recipe) for recipe in recipes.values()):
         print(
             f"\nExported to {args.export}/<recipe> ({args.format}). Serve one with "
             f"`vllm serve {args.export}/<recipe>`, or load it back with "

@@ -304,6 +304,35 @@ def test_example_help_answers_before_the_slow_imports(script):
     assert stdout.startswith("usage:") and stdout.splitlines()[-1] == "[]"
 
 
+BAD_LLM_ARGUMENTS = {
+    "no calibration": (["--n-calib", "0"], "argument --n-calib: 0 is below 1"),
+    "negative calibration": (["--n-calib", "-1"], "argument --n-calib: -1 is below 1"),
+    "no held-out text": (["--n-eval", "0"], "argument --n-eval: 0 is below 1"),
+    "no tokens": (["--seq-len", "0"], "argument --seq-len: 0 is below 2"),
+    "negative batch": (["--batch-size", "-1"], "argument --batch-size: -1 is below 1"),
+    "no layers": (["--num-layers", "0"], "argument --num-layers: 0 is below 1"),
+    "negative generation": (["--generate-tokens", "-5"], "argument --generate-tokens: -5 is below 0"),
+    "not a number": (["--n-calib", "many"], "argument --n-calib: 'many' is not a whole number"),
+    "no recipe": (["--recipes", ","], "--recipes ',' names no recipe"),
+    "export onto a file": (["--export", "FILE"], "--export FILE: a file is there, not a folder"),
+    "save onto a file": (["--save", "FILE"], "--save FILE: a file is there, not a folder"),
+}
+
+
+@needs_llm_deps
+@pytest.mark.parametrize("arguments, message", BAD_LLM_ARGUMENTS.values(), ids=BAD_LLM_ARGUMENTS.keys())
+def test_llm_example_refuses_bad_arguments_before_any_work(arguments, message, tmp_path, capsys):
+    """A negative count sliced the text from the end (--n-calib -1 took the held-out text);
+    zeros ended in tracebacks deep in torch; an export onto a file failed after the whole run."""
+    file = tmp_path / "a_file"
+    file.write_text("")
+    arguments = [str(file) if a == "FILE" else a for a in arguments]
+    with pytest.raises(SystemExit) as exited:
+        llm_example().parse_args(arguments)
+    assert exited.value.code == 2
+    assert message.replace("FILE", str(file)) in capsys.readouterr().err
+
+
 @needs_llm_deps
 def test_llm_example_offers_the_export_formats_of_the_package():
     """The example names the formats for ``--format`` itself, so that ``--help`` needs no import."""
