@@ -320,13 +320,15 @@ def _nvfp4_args(dynamic) -> dict:
 
 def _quantization_config(model: torch.nn.Module, converted: dict, format: str) -> dict:
     """The ``config.json`` block, naming every linear left in float, and the routers of
-    converted experts, as not quantized."""
+    converted experts, as not quantized. A linear is what compressed-tensors' ``"Linear"``
+    target matches: a module with a class named ``Linear`` in its class hierarchy (an
+    ``nn.Linear``, or a model's own ``Linear`` class)."""
     unquantized = saved_module_names(
         model,
         [
             name
             for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and name not in converted
+            if any(cls.__name__ == "Linear" for cls in type(module).__mro__) and name not in converted
         ],
     )
     if format == "modelopt":

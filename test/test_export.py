@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from conftest import calibration_batches, make, quantized, relative_error
 from models import MLP, aliased_linear
 from tiny_llama import convert_llama, converted_llama, logits, prepared_and_calibrated, tiny_llama
-from nvfp4_static import NVFP4StaticLinear, export_checkpoint, import_checkpoint, tie_fused_layers
+from nvfp4_static import NVFP4StaticLinear, export_checkpoint, import_checkpoint, is_quantizable, tie_fused_layers
 from nvfp4_static.numerics import (
     compute_block_scales,
     dequantize_nvfp4,
@@ -32,6 +32,7 @@ from nvfp4_static.numerics import (
 
 compressed_tensors = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.utils import match_named_modules  # noqa: E402
 from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor  # noqa: E402
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8  # noqa: E402
 from compressed_tensors.quantization import (  # noqa: E402
@@ -257,6 +258,32 @@ def test_a_compiled_model_exports_as_the_module_it_wraps(llama_fp32, tmp_path, f
     assert json.loads((tmp_path / "compiled" / "config.json").read_text()) == json.loads(
         (tmp_path / "eager" / "config.json").read_text())
     assert torch.equal(logits(import_checkpoint(tmp_path / "compiled")), logits(llama_fp32))
+
+
+class Linear(torch.nn.Module):
+    """A model's own class named Linear, not an nn.Linear: compressed-tensors' "Linear" target
+    matches it by its class name."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+def test_compressed_tensors_matches_the_converted_layers_alone_with_a_class_named_linear_left_float(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), Linear(), torch.nn.Linear(64, 64))
+    float_model = copy.deepcopy(model)
+    quantized(model, filter_fn=lambda module, name: is_quantizable(module, name) and name != "2")
+    export_checkpoint(model, tmp_path / "ct")
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    targets = [t for group in config["config_groups"].values() for t in group["targets"]]
+    matched = {name for name, _ in match_named_modules(float_model, targets, config["ignore"])}
+    assert matched == {"0"}
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(import_checkpoint(tmp_path / "ct", float_model)(x), model(x))
 
 
 def test_import_with_a_backend_that_cannot_run_here_or_into_a_prepared_model_is_refused(llama_fp32, tmp_path):
