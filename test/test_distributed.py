@@ -11,6 +11,7 @@ What is guaranteed, and checked here bit for bit:
   recipes combined.
 """
 
+import copy
 import os
 import re
 import socket
@@ -467,9 +468,10 @@ def test_gpu_sync_waits_for_the_device_as_often_for_one_layer_as_for_the_model_a
         with torch.no_grad():
             for batch in batches(SHARDS[0]):
                 model(batch.cuda())
-        before = [{k: v.clone() for k, v in slot["state"].items()} for slot in _snapshot(model)]
-        waits = [device_waits(lambda: sync_calibration(part)) for part in (model.model.layers[0], model)]
-        after = [slot["state"] for slot in _snapshot(model)]
+        whole = copy.deepcopy(model)  # a model syncs once: one copy syncs a layer, the other all
+        before = [{k: v.clone() for k, v in slot["state"].items()} for slot in _snapshot(whole)]
+        waits = [device_waits(lambda: sync_calibration(part)) for part in (model.model.layers[0], whole)]
+        after = [slot["state"] for slot in _snapshot(whole)]
     finally:
         dist.destroy_process_group()
     assert len(before) == 28 and len(waits[0]) == len(waits[1]), waits  # 14 observers, 28
