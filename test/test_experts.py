@@ -357,6 +357,20 @@ def test_routing_that_does_not_describe_each_tokens_experts_is_refused(bad, stat
         assert before[1] == list(holder.experts.tokens_per_expert)
 
 
+@pytest.mark.parametrize("bad", [lambda h: h.double(), lambda h: h.int(), lambda h: h[:, :32]],
+                         ids=["float64", "int32", "narrower"])
+def test_hidden_states_the_converted_experts_cannot_take_are_refused_naming_them(bad):
+    """The error came from one expert's GEMM, with that expert's rows' shape."""
+    holder = calibrated_experts([routed_batch(96, seed) for seed in range(2)], act_calibration="max", weight_scale="mse")
+    convert(holder, act_calibration="max", weight_scale="mse")
+    hidden, index, weights = routed_batch(10, seed=3)
+    bad_hidden = bad(hidden)
+    with pytest.raises(ValueError, match=rf"experts 'experts' take hidden states of size {HIDDEN} in float32, "
+                                         rf"bfloat16 or float16, got shape \({bad_hidden.shape[0]}, "
+                                         rf"{bad_hidden.shape[1]}\) in {bad_hidden.dtype}"):
+        holder.experts(bad_hidden, index, weights)
+
+
 ROUTINGS_ON_META = {
     "hidden states": (lambda h, i, w: (h.to("meta"), i, w), "hidden_states on meta"),
     "index": (lambda h, i, w: (h, i.to("meta"), w), "top_k_index on meta"),

@@ -22,7 +22,7 @@ from nvfp4_static.linear import (
     check_block_scale_codes,
     check_checkpoint_scale_values,
 )
-from nvfp4_static.numerics import BLOCK_SIZE, largest_at_most
+from nvfp4_static.numerics import BLOCK_SIZE, SUPPORTED_DTYPES, largest_at_most
 from nvfp4_static.tensor import NVFP4StaticTensor, host_scale_product
 
 __all__ = ["NVFP4StaticGroupedLinear", "NVFP4StaticExperts", "experts_backend"]
@@ -362,10 +362,11 @@ class NVFP4StaticExperts(torch.nn.Module):
                 f"checkpoint into them (nvfp4_static.load_quantized or model.load_state_dict) "
                 f"before running the model"
             )
-        if hidden_states.shape[-1] != self.gate_up_proj.in_features:
+        if hidden_states.shape[-1] != self.gate_up_proj.in_features or hidden_states.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"nvfp4_static: experts '{self.layer_name}' take hidden states of size "
-                f"{self.gate_up_proj.in_features}, got shape {tuple(hidden_states.shape)}"
+                f"{self.gate_up_proj.in_features} in float32, bfloat16 or float16, got shape "
+                f"{tuple(hidden_states.shape)} in {hidden_states.dtype}"
             )
         check_routing(hidden_states, top_k_index, top_k_weights, self.layer_name, self.gate_up_proj.qdata.device)
         eager = not torch.compiler.is_compiling()
