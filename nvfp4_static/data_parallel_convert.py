@@ -32,12 +32,12 @@ from nvfp4_static.distributed import (
 )
 from nvfp4_static.experts.handlers import pooled_statistics_for, starved_experts
 from nvfp4_static.experts.observed import NVFP4StaticObservedExperts
+from nvfp4_static.fingerprints import SAMPLED_ELEMENTS, first_difference, tensor_digest
 from nvfp4_static.linear import NVFP4StaticLinear
 from nvfp4_static.numerics import BLOCK_SIZE, pack_e2m1
 from nvfp4_static.observed import NVFP4StaticObservedLinear
 from nvfp4_static.observers.nvfp4_mse import GlobalAmaxTooSmallError
 from nvfp4_static.tensor import NVFP4StaticTensor
-from nvfp4_static.tensor_digest import SAMPLED_ELEMENTS, tensor_digest
 from nvfp4_static.workflow import (
     adopt_converted,
     converted_linear,
@@ -122,12 +122,11 @@ def _check_ranks_agree(model: torch.nn.Module, linears: list[tuple], config, gro
     _raise_any_rank_error(gathered, "convert")
     reference = gathered[0]
     for rank, item in enumerate(gathered[1:], start=1):
-        differing = [key for key in reference["config"] if reference["config"][key] != item["config"][key]]
-        if differing:
-            key = differing[0]
+        if item["config"] != reference["config"]:
+            key, ours, theirs = first_difference(reference["config"], item["config"])
             raise ValueError(
-                f"nvfp4_static: rank {rank} converts with {key}={item['config'][key]!r}, rank 0 "
-                f"with {key}={reference['config'][key]!r}; every rank must convert with the same config"
+                f"nvfp4_static: rank {rank} converts with {key}={theirs!r}, rank 0 with "
+                f"{key}={ours!r}; every rank must convert with the same config"
             )
     _check_same_layers([[(name, shape) for name, shape, _ in item["layers"]] for item in gathered])
     for rank, item in enumerate(gathered[1:], start=1):

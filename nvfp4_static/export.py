@@ -318,6 +318,12 @@ def _nvfp4_args(dynamic) -> dict:
     }
 
 
+def has_class_named(module: torch.nn.Module, name: str) -> bool:
+    """compressed-tensors' rule for a class target: a class of that name in the module's class
+    hierarchy."""
+    return any(cls.__name__ == name for cls in type(module).__mro__)
+
+
 def _quantization_config(model: torch.nn.Module, converted: dict, format: str) -> dict:
     """The ``config.json`` block, naming every linear left in float, and the routers of
     converted experts, as not quantized. A linear is what compressed-tensors' ``"Linear"``
@@ -328,7 +334,7 @@ def _quantization_config(model: torch.nn.Module, converted: dict, format: str) -
         [
             name
             for name, module in model.named_modules()
-            if any(cls.__name__ == "Linear" for cls in type(module).__mro__) and name not in converted
+            if has_class_named(module, "Linear") and name not in converted
         ],
     )
     if format == "modelopt":

@@ -54,6 +54,7 @@ from nvfp4_static.distributed import (
     sync_mse_anchors,
 )
 from nvfp4_static.eval_mode import in_eval_mode
+from nvfp4_static.fingerprints import first_difference
 from nvfp4_static.layer_mover import LayerMover, put_tensor, tensor_slots
 from nvfp4_static.layerwise_resume import FinishedLayers, layer_fingerprint, run_fingerprint
 from nvfp4_static.layerwise_smoothing import LayerSmoothing
@@ -394,122 +395,121 @@ def calibrate_layer_by_layer(
                                     propagate_quantized, smooth_alpha, batches, forward,
                                     data_parallel, group, rank)
 
-    # Run as the converted model will run (dropout off), each module's mode given back after.
-    with in_eval_mode(model):
-        clock = _PhaseClock(timings, device)
-        with clock.phase("record inputs"):
-            hooks, moves = _move_outside(model, layers, device)
+    clock = _PhaseClock(timings, device)
+    # The model runs as the converted model will (dropout off), each module's mode given back after.
+    with clock.phase("record inputs"), in_eval_mode(model):
+        hooks, moves = _move_outside(model, layers, device)
+        try:
+            hidden, calls = _capture_layer_inputs(model, layers, batches, forward, device, cache_device)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            _put_back(moves, home)
+    smoothing, first_tokens = None, 0
+    if smooth_alpha is not None and any(counts):
+        def first_batch_through(layer, hidden):
+            index = next(i for i, candidate in enumerate(layers) if candidate is layer)
+            return _layer_output(layer, calls[0][index], hidden, device, cache_device)
+
+        first = hidden[0] if hidden and rank == anchor_source else None
+        smoothing = LayerSmoothing(smooth_alpha, first, first_batch_through, group, anchor_source,
+                                   device, data_parallel)
+        if data_parallel:  # what the smoothing of a layer costs scales with the first batch
+            first_tokens = _gather(0 if first is None else first.shape[:-1].numel(), group)[anchor_source]
+
+    bar = tqdm(total=len(layers), desc="nvfp4_static layer by layer", unit="layer",
+               disable=not progress or rank != 0)
+    overlap = device.type == "cuda" if prefetch is None else prefetch
+    fingerprints = {}  # by layer index, of the float layers the resume folder will save
+    smoothed_early = set()  # indices of layers smoothed while the one before them converted
+    homes = [_home_device(layer) for layer in layers]  # taken now: a layer may move in early
+    with bar, LayerMover(device, overlap, data_parallel, group) as mover, in_eval_mode(model):
+        for index, layer in enumerate(layers):
+            name = f"{prefix}.{index}"
+            bar.set_postfix_str(name)
+            layer_filter = layer_filter_of(name)
+            following = layers[index + 1] if index + 1 < len(layers) else None
+
+            def run(b, last_use, layer=layer, index=index):
+                """Batch ``b`` through the layer; its input is dropped after its last use, so
+                that the cache holds about one copy of the activations, not two."""
+                given = hidden[b]
+                if last_use:
+                    hidden[b] = None
+                return _layer_output(layer, calls[b][index], given, device, cache_device)
+
+            def calibration_run(b):
+                return run(b, last_use=not propagate_quantized)
+
+            outputs = [None] * len(hidden)
+            resumed = finished is not None and index < finished.done
             try:
-                hidden, calls = _capture_layer_inputs(model, layers, batches, forward, device, cache_device)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-                _put_back(moves, home)
-        smoothing, first_tokens = None, 0
-        if smooth_alpha is not None and any(counts):
-            def first_batch_through(layer, hidden):
-                index = next(i for i, candidate in enumerate(layers) if candidate is layer)
-                return _layer_output(layer, calls[0][index], hidden, device, cache_device)
-
-            first = hidden[0] if hidden and rank == anchor_source else None
-            smoothing = LayerSmoothing(smooth_alpha, first, first_batch_through, group, anchor_source,
-                                       device, data_parallel)
-            if data_parallel:  # what the smoothing of a layer costs scales with the first batch
-                first_tokens = _gather(0 if first is None else first.shape[:-1].numel(), group)[anchor_source]
-
-        bar = tqdm(total=len(layers), desc="nvfp4_static layer by layer", unit="layer",
-                   disable=not progress or rank != 0)
-        overlap = device.type == "cuda" if prefetch is None else prefetch
-        fingerprints = {}  # by layer index, of the float layers the resume folder will save
-        smoothed_early = set()  # indices of layers smoothed while the one before them converted
-        homes = [_home_device(layer) for layer in layers]  # taken now: a layer may move in early
-        with bar, LayerMover(device, overlap, data_parallel, group) as mover:
-            for index, layer in enumerate(layers):
-                name = f"{prefix}.{index}"
-                bar.set_postfix_str(name)
-                layer_filter = layer_filter_of(name)
-                following = layers[index + 1] if index + 1 < len(layers) else None
-
-                def run(b, last_use, layer=layer, index=index):
-                    """Batch ``b`` through the layer; its input is dropped after its last use, so
-                    that the cache holds about one copy of the activations, not two."""
-                    given = hidden[b]
-                    if last_use:
-                        hidden[b] = None
-                    return _layer_output(layer, calls[b][index], given, device, cache_device)
-
-                def calibration_run(b):
-                    return run(b, last_use=not propagate_quantized)
-
-                outputs = [None] * len(hidden)
-                resumed = finished is not None and index < finished.done
-                try:
-                    if index not in smoothed_early:  # else moved in for its smoothing
-                        with clock.phase("move in"):
-                            mover.move_in(layer)
-                    if following is not None:
-                        mover.prefetch(following)
-                    with torch.no_grad():
-                        if finished is not None and not resumed and index not in fingerprints:
-                            fingerprints[index] = layer_fingerprint(layer, name, layer_filter)
-                        if smoothing is not None and index not in smoothed_early:
-                            with clock.phase("smooth"):
-                                smoothing.smooth(layer, name)
-                        if resumed:  # the outputs the interrupted run computed, from the same layer
-                            if not propagate_quantized:
-                                with clock.phase("calibrate"):
-                                    outputs = [calibration_run(b) for b in range(len(hidden))]
-                            with clock.phase("load finished layer"):
-                                finished.load(index, layer, name, config.backend)
-                        else:
-                            with clock.phase("prepare"):
-                                quantize_(layer, prepare, filter_fn=layer_filter)
-                            if data_parallel:
-                                _calibrate_data_parallel(layer, calibration_run, outputs, group,
-                                                         rank == anchor_source,
-                                                         config.act_calibration == "mse", clock)
-                                mover.upload_prefetched()
-                                if smoothing is not None and following is not None:
-                                    following_name = f"{prefix}.{index + 1}"
-                                    _convert_and_smooth_following(
-                                        layer, convert, layer_filter, group, smoothing, following,
-                                        following_name, first_tokens, mover, anchor_source, clock,
-                                    )
-                                    if finished is not None:  # of the float layer, before the fold
-                                        fingerprints[index + 1] = layer_fingerprint(
-                                            following, following_name, layer_filter_of(following_name))
-                                    with clock.phase("smooth"):
-                                        smoothing.settle()
-                                    smoothed_early.add(index + 1)
-                                else:
-                                    with clock.phase("convert"):
-                                        convert_data_parallel(layer, convert, layer_filter, group)
+                if index not in smoothed_early:  # else moved in for its smoothing
+                    with clock.phase("move in"):
+                        mover.move_in(layer)
+                if following is not None:
+                    mover.prefetch(following)
+                with torch.no_grad():
+                    if finished is not None and not resumed and index not in fingerprints:
+                        fingerprints[index] = layer_fingerprint(layer, name, layer_filter)
+                    if smoothing is not None and index not in smoothed_early:
+                        with clock.phase("smooth"):
+                            smoothing.smooth(layer, name)
+                    if resumed:  # the outputs the interrupted run computed, from the same layer
+                        if not propagate_quantized:
+                            with clock.phase("calibrate"):
+                                outputs = [calibration_run(b) for b in range(len(hidden))]
+                        with clock.phase("load finished layer"):
+                            finished.load(index, layer, name, config.backend)
+                    else:
+                        with clock.phase("prepare"):
+                            quantize_(layer, prepare, filter_fn=layer_filter)
+                        if data_parallel:
+                            _calibrate_data_parallel(layer, calibration_run, outputs, group,
+                                                     rank == anchor_source,
+                                                     config.act_calibration == "mse", clock)
+                            mover.upload_prefetched()
+                            if smoothing is not None and following is not None:
+                                following_name = f"{prefix}.{index + 1}"
+                                _convert_and_smooth_following(
+                                    layer, convert, layer_filter, group, smoothing, following,
+                                    following_name, first_tokens, mover, anchor_source, clock,
+                                )
+                                if finished is not None:  # of the float layer, before the fold
+                                    fingerprints[index + 1] = layer_fingerprint(
+                                        following, following_name, layer_filter_of(following_name))
+                                with clock.phase("smooth"):
+                                    smoothing.settle()
+                                smoothed_early.add(index + 1)
                             else:
-                                with clock.phase("calibrate"):
-                                    for b in range(len(hidden)):
-                                        outputs[b] = calibration_run(b)
-                                mover.upload_prefetched()  # past this layer's activation peak
                                 with clock.phase("convert"):
-                                    quantize_(layer, convert, filter_fn=layer_filter)
-                        if propagate_quantized:
-                            with clock.phase("propagate"):
-                                outputs = [run(b, last_use=True) for b in range(len(hidden))]
-                except BaseException:
-                    layer.to(homes[index])  # a failed layer goes home too, and the next one if moved in
-                    if following is not None:
-                        following.to(homes[index + 1])
-                    raise
-                hidden = outputs
-                if offload:
-                    with clock.phase("move back"):
-                        mover.move_back(layer, homes[index])
-                if finished is not None and not resumed:
-                    with clock.phase("save finished layer"):
-                        mover.wait_moved_back()
-                        finished.save(index, layer, fingerprints.pop(index))
-                bar.update()
-            with clock.phase("move back"):
-                mover.wait_moved_back()
+                                    convert_data_parallel(layer, convert, layer_filter, group)
+                        else:
+                            with clock.phase("calibrate"):
+                                for b in range(len(hidden)):
+                                    outputs[b] = calibration_run(b)
+                            mover.upload_prefetched()  # past this layer's activation peak
+                            with clock.phase("convert"):
+                                quantize_(layer, convert, filter_fn=layer_filter)
+                    if propagate_quantized:
+                        with clock.phase("propagate"):
+                            outputs = [run(b, last_use=True) for b in range(len(hidden))]
+            except BaseException:
+                layer.to(homes[index])  # a failed layer goes home too, and the next one if moved in
+                if following is not None:
+                    following.to(homes[index + 1])
+                raise
+            hidden = outputs
+            if offload:
+                with clock.phase("move back"):
+                    mover.move_back(layer, homes[index])
+            if finished is not None and not resumed:
+                with clock.phase("save finished layer"):
+                    mover.wait_moved_back()
+                    finished.save(index, layer, fingerprints.pop(index))
+            bar.update()
+        with clock.phase("move back"):
+            mover.wait_moved_back()
     if smoothing is not None:
         smoothing.warn_about_unsmoothed()
     return model
@@ -559,16 +559,12 @@ def _check_same_settings(per_rank: list) -> None:
     """Refuse, on every rank alike, ranks whose models have other numbers of decoder layers or
     that were given other settings: they would wait on each other at another layer, or mix."""
     for rank, settings in enumerate(per_rank[1:], start=1):
-        for key, ours in per_rank[0].items():
-            theirs = settings[key]
-            if key == "config" and theirs != ours:
-                field = next(name for name in ours if ours[name] != theirs[name])
-                key, ours, theirs = f"config.{field}", ours[field], theirs[field]
-            if theirs != ours:
-                raise ValueError(
-                    f"nvfp4_static: calibrate_layer_by_layer: rank {rank} has {key} {theirs!r}, "
-                    f"rank 0 {ours!r}; every rank must calibrate the same model with the same settings"
-                )
+        if settings != per_rank[0]:
+            key, ours, theirs = first_difference(per_rank[0], settings)
+            raise ValueError(
+                f"nvfp4_static: calibrate_layer_by_layer: rank {rank} has {key} {theirs!r}, "
+                f"rank 0 {ours!r}; every rank must calibrate the same model with the same settings"
+            )
 
 
 def _finished_layers(folder, model, prefix, layers, layer_filter_of, config, propagate_quantized,

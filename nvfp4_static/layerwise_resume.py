@@ -34,8 +34,8 @@ from torch.utils import _pytree as pytree
 
 from nvfp4_static.checkpoint import load_quantized
 from nvfp4_static.config import NVFP4StaticActivationConfig
+from nvfp4_static.fingerprints import SAMPLED_ELEMENTS, first_difference, tensor_digest
 from nvfp4_static.linear import NVFP4StaticLinear
-from nvfp4_static.tensor_digest import SAMPLED_ELEMENTS, tensor_digest
 
 __all__ = ["FinishedLayers", "layer_fingerprint", "run_fingerprint"]
 
@@ -126,20 +126,6 @@ def _as_json(value):
     return json.loads(json.dumps(value))
 
 
-def _first_difference(saved, current, path: str = ""):
-    """``(path, saved value, current value)`` of the first place two fingerprints differ."""
-    if isinstance(saved, dict) and isinstance(current, dict):
-        for key in list(saved) + [k for k in current if k not in saved]:
-            if saved.get(key) != current.get(key):
-                where = f"{path}.{key}" if path else key
-                return _first_difference(saved.get(key), current.get(key), where)
-    if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
-        for i, (a, b) in enumerate(zip(saved, current)):
-            if a != b:
-                return _first_difference(a, b, f"{path}[{i}]")
-    return path, saved, current
-
-
 class FinishedLayers:
     """The layers a resume folder holds: ``done`` of them, checked against the model at hand.
 
@@ -182,12 +168,12 @@ class FinishedLayers:
             unreadable = f"its {PROGRESS_FILE} cannot be read ({type(error).__name__}: {error})"
             raise self._refuse(unreadable) from error
         if saved_run != self.run:
-            where, theirs, ours = _first_difference(saved_run, self.run)
+            where, theirs, ours = first_difference(saved_run, self.run)
             raise self._refuse(f"'{where}' is {theirs!r} there and {ours!r} now")
         for index, layer in enumerate(saved_layers):
             current = fingerprints(index)
             if layer != current:
-                where, theirs, ours = _first_difference(layer, current)
+                where, theirs, ours = first_difference(layer, current)
                 raise self._refuse(
                     f"layer {index} ({current['name']}) differs at '{where}': {theirs!r} there, "
                     f"{ours!r} now"

@@ -221,7 +221,7 @@ def _readers_problem(consumers, readers: set, names: dict) -> Optional[str]:
     unread = [names.get(c, "?") for c in consumers if c not in readers]
     if unread:
         return f"{unread} do not read its output (another kind of norm there?)"
-    others = sorted(names.get(m, "?") for m in readers if not any(m is c for c in consumers))
+    others = sorted(names.get(m, "?") for m in readers if m not in consumers)
     if others:
         return f"{others} also read its output, and norm_consumers does not name them"
     return None

@@ -40,6 +40,7 @@ from nvfp4_static.export import (
     INDEX_FILE,
     MODELOPT_QUANT_CONFIG_FILE,
     PER_TENSOR_SCALES_METADATA,
+    has_class_named,
 )
 from nvfp4_static.linear import (
     IMPORTED,
@@ -303,7 +304,7 @@ def _ct_matches(name: str, module: torch.nn.Module, targets) -> bool:
         if target.startswith("re:"):
             if re.match(target[3:], name):
                 return True
-        elif target == name or any(cls.__name__ == target for cls in type(module).__mro__):
+        elif target == name or has_class_named(module, target):
             return True
     return False
 
@@ -518,13 +519,14 @@ def _remaining_tensors(
     the ``experts`` modules, and of the layers under their ``aliases``, is replaced whole."""
     layer_fields = [_FIELDS[format][key] for key in _TENSOR_KEYS] + ["bias"]
     consumed = {f"{name}.{field}" for name in layers for field in layer_fields}
-    places = [place for name in layers for place in (name, *aliases.get(name, ()))]
-    replaced = {f"{place}.{leaf}" for place in places for leaf in ("weight", "bias")}
-    replaced |= {
-        key for key in model.state_dict()
-        if any(key.startswith(f"{place}.") for name in experts for place in (name, *aliases.get(name, ())))
-    }
-    expected = {k: v for k, v in model.state_dict().items() if k not in replaced}
+    def places(names) -> list:
+        return [place for name in names for place in (name, *aliases.get(name, ()))]
+
+    state = model.state_dict()
+    replaced = {f"{place}.{leaf}" for place in places(layers) for leaf in ("weight", "bias")}
+    expert_places = places(experts)
+    replaced |= {key for key in state if any(key.startswith(f"{place}.") for place in expert_places)}
+    expected = {k: v for k, v in state.items() if k not in replaced}
     remainder = {k: v for k, v in checkpoint.items() if k not in consumed}
     unexpected = sorted(set(remainder) - set(expected))
     if unexpected:

@@ -342,12 +342,12 @@ def static_linear(
             f"shape {tuple(weight.shape)} on {weight.device}; move the input (or the model) so that both "
             f"are on one device"
         )
-    if x.numel() == 0:  # no tokens: the kernels, which check the dtype, have no rows to work on
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"nvfp4_static: static NVFP4 linear of an activation {tuple(x.shape)}: activation "
-                f"dtype {x.dtype} (float32, bfloat16 or float16)"
-            )
+    if x.dtype not in SUPPORTED_DTYPES:  # with or without tokens, on every route
+        raise ValueError(
+            f"nvfp4_static: static NVFP4 linear of an activation {tuple(x.shape)}: activation "
+            f"dtype {x.dtype} (float32, bfloat16 or float16)"
+        )
+    if x.numel() == 0:  # no tokens: the kernels have no rows to work on
         out = x.new_zeros(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias.to(x.dtype)
     return linear_function(weight.linear_backend)(
@@ -523,7 +523,7 @@ def _to_copy(func, types, args, kwargs):
     old = args[0]
     dtype = kwargs.pop("dtype", None)
     device = kwargs.pop("device", None)
-    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
         raise UnpresentableDtypeError(dtype)
 
     def move(t):

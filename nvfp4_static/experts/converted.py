@@ -300,9 +300,9 @@ class NVFP4StaticExperts(torch.nn.Module):
         )
         placeholder.loaded = False
         placeholder._unloaded_tensors = {
-            f"{projection}.{field}"
-            for projection in ("gate_up_proj", "down_proj")
-            for field in ("qdata", "scale", "per_tensor_scale", "act_per_tensor_scale")
+            f"{projection}.{name}"
+            for projection in PROJECTIONS
+            for name, _ in getattr(placeholder, projection).named_buffers()
         }
         return placeholder
 
@@ -362,7 +362,7 @@ class NVFP4StaticExperts(torch.nn.Module):
                 f"checkpoint into them (nvfp4_static.load_quantized or model.load_state_dict) "
                 f"before running the model"
             )
-        if hidden_states.shape[-1] != self.gate_up_proj.in_features or hidden_states.dtype not in SUPPORTED_DTYPES:
+        if hidden_states.dtype not in SUPPORTED_DTYPES or hidden_states.shape[-1] != self.gate_up_proj.in_features:
             raise ValueError(
                 f"nvfp4_static: experts '{self.layer_name}' take hidden states of size "
                 f"{self.gate_up_proj.in_features} in float32, bfloat16 or float16, got shape "

@@ -769,9 +769,9 @@ def decode_tile_for_one_row(split: int, K: int) -> GemmConfig:
     (bench_decode_one_row.py): one split per program 14336 x 4096 (K x N) 0.0224 -> 0.0217,
     28672 x 8192 0.0529 -> 0.0521, 8192 x 28672 0.0539 -> 0.0538, 4096 x 4096 0.0145 -> 0.0133;
     splits summed in the program 8192 x 8192 0.0226 -> 0.0256 (0.0230 with the splits summed
-    across programs), 4096 x 14336 0.0212 -> 0.0224, 4096 x 12288 0.0202 -> 0.0216; each
-    consumer quantizing its own split's tiles instead was slower too (8192 x 8192 0.0224 ->
-    0.0237, docs/notes/benchmark_history.md)."""
+    across programs), 4096 x 14336 0.0212 -> 0.0224, 4096 x 12288 0.0202 -> 0.0216; a form in
+    which each consumer quantizes its own split's tiles measures slower too (8192 x 8192 0.0224
+    -> 0.0237, docs/notes/benchmark_history.md)."""
     return DECODE_TILE if gemm_decode_warp_specialized.sums_in_program(split, K, 1) else DECODE_TILE_AT_ONE_ROW
 
 
